@@ -61,7 +61,7 @@ def column_step(grad_rows: jax.Array, values: jax.Array, indices: jax.Array,
     exponents: ``(N,)`` their power-of-two scales.
     mu: EMA decay in ``[0, 1)``.
     k: history entries to keep per row (``<= m``).
-    update_topk: signs emitted per row (1 for TACO; ``<= max(k, m)``).
+    update_topk: signs emitted per row (1 for TACO; ``<= m``).
 
   Returns:
     A :class:`ColumnStep`. When the gradient is not finite the returned history
@@ -241,7 +241,7 @@ def scale_by_taco(
     rows_of_state = lambda x: jnp.swapaxes(x, -1, -2).reshape(-1, keep)
     step = column_step(
         layout.to_rows(grad), rows_of_state(values), rows_of_state(indices),
-        exponents.reshape(-1), mu, keep, update_topk)
+        exponents.reshape(-1), mu, keep, min(update_topk, layout.m))
     scale = layout.m / layout.n if scale is None else scale
     direction = _selection.one_sparse_rows(
         step.winner_indices, step.winner_signs * scale, layout.m, grad.dtype)

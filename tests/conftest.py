@@ -1,0 +1,13 @@
+"""Shared test helpers."""
+
+import os
+
+import hypothesis
+
+hypothesis.settings.register_profile(
+    'ci', max_examples=30, deadline=None,
+    suppress_health_check=[hypothesis.HealthCheck.too_slow])
+hypothesis.settings.register_profile(
+    'dev', max_examples=15, deadline=None,
+    suppress_health_check=[hypothesis.HealthCheck.too_slow])
+hypothesis.settings.load_profile('ci' if os.environ.get('CI') else 'dev')
