@@ -1,0 +1,101 @@
+"""Bad inputs: clear errors for bad configuration, no NaN reaching the state."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import taco_optax
+
+DN = taco_optax.TacoDimensionNumbers
+
+
+@pytest.mark.parametrize('kwargs,message', [
+    (dict(k=0), 'k must be >= 1'),
+    (dict(k=2.5), 'k must be an int'),
+    (dict(mu=1.0), r'mu must be in \[0, 1\)'),
+    (dict(mu=-0.1), r'mu must be in \[0, 1\)'),
+    (dict(update_topk=0), 'update_topk must be >= 1'),
+    (dict(k=2, update_topk=3), 'update_topk=3 must be <= k=2'),
+    (dict(index_dtype=jnp.float32), 'index_dtype must be an integer'),
+    (dict(values_dtype=jnp.int8), 'values_dtype must be a float'),
+])
+def test_bad_hyperparameters_raise(kwargs, message):
+  with pytest.raises(ValueError, match=message):
+    taco_optax.scale_by_taco(**kwargs)
+
+
+@pytest.mark.parametrize('dims,shape,message', [
+    (DN(), (5,), 'TACO requested on a rank-1 leaf'),
+    (DN(), (), 'TACO requested on a rank-0 leaf'),
+    (DN(0, 0), (3, 4), 'overlap'),
+    (DN((0, 1), 1), (3, 4, 5), 'overlap'),
+    (DN(0, 2), (3, 4), 'out of range'),
+    (DN(-3, 1), (3, 4), 'out of range'),
+    (DN((0, 0), 1), (3, 4), 'repeats an axis'),
+    (DN((), 1), (3, 4), 'reduction_axis is empty'),
+])
+def test_bad_dimension_numbers_raise(dims, shape, message):
+  tx = taco_optax.scale_by_taco(weight_dimension_numbers=dims)
+  with pytest.raises(ValueError, match=message):
+    tx.init({'w': jnp.zeros(shape)})
+
+
+def test_index_dtype_too_small_for_rows():
+  tx = taco_optax.scale_by_taco(index_dtype=jnp.int8)
+  with pytest.raises(ValueError, match='cannot index m=300'):
+    tx.init({'w': jnp.zeros((4, 300))})
+
+
+def test_taco_alias_routes_vectors_to_adam_without_error():
+  tx = taco_optax.taco(1e-3)
+  params = {'w': jnp.ones((3, 4)), 'b': jnp.ones((4,)), 's': jnp.ones(())}
+  updates, _ = tx.update(params, tx.init(params), params)
+  chex.assert_trees_all_equal_shapes(updates, params)
+
+
+@pytest.mark.parametrize('bad', [np.nan, np.inf, -np.inf])
+def test_scale_by_taco_nonfinite_gradient(bad):
+  """Documented: the leaf's update is all NaN and its history is unchanged."""
+  tx = taco_optax.scale_by_taco(k=3)
+  rng = np.random.default_rng(0)
+  good = {'w': jnp.asarray(rng.standard_normal((4, 6)), jnp.float32),
+          'v': jnp.asarray(rng.standard_normal((4, 6)), jnp.float32)}
+  _, state = tx.update(good, tx.init(good))
+  grads = {'w': good['w'].at[2, 3].set(bad), 'v': good['v']}
+  updates, new_state = jax.jit(tx.update)(grads, state)
+  assert np.isnan(np.asarray(updates['w'])).all()
+  assert np.isfinite(np.asarray(updates['v'])).all()
+  for field in ('values', 'indices', 'exponents'):
+    np.testing.assert_array_equal(
+        np.asarray(getattr(new_state, field)['w']).view(np.uint8),
+        np.asarray(getattr(state, field)['w']).view(np.uint8))
+  # The finite leaf still steps: its history moved on.
+  assert not np.array_equal(np.asarray(new_state.values['v'], np.float32),
+                            np.asarray(state.values['v'], np.float32))
+  assert np.isfinite(np.asarray(new_state.values['v'], np.float32)).all()
+
+
+@pytest.mark.parametrize('where', ['matrix', 'vector'])
+def test_apply_if_finite_keeps_params_and_state_intact(where):
+  rng = np.random.default_rng(1)
+  params = {'w': jnp.asarray(rng.standard_normal((5, 7)), jnp.float32),
+            'b': jnp.asarray(rng.standard_normal((7,)), jnp.float32)}
+  tx = optax.apply_if_finite(taco_optax.taco(1e-2), max_consecutive_errors=5)
+  state = tx.init(params)
+  grads = jax.tree.map(lambda p: jnp.asarray(
+      rng.standard_normal(p.shape), p.dtype), params)
+  updates, state = tx.update(grads, state, params)
+  params = optax.apply_updates(params, updates)
+  key = 'w' if where == 'matrix' else 'b'
+  bad = dict(grads)
+  bad[key] = bad[key].at[0].set(jnp.nan)
+  updates, new_state = jax.jit(tx.update)(bad, state, params)
+  new_params = optax.apply_updates(params, updates)
+  chex.assert_trees_all_equal(new_params, params)
+  chex.assert_trees_all_equal(new_state.inner_state, state.inner_state)
+  assert int(new_state.notfinite_count) == 1
+  assert all(np.isfinite(np.asarray(x, np.float32)).all()
+             for x in jax.tree.leaves(new_state))
