@@ -10,6 +10,7 @@ import optax
 
 from taco_optax import _dimension_numbers as dn
 from taco_optax import _selection
+from taco_optax import _sharding
 
 ScaleTree = Union[float, None, Any, Callable[[Any], Any]]
 
@@ -51,7 +52,8 @@ def history_size(k: Optional[int], m: int) -> int:
 
 def column_step(grad_rows: jax.Array, values: jax.Array, indices: jax.Array,
                 exponents: jax.Array, mu: Union[float, jax.Array], k: int,
-                update_topk: int) -> ColumnStep:
+                update_topk: int,
+                shards: Optional[_sharding.LeafSharding] = None) -> ColumnStep:
   """One TACO step on rows: ``M_t = H_k(mu M_{t-1} + (1 - mu) G_t)``.
 
   Args:
@@ -62,6 +64,9 @@ def column_step(grad_rows: jax.Array, values: jax.Array, indices: jax.Array,
     mu: EMA decay in ``[0, 1)``.
     k: history entries to keep per row (``<= m``).
     update_topk: signs emitted per row (1 for TACO; ``<= m``).
+    shards: set inside :func:`jax.shard_map` when the ``m`` axis is split over
+      devices: ``grad_rows`` is then this device's ``(N, m_local)`` slice and
+      row indices (in and out) are global.
 
   Returns:
     A :class:`ColumnStep`. When the gradient is not finite the returned history
@@ -69,14 +74,22 @@ def column_step(grad_rows: jax.Array, values: jax.Array, indices: jax.Array,
   """
   grads = grad_rows.astype(jnp.float32)
   previous = _selection.decode(_selection.EncodedRows(values, exponents))
-  candidates = _selection.scatter_add_rows((1 - mu) * grads, indices,
-                                           mu * previous)
-  top_values, top_indices = _selection.column_topk(
-      candidates, max(k, update_topk))
+  if shards is None:
+    candidates = _selection.scatter_add_rows((1 - mu) * grads, indices,
+                                             mu * previous)
+    top_values, top_indices = _selection.column_topk(
+        candidates, max(k, update_topk))
+  else:
+    candidates = _sharding.add_history((1 - mu) * grads, indices,
+                                       mu * previous, shards)
+    top_values, top_indices = _sharding.merged_column_topk(
+        candidates, max(k, update_topk), shards)
   # Keep XLA from fusing the selection into its consumers and recomputing it.
   top_values, top_indices = jax.lax.optimization_barrier(
       (top_values, top_indices))
   finite = jnp.all(jnp.isfinite(grads))
+  if shards is not None:
+    finite = _sharding.all_finite(finite, shards)
   history = _selection.encode(top_values[:, :k], values.dtype)
   keep = lambda new, old: jnp.where(finite, new, old)
   history = _selection.EncodedRows(keep(history.values, values),
@@ -87,6 +100,10 @@ def column_step(grad_rows: jax.Array, values: jax.Array, indices: jax.Array,
 
 
 def _check_int(name: str, value: Any, minimum: int):
+  if isinstance(value, jax.Array):
+    raise ValueError(
+        f'{name} determines state shapes and must be a Python int, got an '
+        f'array; with optax.inject_hyperparams pass static_args=({name!r},).')
   if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
     raise ValueError(f'{name} must be an int, got {value!r}.')
   if value < minimum:
@@ -116,11 +133,11 @@ def scale_by_taco(
     k: Optional[int] = 16,
     mu: Union[float, jax.Array] = 0.95,
     *,
-    update_topk: int = 1,
+    update_topk: Optional[int] = None,
     weight_dimension_numbers: dn.WeightDimNumOrFn | None = None,
     update_scale: ScaleTree = None,
-    values_dtype: Any = jnp.float8_e4m3fn,
-    index_dtype: Any = jnp.int32,
+    values_dtype: Any = None,
+    index_dtype: Any = None,
 ) -> optax.GradientTransformation:
   r"""The TACO direction: per column, the sign of the largest history entry.
 
@@ -162,7 +179,7 @@ def scale_by_taco(
     mu: EMA decay of the history, in ``[0, 1)``. May be an array (e.g. from
       :func:`optax.inject_hyperparams`).
     update_topk: the number ``r`` of largest entries per column that receive a
-      sign (the paper's Table 9 ablation). ``1`` is TACO.
+      sign (the paper's Table 9 ablation). ``None`` means 1, which is TACO.
     weight_dimension_numbers: a :class:`TacoDimensionNumbers`, a tree of them
       (a prefix of the params; ``None`` leaves are passed through unchanged),
       or a callable returning such a tree from the params. ``None`` treats every
@@ -171,10 +188,16 @@ def scale_by_taco(
       matrix; a number applies to every leaf; a tree prefix or a callable of
       the params may mix numbers and ``None`` (e.g. ``1.0`` for the token
       embedding, as in the paper).
-    values_dtype: dtype of stored history values (``float8_e4m3fn``; ``float32``
-      and ``bfloat16`` are useful for ablations).
-    index_dtype: integer dtype of stored row indices; ``int16`` halves index
-      memory when ``m <= 2**15``.
+    values_dtype: dtype of stored history values; ``None`` means
+      ``float8_e4m3fn`` (``float32`` and ``bfloat16`` are useful for ablations).
+    index_dtype: integer dtype of stored row indices; ``None`` means ``int32``.
+      ``int16`` cuts the state to ``3k + 1`` bytes per column when
+      ``m <= 2**15``.
+
+  The non-numeric defaults (``None``) keep the factory usable with
+  :func:`optax.inject_hyperparams`, which turns numeric arguments into arrays
+  and calls callables (dtypes are callables) as schedules; pass ``k`` (and an
+  explicit ``update_topk``) in its ``static_args``.
 
   Returns:
     A :class:`optax.GradientTransformation` with state :class:`TacoState`.
@@ -195,6 +218,10 @@ def scale_by_taco(
     TACO: Ternary Absolute-max Column-wise One-sparse Optimizer for LLM
     Fine-Tuning, 2026 (Sections 3 and 5).
   """
+  update_topk = 1 if update_topk is None else update_topk
+  values_dtype = jnp.dtype(
+      jnp.float8_e4m3fn if values_dtype is None else values_dtype)
+  index_dtype = jnp.dtype(jnp.int32 if index_dtype is None else index_dtype)
   if k is not None:
     _check_int('k', k, 1)
   _check_int('update_topk', update_topk, 1)
@@ -211,9 +238,9 @@ def scale_by_taco(
     dims = dn.leaf_dimension_numbers(weight_dimension_numbers, tree)
     found = [None if d is None else dn.matrix_layout(x.shape, d)
              for x, d in zip(leaves, dims)]
-    return leaves, treedef, found
+    return leaves, treedef, found, dims
 
-  def init_leaf(param, layout):
+  def init_leaf(param, layout, dim_num):
     if layout is None:
       return optax.MaskedNode(), optax.MaskedNode(), optax.MaskedNode()
     keep = history_size(k, layout.m)
@@ -225,46 +252,63 @@ def scale_by_taco(
     # Distinct initial indices keep every history scatter collision-free.
     indices = jnp.broadcast_to(
         jnp.arange(keep, dtype=index_dtype)[:, None], shape)
-    return (jnp.zeros(shape, values_dtype), indices,
-            jnp.zeros(layout.batch_shape + (layout.n,),
-                      _selection.EXPONENT_DTYPE))
+    state = (jnp.zeros(shape, values_dtype), indices,
+             jnp.zeros(layout.batch_shape + (layout.n,),
+                       _selection.EXPONENT_DTYPE))
+    sharded = _sharding.leaf_sharding_of(param, dim_num)
+    if sharded is not None:
+      state = _sharding.with_state_sharding(state, *sharded)
+    return state
 
   def init_fn(params):
-    leaves, treedef, found = layouts(params)
-    states = [init_leaf(p, lay) for p, lay in zip(leaves, found)]
+    leaves, treedef, found, dims = layouts(params)
+    states = [init_leaf(p, lay, d) for p, lay, d in zip(leaves, found, dims)]
     unflatten = lambda i: treedef.unflatten([s[i] for s in states])
     return TacoState(values=unflatten(0), indices=unflatten(1),
                      exponents=unflatten(2))
 
-  def update_leaf(grad, values, indices, exponents, layout, scale):
+  def update_leaf(grad, values, indices, exponents, layout, scale,
+                  dim_num=None, shards=None):
+    # With shards (inside shard_map) the arrays are one device's blocks and
+    # `layout` still describes the whole leaf.
+    local = layout if shards is None else dn.matrix_layout(grad.shape, dim_num)
     keep = values.shape[-2]
     rows_of_state = lambda x: jnp.swapaxes(x, -1, -2).reshape(-1, keep)
     step = column_step(
-        layout.to_rows(grad), rows_of_state(values), rows_of_state(indices),
-        exponents.reshape(-1), mu, keep, min(update_topk, layout.m))
+        local.to_rows(grad), rows_of_state(values), rows_of_state(indices),
+        exponents.reshape(-1), mu, keep, min(update_topk, layout.m), shards)
     scale = layout.m / layout.n if scale is None else scale
+    winners = step.winner_indices
+    if shards is not None:
+      winners, held = _sharding.local_rows(winners, shards)
+      winners = jnp.where(held, winners, -1)
     direction = _selection.one_sparse_rows(
-        step.winner_indices, step.winner_signs * scale, layout.m, grad.dtype)
+        winners, step.winner_signs * scale, local.m, grad.dtype)
     direction = jnp.where(step.finite, direction, jnp.nan)
     state_of_rows = lambda x: jnp.swapaxes(
-        x.reshape(layout.batch_shape + (layout.n, keep)), -1, -2)
-    return (layout.from_rows(direction, grad.shape),
+        x.reshape(local.batch_shape + (local.n, keep)), -1, -2)
+    return (local.from_rows(direction, grad.shape),
             state_of_rows(step.history.values),
             state_of_rows(step.history_indices),
             step.history.exponents.reshape(exponents.shape))
 
   def update_fn(updates, state, params=None):
     del params
-    leaves, treedef, found = layouts(updates)
+    leaves, treedef, found, dims = layouts(updates)
     scales = _leaf_scales(update_scale, updates, len(leaves))
     state_leaves = [treedef.flatten_up_to(s) for s in state]
     out = []
     for i, (grad, layout) in enumerate(zip(leaves, found)):
+      leaf_state = tuple(s[i] for s in state_leaves)
       if layout is None:
-        out.append((grad,) + tuple(s[i] for s in state_leaves))
+        out.append((grad,) + leaf_state)
+      elif (sharded := _sharding.leaf_sharding_of(grad, dims[i])) is not None:
+        local_update = functools.partial(
+            update_leaf, layout=layout, scale=scales[i], dim_num=dims[i])
+        out.append(_sharding.map_over_shards(local_update, *sharded, grad,
+                                             *leaf_state))
       else:
-        out.append(update_leaf(grad, *(s[i] for s in state_leaves), layout,
-                               scales[i]))
+        out.append(update_leaf(grad, *leaf_state, layout, scales[i]))
     unflatten = lambda i: treedef.unflatten([o[i] for o in out])
     return unflatten(0), TacoState(values=unflatten(1), indices=unflatten(2),
                                    exponents=unflatten(3))

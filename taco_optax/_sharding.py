@@ -1,0 +1,341 @@
+"""TACO on a device mesh: state shardings and an exact output-sharded top-k.
+
+A TACO leaf's state is ``batch + (k, n)`` (values, indices) and ``batch +
+(n,)`` (exponents): the output axes are gone, so the state shards like the
+parameter's batch and reduction axes and is replicated over the mesh axes that
+split the output axes.
+
+When the output axes are split over mesh axes (tensor parallelism) every device
+holds a slice of each column's ``m`` candidates, and ``lax.top_k`` over a
+sharded axis is either refused (explicit meshes) or wrong (jax issue 19271).
+Each device therefore takes the top ``k`` of its own slice, the ``k * shards``
+candidates of each column are all-gathered (``O(k n)`` bytes, not ``O(m n)``)
+and merged. The merge orders candidates by (magnitude descending, global row
+index ascending), the order of ``lax.top_k`` on the whole column, so the result
+is bit-identical to the single-device step, ties included.
+
+Sharding is read from the arrays' types, so it applies to meshes whose axes are
+:attr:`jax.sharding.AxisType.Explicit` (the default of :func:`jax.make_mesh`).
+"""
+
+import math
+from typing import Any, NamedTuple, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec
+
+from taco_optax import _dimension_numbers as dn
+from taco_optax import _selection
+
+MeshAxes = tuple[str, ...]
+
+
+def _mesh_axes(entry: Any) -> MeshAxes:
+  """The mesh axes of one ``PartitionSpec`` entry, as a tuple."""
+  if entry is None or entry == PartitionSpec.UNCONSTRAINED:
+    return ()
+  return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _spec_entry(axes: MeshAxes) -> Any:
+  if not axes:
+    return None
+  return axes[0] if len(axes) == 1 else axes
+
+
+def padded_spec(spec: PartitionSpec, ndim: int) -> tuple[MeshAxes, ...]:
+  """Mesh axes per array axis (``()`` for unsharded), padded to ``ndim``."""
+  entries = tuple(spec) + (None,) * (ndim - len(tuple(spec)))
+  return tuple(_mesh_axes(entry) for entry in entries)
+
+
+def explicit_sharding(x: Any) -> Optional[NamedSharding]:
+  """``x``'s sharding if it splits ``x`` over explicit mesh axes, else None."""
+  try:
+    sharding = jax.typeof(x).sharding
+  except (TypeError, AttributeError):
+    return None
+  if not isinstance(sharding, NamedSharding):
+    return None
+  if not any(padded_spec(sharding.spec, len(x.shape))):
+    return None
+  return sharding
+
+
+class LeafSharding(NamedTuple):
+  """How a TACO leaf and its state are split over a mesh.
+
+  Attributes:
+    param_axes: mesh axes per parameter axis.
+    batch_axes: parameter axes that are batch axes, in layout order.
+    output_axes: parameter axes that are output axes, in layout order.
+    output_sizes: global sizes of ``output_axes``.
+    local_output_sizes: their sizes on one device.
+    values_spec: spec of the ``batch + (k, n)`` values and indices.
+    exponents_spec: spec of the ``batch + (n,)`` exponents.
+  """
+  param_axes: tuple[MeshAxes, ...]
+  batch_axes: tuple[int, ...]
+  output_axes: tuple[int, ...]
+  output_sizes: tuple[int, ...]
+  local_output_sizes: tuple[int, ...]
+  values_spec: PartitionSpec
+  exponents_spec: PartitionSpec
+
+  @property
+  def param_spec(self) -> PartitionSpec:
+    return PartitionSpec(*(_spec_entry(a) for a in self.param_axes))
+
+  @property
+  def leaf_mesh_axes(self) -> MeshAxes:
+    """Every mesh axis that splits the parameter."""
+    return tuple(a for axes in self.param_axes for a in axes)
+
+  @property
+  def output_mesh_axes(self) -> tuple[MeshAxes, ...]:
+    return tuple(self.param_axes[ax] for ax in self.output_axes)
+
+  @property
+  def gather_axes(self) -> MeshAxes:
+    """Mesh axes over which a column's candidates are spread."""
+    return tuple(a for axes in self.output_mesh_axes for a in axes)
+
+
+def leaf_sharding(shape: Sequence[int], spec: PartitionSpec,
+                  dim_nums: dn.TacoDimensionNumbers,
+                  mesh_shape: dict[str, int]) -> LeafSharding:
+  """The :class:`LeafSharding` of a TACO parameter of ``shape`` and ``spec``.
+
+  Args:
+    shape: the parameter's (global) shape.
+    spec: its ``PartitionSpec``.
+    dim_nums: its :class:`TacoDimensionNumbers`.
+    mesh_shape: mesh axis name to size.
+
+  Returns:
+    A :class:`LeafSharding`.
+
+  Raises:
+    ValueError: if a sharded axis is not divisible by its mesh axes, or a
+      reduction axis other than the first one is sharded (the ``n`` columns
+      would not be contiguous blocks per device).
+  """
+  shape = tuple(shape)
+  batch, reduction, output = dn._normalize(shape, dim_nums)  # pylint: disable=protected-access
+  param_axes = padded_spec(spec, len(shape))
+  for ax, axes in enumerate(param_axes):
+    split = math.prod(mesh_shape[a] for a in axes)
+    if shape[ax] % split:
+      raise ValueError(
+          f'Axis {ax} of a TACO leaf of shape {shape} has size {shape[ax]}, '
+          f'not divisible by the {split} shards of mesh axes {axes} '
+          f'(spec {spec}).')
+  if any(param_axes[ax] for ax in reduction[1:]):
+    raise ValueError(
+        f'Only the first reduction axis of a TACO leaf may be sharded; got '
+        f'spec {spec} for shape {shape} with reduction axes {reduction}. '
+        'Shard the first reduction axis, or reorder reduction_axis.')
+  split = lambda ax: math.prod(mesh_shape[a] for a in param_axes[ax])
+  batch_entries = tuple(_spec_entry(param_axes[ax]) for ax in batch)
+  columns_entry = _spec_entry(param_axes[reduction[0]])
+  return LeafSharding(
+      param_axes=param_axes,
+      batch_axes=batch,
+      output_axes=output,
+      output_sizes=tuple(shape[ax] for ax in output),
+      local_output_sizes=tuple(shape[ax] // split(ax) for ax in output),
+      values_spec=PartitionSpec(*batch_entries, None, columns_entry),
+      exponents_spec=PartitionSpec(*batch_entries, columns_entry),
+  )
+
+
+def _mesh_shape(mesh: Any) -> dict[str, int]:
+  return dict(zip(mesh.axis_names, mesh.axis_sizes))
+
+
+def leaf_sharding_of(param: Any, dim_nums: dn.TacoDimensionNumbers
+                     ) -> Optional[tuple[Any, LeafSharding]]:
+  """``(mesh, LeafSharding)`` if ``param`` is explicitly sharded, else None."""
+  sharding = explicit_sharding(param)
+  if sharding is None:
+    return None
+  return sharding.mesh, leaf_sharding(param.shape, sharding.spec, dim_nums,
+                                      _mesh_shape(sharding.mesh))
+
+
+# Inside shard_map: rows of one device, candidates merged across devices.
+
+
+def _offsets(shards: LeafSharding) -> list[Any]:
+  """Where this device's block starts along each output axis."""
+  offsets = []
+  for axes, size in zip(shards.output_mesh_axes, shards.local_output_sizes):
+    position = jax.lax.axis_index(axes) if axes else 0
+    offsets.append(position * size)
+  return offsets
+
+
+def global_rows(local_indices: jax.Array, shards: LeafSharding) -> jax.Array:
+  """Global row (flat output) indices of this device's local ``indices``."""
+  parts = jnp.unravel_index(local_indices, shards.local_output_sizes)
+  parts = [p + o for p, o in zip(parts, _offsets(shards))]
+  return jnp.ravel_multi_index(parts, shards.output_sizes,
+                               mode='wrap').astype(jnp.int32)
+
+
+def local_rows(global_indices: jax.Array, shards: LeafSharding
+               ) -> tuple[jax.Array, jax.Array]:
+  """``(local indices, held here)`` of global row indices."""
+  local_sizes = shards.local_output_sizes
+  parts = jnp.unravel_index(global_indices.astype(jnp.int32),
+                            shards.output_sizes)
+  parts = [p - o for p, o in zip(parts, _offsets(shards))]
+  held = jnp.ones(global_indices.shape, bool)
+  for part, size in zip(parts, local_sizes):
+    held &= (part >= 0) & (part < size)
+  local = jnp.ravel_multi_index(parts, local_sizes, mode='wrap')
+  return local.astype(jnp.int32), held
+
+
+def add_history(dense: jax.Array, indices: jax.Array, values: jax.Array,
+                shards: LeafSharding) -> jax.Array:
+  """Sharded :func:`_selection.scatter_add_rows` with global ``indices``.
+
+  Entries held by other devices are dropped rather than added as zeros, so
+  ``-0.0`` stays ``-0.0`` exactly as on one device.
+  """
+  local, held = local_rows(indices, shards)
+  m_local = dense.shape[-1]
+  local = jnp.where(held, local, m_local)  # out of bounds: dropped
+  rows = jnp.arange(dense.shape[0], dtype=jnp.int32)[:, None]
+  return dense.at[rows, local].add(values.astype(dense.dtype), mode='drop')
+
+
+def merged_column_topk(candidates: jax.Array, k: int, shards: LeafSharding
+                       ) -> tuple[jax.Array, jax.Array]:
+  """Exact :func:`_selection.column_topk` of rows split across devices.
+
+  Args:
+    candidates: ``(N, m_local)`` this device's slice of every row.
+    k: entries to keep per row, ``k <= m`` (the global row length).
+    shards: the leaf's :class:`LeafSharding`.
+
+  Returns:
+    ``(values, indices)``, each ``(N, k)``, identical on every device and to
+    the single-device result; ``indices`` are global.
+  """
+  local_values, local_indices = _selection.column_topk(
+      candidates, min(k, candidates.shape[-1]))
+  gather = lambda x: jax.lax.all_gather(x, shards.gather_axes, axis=1,
+                                        tiled=True)
+  values = gather(local_values)
+  indices = gather(global_rows(local_indices, shards))
+  # lax.top_k's order on the full row: |value| descending, then index.
+  _, indices, values = jax.lax.sort((-jnp.abs(values), indices, values),
+                                    dimension=1, num_keys=2)
+  return values[:, :k], indices[:, :k]
+
+
+def all_finite(finite: jax.Array, shards: LeafSharding) -> jax.Array:
+  """True on every device iff ``finite`` is true on all of the leaf's shards."""
+  bad = jax.lax.psum(jnp.logical_not(finite).astype(jnp.int32),
+                     shards.leaf_mesh_axes)
+  return bad == 0
+
+
+# Optimizer-state shardings.
+
+
+def with_state_sharding(state_leaves: Sequence[jax.Array], mesh: Any,
+                        shards: LeafSharding) -> tuple[jax.Array, ...]:
+  """Places ``(values, indices, exponents)`` on their TACO shardings."""
+  values, indices, exponents = state_leaves
+  place = lambda x, spec: jax.sharding.reshard(x, NamedSharding(mesh, spec))
+  return (place(values, shards.values_spec), place(indices, shards.values_spec),
+          place(exponents, shards.exponents_spec))
+
+
+def _explicit_abstract(params: Any) -> Any:
+  """Abstract params whose shardings use explicit copies of their meshes."""
+
+  def convert(x):
+    sharding = getattr(x, 'sharding', None)
+    if not isinstance(sharding, NamedSharding):
+      return jax.ShapeDtypeStruct(x.shape, x.dtype)
+    mesh = sharding.mesh.abstract_mesh
+    explicit = mesh.update_axis_types(
+        {name: jax.sharding.AxisType.Explicit for name in mesh.axis_names})
+    return jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                sharding=NamedSharding(explicit, sharding.spec))
+
+  return jax.tree.map(convert, params)
+
+
+def _concrete_meshes(params: Any) -> dict[Any, Any]:
+  meshes = {}
+  for x in jax.tree.leaves(params):
+    sharding = getattr(x, 'sharding', None)
+    if isinstance(sharding, NamedSharding):
+      meshes[(sharding.mesh.axis_names, sharding.mesh.axis_sizes)] = (
+          sharding.mesh)
+  return meshes
+
+
+def state_shardings(tx: optax.GradientTransformation, params: Any) -> Any:
+  """The shardings of ``tx.init(params)`` for sharded ``params``.
+
+  Works for any optax transformation, TACO or not: parameter-shaped state
+  (AdamW moments) shards like the parameter, TACO's ``(k, n)`` history like
+  the parameter's batch and reduction axes, scalars are replicated. Use it for
+  ``jax.jit(tx.init, out_shardings=...)``, to restore a checkpoint, or for
+  meshes with ``Auto`` axes, whose shardings JAX does not track through
+  ``init``. (:func:`optax.tree_map_params` cannot build TACO's state.)
+
+  Args:
+    tx: the optimizer.
+    params: arrays or :class:`jax.ShapeDtypeStruct` with
+      :class:`jax.sharding.NamedSharding` shardings on one mesh.
+
+  Returns:
+    A tree of :class:`jax.sharding.NamedSharding` shaped like the state.
+  """
+  meshes = _concrete_meshes(params)
+  if len(meshes) != 1:
+    raise ValueError(
+        f'state_shardings needs params sharded on exactly one mesh; found '
+        f'{len(meshes)}.')
+  (mesh,) = meshes.values()
+  explicit = _explicit_abstract(params)
+  with jax.sharding.use_abstract_mesh(
+      jax.tree.leaves(explicit)[0].sharding.mesh):
+    abstract_state = jax.eval_shape(tx.init, explicit)
+
+  def concrete(x):
+    sharding = getattr(x, 'sharding', None)
+    spec = sharding.spec if sharding is not None else PartitionSpec()
+    return NamedSharding(mesh, spec)
+
+  return jax.tree.map(concrete, abstract_state)
+
+
+def map_over_shards(local_update: Any, mesh: Any, shards: LeafSharding,
+                    grad: jax.Array, values: jax.Array, indices: jax.Array,
+                    exponents: jax.Array) -> tuple[jax.Array, ...]:
+  """Runs ``local_update(grad, values, indices, exponents, shards=...)`` per device.
+
+  Every array stays where it is: the direction comes out sharded like the
+  gradient and the new state like the old one; the only communication is the
+  candidate all-gather of :func:`merged_column_topk` and the finiteness
+  reduction.
+  """
+  state_specs = (shards.values_spec, shards.values_spec, shards.exponents_spec)
+  specs = (shards.param_spec,) + state_specs
+  run = jax.shard_map(
+      lambda *blocks: local_update(*blocks, shards=shards), mesh=mesh,
+      in_specs=specs, out_specs=specs,
+      # Results merged by all_gather are equal on every device by construction.
+      check_vma=False)
+  return run(grad, values, indices, exponents)
