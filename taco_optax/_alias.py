@@ -17,11 +17,11 @@ def taco(
     k: Optional[int] = 16,
     mu: Union[float, jax.Array] = 0.95,
     *,
-    update_topk: int = 1,
+    update_topk: Optional[int] = None,
     weight_dimension_numbers: dn.WeightDimNumOrFn | None = None,
     update_scale: _transform.ScaleTree = None,
-    values_dtype: Any = jnp.float8_e4m3fn,
-    index_dtype: Any = jnp.int32,
+    values_dtype: Any = None,
+    index_dtype: Any = None,
     adam_learning_rate: Optional[optax.ScalarOrSchedule] = None,
     adam_b1: float = 0.9,
     adam_b2: float = 0.999,
@@ -37,6 +37,8 @@ def taco(
   :func:`optax.adamw`. Routing uses :func:`optax.partition` with labels
   computed from shapes only, as :func:`optax.contrib.muon` does.
 
+  With :func:`optax.inject_hyperparams`, pass ``static_args=('k',)``.
+
   The paper's defaults: ``learning_rate=3e-5``, ``k=16``, ``mu=0.95``, batch
   size 4, linear schedule with 50 warm-up steps, scale 1 for the token
   embedding (pass it through ``update_scale``).
@@ -51,20 +53,23 @@ def taco(
     learning_rate: TACO learning rate (or schedule).
     k: history entries per column; ``None`` for a dense history.
     mu: history EMA decay in ``[0, 1)``.
-    update_topk: signs per column in each update (``1`` is TACO).
+    update_topk: signs per column in each update (``None`` = 1 is TACO).
     weight_dimension_numbers: which leaves are TACO matrices and how. ``None``
       (default) means every rank-2 leaf with ``TacoDimensionNumbers()``.
       Otherwise a :class:`TacoDimensionNumbers`, a tree prefix of them with
       ``None`` for non-TACO leaves, or a callable returning one from params.
     update_scale: per-leaf scale override, see :func:`scale_by_taco`.
-    values_dtype: dtype of the stored history values.
-    index_dtype: dtype of the stored row indices.
+    values_dtype: dtype of the stored history values (``None``:
+      ``float8_e4m3fn``).
+    index_dtype: dtype of the stored row indices (``None``: ``int32``).
     adam_learning_rate: AdamW learning rate; defaults to ``learning_rate``.
     adam_b1: AdamW first-moment decay.
     adam_b2: AdamW second-moment decay.
     adam_eps: AdamW epsilon.
     adam_eps_root: AdamW epsilon inside the square root.
-    adam_weight_decay: AdamW decoupled weight decay.
+    adam_weight_decay: AdamW decoupled weight decay. When it is the number
+      ``0`` (the default), plain Adam is used, so ``update`` accepts
+      ``params=None``.
 
   Returns:
     A :class:`optax.GradientTransformation`.
@@ -122,10 +127,17 @@ def taco(
                   index_dtype=index_dtype),
               optax.scale_by_learning_rate(learning_rate),
           ),
-          _ADAM: optax.adamw(
-              learning_rate=adam_learning_rate, b1=adam_b1, b2=adam_b2,
-              eps=adam_eps, eps_root=adam_eps_root,
-              weight_decay=adam_weight_decay),
+          _ADAM: _adam(adam_learning_rate, adam_b1, adam_b2, adam_eps,
+                       adam_eps_root, adam_weight_decay),
       },
       param_labels=param_labels,
   )
+
+
+def _adam(learning_rate, b1, b2, eps, eps_root, weight_decay):
+  """AdamW, or Adam when the decay is a literal zero (then params are optional)."""
+  if isinstance(weight_decay, (int, float)) and weight_decay == 0:
+    return optax.adam(learning_rate=learning_rate, b1=b1, b2=b2, eps=eps,
+                      eps_root=eps_root)
+  return optax.adamw(learning_rate=learning_rate, b1=b1, b2=b2, eps=eps,
+                     eps_root=eps_root, weight_decay=weight_decay)
