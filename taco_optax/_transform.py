@@ -209,10 +209,10 @@ def scale_by_taco(
     >>> grads = {'w': jnp.array([[1., -5.], [-3., 2.], [0., 1.]])}
     >>> state = tx.init(grads)
     >>> updates, state = tx.update(grads, state)
-    >>> updates['w']  # n=3 columns (rows here), m=2: scale 2/3
-    Array([[ 0.        , -0.6666667 ],
-           [-0.6666667 ,  0.        ],
-           [ 0.        ,  0.6666667 ]], dtype=float32)
+    >>> updates['w'] * 3 / 2  # n=3 columns (rows here), m=2: scale 2/3
+    Array([[ 0., -1.],
+           [-1.,  0.],
+           [ 0.,  1.]], dtype=float32)
 
   References:
     TACO: Ternary Absolute-max Column-wise One-sparse Optimizer for LLM
