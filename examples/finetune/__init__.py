@@ -1,0 +1,1 @@
+"""Fine-tune a Hugging Face or GGUF decoder LM with TACO (Flax NNX)."""
