@@ -182,3 +182,28 @@ def test_state_memory_is_5k_plus_1_bytes_per_column():
   nbytes = sum(x.nbytes for x in jax.tree.leaves(state))
   assert nbytes == (5 * 16 + 1) * 576
   assert state.values['w'].dtype == ml_dtypes.float8_e4m3fn
+
+
+@given(st.integers(1, 3), st.integers(1, 9), st.integers(1, 20),
+       st.integers(1, 20), st.sampled_from([0.0, 0.9, 0.95]),
+       st.integers(1, 3), st.integers(0, 2**31 - 1))
+def test_matches_reference_with_batch_axes(batch, n, m, k, mu, r, seed):
+  """Random shapes, a leading batch axis, any k (also > m), r <= k."""
+  r = min(r, k)
+  rng = np.random.default_rng(seed)
+  grads = [rng.standard_normal((batch, n, m)).astype(np.float32)
+           * np.float32(10.0 ** rng.uniform(-9, 3)) for _ in range(3)]
+  tx = taco_optax.scale_by_taco(
+      k=k, mu=mu, update_topk=r,
+      weight_dimension_numbers=taco_optax.TacoDimensionNumbers(1, 2))
+  outs, states = _run(tx, [{'w': jnp.asarray(g)} for g in grads])
+  histories = [reference.init(m, n, k) for _ in range(batch)]
+  for g, updates, state in zip(grads, outs, states):
+    for b in range(batch):
+      direction, histories[b] = reference.step(g[b].T, histories[b], mu, r=r)
+      np.testing.assert_array_equal(np.asarray(updates['w'][b]), direction.T)
+      np.testing.assert_array_equal(np.asarray(state.indices['w'][b]),
+                                    histories[b].indices)
+      np.testing.assert_array_equal(
+          np.asarray(state.values['w'][b]).view(np.uint8),
+          histories[b].values.view(np.uint8))
