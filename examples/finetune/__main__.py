@@ -57,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
       help='parameter dtype (auto: float32 on CPU, bfloat16 elsewhere)')
   add('--remat', type=_bool, default=_DEFAULTS.remat,
       help='recompute each block in the backward pass (on/off)')
+  add('--remat-policy', default=_DEFAULTS.remat_policy,
+      help='what a rematerialised block keeps: a jax.checkpoint_policies name '
+      '(nothing_saveable, dots_saveable, ...)')
   add('--scan-layers', type=_bool, default=_DEFAULTS.scan_layers,
       help='stack the blocks and run them with lax.scan (on/off)')
   add('--task', default=_DEFAULTS.task,
@@ -85,6 +88,7 @@ def config_from_args(args: argparse.Namespace) -> train_lib.RunConfig:
       warmup_steps=args.warmup_steps, eval_every=args.eval_every,
       eval_size=args.eval_size, eval_batch_size=args.eval_batch_size,
       seed=args.seed, model=args.model, dtype=args.dtype, remat=args.remat,
+      remat_policy=args.remat_policy,
       scan_layers=args.scan_layers, task=args.task,
       train_file=args.train_file, test_file=args.test_file,
       label_words=args.label_words, template=args.template,

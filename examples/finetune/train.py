@@ -47,6 +47,7 @@ class RunConfig:
   model: Optional[str] = None
   dtype: str = 'auto'
   remat: bool = True
+  remat_policy: str = 'nothing_saveable'
   scan_layers: bool = False
   task: str = 'tweets'
   train_file: Optional[str] = None
@@ -295,8 +296,9 @@ def load_model(config: RunConfig):
     if path is None:
       path = loading.smollm2_gguf_path()
     model, tokenizer, model_config = loading.load_pretrained(
-        path, dtype=_dtype(config.dtype), remat=config.remat,
-        scan_layers=config.scan_layers)
+        path, dtype=_dtype(config.dtype),
+        remat='block' if config.remat else None,
+        remat_policy=config.remat_policy, scan_layers=config.scan_layers)
   except loading.ModelLoadError as e:
     raise FinetuneError(str(e)) from e
   return model, tokenizer, model_config, path
@@ -350,6 +352,10 @@ def _check_config(config: RunConfig) -> None:
   for name in ('steps', 'batch_size', 'seq_len', 'eval_batch_size'):
     if getattr(config, name) <= 0:
       raise FinetuneError(f'--{name.replace("_", "-")} must be positive')
+  from examples.finetune import model as model_lib  # pylint: disable=g-import-not-at-top
+  if config.remat_policy not in model_lib.REMAT_POLICIES:
+    raise FinetuneError(f'--remat-policy must be one of '
+                        f'{", ".join(model_lib.REMAT_POLICIES)}')
   if config.eval_every < 0:
     raise FinetuneError('--eval-every must be >= 0')
 
@@ -393,23 +399,31 @@ def results_table(results: dict) -> str:
 
 
 class _Progress:
-  """A rich progress bar with loss and tokens/s, or nothing."""
+  """A rich progress bar with loss and tokens/s on a terminal; elsewhere (logs,
+  CI) a plain line every tenth of the run; nothing when disabled."""
 
   def __init__(self, total: int, enabled: bool):
     self._bar = None
-    if enabled:
-      from rich import progress  # pylint: disable=g-import-not-at-top
+    self._total, self._done = total, 0
+    self._log_every = max(1, total // 10) if enabled else 0
+    if enabled and sys.stderr.isatty():
+      from rich import console, progress  # pylint: disable=g-import-not-at-top
       self._bar = progress.Progress(
           progress.TextColumn('[bold]train'), progress.BarColumn(),
           progress.MofNCompleteColumn(), progress.TimeElapsedColumn(),
           progress.TextColumn('{task.fields[info]}'),
-          console=__import__('rich.console').console.Console(stderr=True))
+          console=console.Console(stderr=True))
       self._task = self._bar.add_task('train', total=total, info='')
       self._bar.start()
 
   def advance(self, info: str) -> None:
+    self._done += 1
     if self._bar is not None:
       self._bar.update(self._task, advance=1, info=info)
+    elif self._log_every and (self._done % self._log_every == 0
+                              or self._done == self._total):
+      print(f'step {self._done}/{self._total}: {info}', file=sys.stderr,
+            flush=True)
 
   def print(self, text: str) -> None:
     if self._bar is not None:
