@@ -268,7 +268,7 @@ def scale_by_taco(
                      exponents=unflatten(2))
 
   def update_leaf(grad, values, indices, exponents, layout, scale,
-                  dim_num=None, shards=None):
+                  dim_num=None, shards=None, mu=mu):
     # With shards (inside shard_map) the arrays are one device's blocks and
     # `layout` still describes the whole leaf.
     local = layout if shards is None else dn.matrix_layout(grad.shape, dim_num)
@@ -306,7 +306,7 @@ def scale_by_taco(
         local_update = functools.partial(
             update_leaf, layout=layout, scale=scales[i], dim_num=dims[i])
         out.append(_sharding.map_over_shards(local_update, *sharded, grad,
-                                             *leaf_state))
+                                             *leaf_state, mu=mu))
       else:
         out.append(update_leaf(grad, *leaf_state, layout, scales[i]))
     unflatten = lambda i: treedef.unflatten([o[i] for o in out])

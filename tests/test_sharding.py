@@ -1,0 +1,415 @@
+"""TACO on a simulated 8-device CPU mesh: exactness, shardings, collectives.
+
+The mesh tests need 8 host devices, which must be requested before JAX starts
+its backend. Run alone (``pytest tests/test_sharding.py``) this module asks for
+them itself; inside a larger session where JAX already started with fewer
+devices, ``test_mesh_suite_in_subprocess`` reruns this file in a fresh process
+with ``--xla_force_host_platform_device_count=8``.
+"""
+
+import os
+import re
+import subprocess
+import sys
+
+import jax
+
+try:
+  jax.config.update('jax_num_cpu_devices', 8)
+except RuntimeError:  # The backend already started: see the subprocess test.
+  pass
+
+import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+import numpy as np
+import optax
+import pytest
+from jax.sharding import AxisType
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import taco_optax
+from taco_optax import _sharding
+from taco_optax import TacoDimensionNumbers as Dims
+
+NUM_DEVICES = 8
+has_mesh = jax.device_count() >= NUM_DEVICES
+needs_mesh = pytest.mark.skipif(
+    not has_mesh, reason='needs 8 devices; see test_mesh_suite_in_subprocess')
+
+
+@pytest.mark.skipif(has_mesh, reason='the mesh tests run in this process')
+def test_mesh_suite_in_subprocess():
+  env = dict(os.environ)
+  env['XLA_FLAGS'] = (env.get('XLA_FLAGS', '') +
+                      ' --xla_force_host_platform_device_count=8').strip()
+  env['JAX_PLATFORMS'] = 'cpu'
+  result = subprocess.run(
+      [sys.executable, '-m', 'pytest', '-q', '-p', 'no:cacheprovider',
+       __file__],
+      env=env, capture_output=True, text=True, timeout=900, check=False,
+      cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
+  assert ' passed' in result.stdout and ' skipped' in result.stdout
+
+
+# The sharding rule itself needs no devices.
+
+
+@pytest.mark.parametrize('shape, spec, dims, values_spec, exponents_spec', [
+    ((64, 32), P('fsdp', 'tensor'), Dims(), P(None, 'fsdp'), P('fsdp')),
+    ((64, 32), P(None, 'tensor'), Dims(), P(None, None), P(None)),
+    ((64, 32), P(('fsdp', 'tensor'), None), Dims(), P(None, ('fsdp', 'tensor')),
+     P(('fsdp', 'tensor'))),
+    ((32, 64), P('tensor', 'fsdp'), Dims(1, 0), P(None, 'fsdp'), P('fsdp')),
+    ((2, 16, 24), P('fsdp', None, 'tensor'), Dims(1, 2),
+     P('fsdp', None, None), P('fsdp', None)),
+    ((16, 4, 8), P('fsdp', 'tensor'), Dims(0, (1, 2)), P(None, 'fsdp'),
+     P('fsdp')),
+    ((4, 8, 16), P('fsdp', None, 'tensor'), Dims((0, 1), 2), P(None, 'fsdp'),
+     P('fsdp')),
+])
+def test_state_specs_follow_batch_and_reduction_axes(shape, spec, dims,
+                                                     values_spec,
+                                                     exponents_spec):
+  shards = _sharding.leaf_sharding(shape, spec, dims,
+                                   {'fsdp': 2, 'tensor': 4})
+  assert shards.values_spec == values_spec
+  assert shards.exponents_spec == exponents_spec
+
+
+def test_state_specs_reject_unshardable_layouts():
+  mesh_shape = {'fsdp': 2, 'tensor': 4}
+  with pytest.raises(ValueError, match='not divisible'):
+    _sharding.leaf_sharding((64, 30), P(None, 'tensor'), Dims(), mesh_shape)
+  with pytest.raises(ValueError, match='first reduction axis'):
+    _sharding.leaf_sharding((4, 8, 16), P(None, 'fsdp', None), Dims((0, 1), 2),
+                            mesh_shape)
+
+
+# Mesh tests.
+
+# name -> (shape, spec, dimension numbers). 'fsdp': reduction axis sharded;
+# 'tp': output axis sharded; 'both'; and batch / multi-axis variants.
+LAYOUTS = {
+    'fsdp': ((64, 32), P('fsdp', None), Dims()),
+    'tp': ((64, 32), P(None, 'tensor'), Dims()),
+    'both': ((64, 32), P('fsdp', 'tensor'), Dims()),
+    'tp_over_all': ((16, 64), P(None, ('fsdp', 'tensor')), Dims()),
+    'scanned': ((2, 16, 24), P(None, 'fsdp', 'tensor'), Dims(1, 2)),
+    'heads_out': ((16, 4, 8), P('fsdp', 'tensor', None), Dims(0, (1, 2))),
+    'head_dim_out': ((16, 4, 8), P(None, 'fsdp', 'tensor'), Dims(0, (1, 2))),
+    'unsharded': ((8, 12), P(), Dims()),
+}
+
+
+def make_mesh(explicit=True):
+  axis_type = AxisType.Explicit if explicit else AxisType.Auto
+  return jax.make_mesh((2, 4), ('fsdp', 'tensor'),
+                       axis_types=(axis_type, axis_type))
+
+
+def place(tree, mesh, names=None):
+  return {name: jax.device_put(x, NamedSharding(mesh, LAYOUTS[name][1]))
+          for name, x in tree.items() if names is None or name in names}
+
+
+def tied_gradients(step, names):
+  """Small integers times 1e-3: many exact ties in every column."""
+  return {name: 1e-3 * jax.random.randint(
+      jax.random.key(100 * step + i), LAYOUTS[name][0], -3, 4).astype(
+          jnp.float32)
+          for i, name in enumerate(names)}
+
+
+def assert_bitwise_equal(actual, expected):
+  actual_leaves, actual_def = jax.tree.flatten(actual)
+  expected_leaves, expected_def = jax.tree.flatten(expected)
+  assert actual_def == expected_def
+  for a, e in zip(actual_leaves, expected_leaves):
+    a, e = np.asarray(a), np.asarray(e)
+    assert a.dtype == e.dtype and a.shape == e.shape
+    assert a.tobytes() == e.tobytes()
+
+
+def normalized(spec, ndim):
+  """``spec`` as mesh axes per array axis: ``P()`` equals ``P(None, None)``."""
+  return _sharding.padded_spec(spec, ndim)
+
+
+def specs(tree):
+  return jax.tree.map(lambda x: normalized(x.sharding.spec, x.ndim), tree)
+
+
+def sharding_specs(shardings, like):
+  return jax.tree.map(lambda s, x: normalized(s.spec, x.ndim), shardings, like)
+
+
+@needs_mesh
+@pytest.mark.parametrize('k', [4, 16, None])
+def test_sharded_updates_and_states_equal_single_device_bitwise(k):
+  names = list(LAYOUTS)
+  dims = {name: LAYOUTS[name][2] for name in names}
+  tx = taco_optax.scale_by_taco(k=k, mu=0.9, weight_dimension_numbers=dims)
+  update = jax.jit(tx.update)
+  params = {name: jnp.zeros(LAYOUTS[name][0]) for name in names}
+  state = tx.init(params)
+  expected = []
+  for step in range(3):
+    updates, state = update(tied_gradients(step, names), state)
+    expected.append((updates, state))
+  mesh = make_mesh()
+  with jax.set_mesh(mesh):
+    state = tx.init(place(params, mesh))
+    for step in range(3):
+      updates, state = update(place(tied_gradients(step, names), mesh), state)
+      assert_bitwise_equal((updates, state), expected[step])
+      for name in names:
+        assert specs(updates[name]) == normalized(LAYOUTS[name][1],
+                                                  updates[name].ndim)
+
+
+@needs_mesh
+def test_state_shardings_stable_across_init_update_and_jit():
+  names = list(LAYOUTS)
+  dims = {name: LAYOUTS[name][2] for name in names}
+  tx = taco_optax.scale_by_taco(k=4, weight_dimension_numbers=dims)
+  mesh = make_mesh()
+  with jax.set_mesh(mesh):
+    params = place({n: jnp.ones(LAYOUTS[n][0]) for n in names}, mesh)
+    eager_state = tx.init(params)
+    expected = sharding_specs(_sharding.state_shardings(tx, params),
+                              eager_state)
+    shards = {n: _sharding.leaf_sharding(LAYOUTS[n][0], LAYOUTS[n][1],
+                                         dims[n], {'fsdp': 2, 'tensor': 4})
+              for n in names}
+    assert expected.values == {
+        n: normalized(s.values_spec, eager_state.values[n].ndim)
+        for n, s in shards.items()}
+    assert expected.exponents == {
+        n: normalized(s.exponents_spec, eager_state.exponents[n].ndim)
+        for n, s in shards.items()}
+    jit_state = jax.jit(tx.init)(params)
+    grads = place(tied_gradients(0, names), mesh)
+    update = jax.jit(tx.update)
+    _, jit_updated = update(grads, jit_state)
+    _, jit_updated_twice = update(grads, jit_updated)
+    for state in (eager_state, jit_state, jit_updated, jit_updated_twice):
+      assert specs(state) == expected
+    # Op-by-op updates are slow on CPU: check them on one leaf.
+    one = lambda tree: {'both': tree['both']}
+    tx_one = taco_optax.scale_by_taco(k=4, weight_dimension_numbers=one(dims))
+    _, eager_updated = tx_one.update(one(grads), tx_one.init(one(params)))
+    assert specs(eager_updated) == jax.tree.map(
+        one, expected, is_leaf=lambda x: isinstance(x, dict))
+
+
+@needs_mesh
+def test_taco_alias_train_step_on_mesh_matches_single_device():
+  """The full optax path (partition + AdamW) in a jitted train step."""
+  mesh = make_mesh()
+  layouts = {'w1': P('fsdp', 'tensor'), 'b1': P('tensor'),
+             'w2': P('tensor', 'fsdp'), 'b2': P()}
+  keys = jax.random.split(jax.random.key(0), 4)
+  params = {'w1': jax.random.normal(keys[0], (16, 32)) * 0.3,
+            'b1': jnp.zeros((32,)),
+            'w2': jax.random.normal(keys[1], (32, 8)) * 0.3,
+            'b2': jnp.zeros((8,))}
+  inputs = jax.random.normal(keys[2], (12, 16))
+  targets = jax.random.normal(keys[3], (12, 8))
+
+  def matmul(a, b):
+    if jax.sharding.get_abstract_mesh().empty:
+      return a @ b
+    return jnp.matmul(a, b, out_sharding=P())
+
+  def loss(p):
+    hidden = jnp.tanh(matmul(inputs, p['w1']) + p['b1'])
+    return jnp.mean((matmul(hidden, p['w2']) + p['b2'] - targets) ** 2)
+
+  tx = taco_optax.taco(learning_rate=1e-2, k=4)
+
+  @jax.jit
+  def train_step(p, state):
+    updates, state = tx.update(jax.grad(loss)(p), state, p)
+    return optax.apply_updates(p, updates), state
+
+  def run(p):
+    state = tx.init(p)
+    for _ in range(4):
+      p, state = train_step(p, state)
+    return p, state
+
+  expected_params, expected_state = run(params)
+  with jax.set_mesh(mesh):
+    sharded = {n: jax.device_put(x, NamedSharding(mesh, layouts[n]))
+               for n, x in params.items()}
+    got_params, got_state = run(sharded)
+    assert specs(got_params) == {n: normalized(layouts[n], x.ndim)
+                                 for n, x in params.items()}
+    assert specs(got_state) == sharding_specs(
+        _sharding.state_shardings(tx, sharded), got_state)
+  # Sharded matmuls sum in another order, so gradients may differ in the last
+  # bit; TACO's winners, and hence the signs it applies, must not.
+  chex_close = lambda a, b: np.testing.assert_allclose(
+      np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=1e-5,
+      atol=1e-6)
+  jax.tree.map(chex_close, got_params, expected_params)
+  taco_state = lambda s: s.inner_states['taco'].inner_state[0]
+  assert_bitwise_equal(taco_state(got_state).indices,
+                       taco_state(expected_state).indices)
+
+
+@needs_mesh
+def test_auto_mesh_uses_state_shardings_for_init():
+  """With Auto axes JAX does not track shardings: state_shardings does."""
+  mesh = make_mesh(explicit=False)
+  names = ['fsdp', 'tp', 'both', 'scanned']
+  dims = {name: LAYOUTS[name][2] for name in names}
+  tx = taco_optax.scale_by_taco(k=4, weight_dimension_numbers=dims)
+  params = place({n: jnp.ones(LAYOUTS[n][0]) for n in names}, mesh)
+  shardings = _sharding.state_shardings(tx, params)
+  state = jax.jit(tx.init, out_shardings=shardings)(params)
+  assert specs(state) == sharding_specs(shardings, state)
+  assert specs(state.values['both']) == ((), ('fsdp',))
+  # XLA's own partitioning of the unmodified step is exact here too.
+  grads = tied_gradients(0, names)
+  expected = jax.jit(tx.update)(grads, tx.init(grads))
+  got = jax.jit(tx.update, out_shardings=(
+      {n: NamedSharding(mesh, LAYOUTS[n][1]) for n in names}, shardings))(
+          place(grads, mesh), state)
+  assert_bitwise_equal(got, expected)
+
+
+@needs_mesh
+def test_array_mu_and_nonfinite_gradient_on_mesh():
+  tx = optax.inject_hyperparams(taco_optax.scale_by_taco, static_args=('k',))(
+      k=4, mu=0.9)
+  mesh = make_mesh()
+  grads = tied_gradients(0, ['both'])
+  expected_updates, expected_state = jax.jit(tx.update)(grads, tx.init(grads))
+  with jax.set_mesh(mesh):
+    state = tx.init(place(grads, mesh))
+    updates, state = jax.jit(tx.update)(place(grads, mesh), state)
+    assert_bitwise_equal((updates, state), (expected_updates, expected_state))
+    # One NaN on one device: every device must keep its history.
+    bad = grads['both'].at[40, 30].set(jnp.nan)
+    bad_updates, bad_state = jax.jit(tx.update)(place({'both': bad}, mesh),
+                                                state)
+  assert np.isnan(np.asarray(bad_updates['both'])).all()
+  assert_bitwise_equal(bad_state.inner_state, state.inner_state)
+
+
+def collectives(hlo_text):
+  """``[(op, result bytes)]`` of the collectives in compiled HLO text."""
+  itemsize = {'f32': 4, 's32': 4, 'u32': 4, 'pred': 1, 's8': 1, 'f8e4m3fn': 1,
+              'bf16': 2, 'f16': 2}
+  found = []
+  pattern = re.compile(
+      r'= \(?((?:\w+\[[\d,]*\][^ ]*(?:, )?)+)\)? (all-gather|all-reduce|'
+      r'collective-permute|all-to-all|reduce-scatter)(?:-start)?\(')
+  for line in hlo_text.splitlines():
+    match = pattern.search(line)
+    if not match:
+      continue
+    nbytes = 0
+    for dtype, dims in re.findall(r'(\w+)\[([\d,]*)\]', match.group(1)):
+      size = int(np.prod([int(d) for d in dims.split(',') if d]))
+      nbytes += size * itemsize.get(dtype, 4)
+    found.append((match.group(2), nbytes))
+  return found
+
+
+def gathered_bytes(hlo_text):
+  return sum(b for op, b in collectives(hlo_text) if op == 'all-gather')
+
+
+@needs_mesh
+def test_output_sharded_update_gathers_candidates_not_the_gradient():
+  n, m, k, tensor = 256, 1024, 16, 8
+  mesh = jax.make_mesh((1, tensor), ('fsdp', 'tensor'))
+  tx = taco_optax.scale_by_taco(k=k)
+  with jax.set_mesh(mesh):
+    grad = jax.device_put(jnp.ones((n, m)),
+                          NamedSharding(mesh, P(None, 'tensor')))
+    state = tx.init({'w': grad})
+    hlo = jax.jit(tx.update).lower({'w': grad}, state).compile().as_text()
+  found = collectives(hlo)
+  ops = {op for op, _ in found}
+  assert 'all-gather' in ops, found
+  # Each device's all-gather results: k candidates of each of its
+  # `tensor` shards for every column, as f32 values and s32 indices.
+  candidates = n * k * tensor * (4 + 4)
+  assert gathered_bytes(hlo) == candidates, found
+  dense = n * m * 4
+  assert all(nbytes < dense // 4 for _, nbytes in found), found
+
+
+@needs_mesh
+def test_communication_volume_against_gathering_the_gradient(capsys):
+  """Measures the bytes the TP update moves (reported, and bounded)."""
+  n, m, k, tensor = 1024, 4096, 16, 8
+  mesh = jax.make_mesh((1, tensor), ('fsdp', 'tensor'))
+  tx = taco_optax.scale_by_taco(k=k)
+  with jax.set_mesh(mesh):
+    grad = jax.ShapeDtypeStruct((n, m), jnp.float32,
+                                sharding=NamedSharding(mesh, P(None,
+                                                               'tensor')))
+    state = jax.eval_shape(tx.init, {'w': grad})
+    sharded_hlo = jax.jit(tx.update).lower({'w': grad},
+                                           state).compile().as_text()
+    gather = jax.jit(lambda g: jax.sharding.reshard(g, P()))
+    dense_hlo = gather.lower(grad).compile().as_text()
+  candidate_bytes = gathered_bytes(sharded_hlo)
+  dense_bytes = gathered_bytes(dense_hlo)
+  received = lambda total: total * (tensor - 1) // tensor
+  with capsys.disabled():
+    print(f'\n[communication] n={n} m={m} k={k} tensor={tensor}: per device '
+          f'all-gather result {candidate_bytes} B (receives '
+          f'{received(candidate_bytes)} B) for the merged top-k vs '
+          f'{dense_bytes} B (receives {received(dense_bytes)} B) to gather '
+          f'the dense gradient: {dense_bytes / candidate_bytes:.1f}x less')
+  assert dense_bytes == n * m * 4
+  assert candidate_bytes == n * k * tensor * 8
+  assert dense_bytes / candidate_bytes == m * 4 / (k * tensor * 8)
+
+
+@needs_mesh
+def test_nnx_optimizer_state_gets_taco_shardings():
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+
+  mesh = make_mesh()
+  init = nnx.with_partitioning(nnx.initializers.lecun_normal(),
+                               ('fsdp', 'tensor'))
+  bias_init = nnx.with_partitioning(nnx.initializers.zeros_init(),
+                                    ('tensor',))
+
+  with jax.set_mesh(mesh):
+    model = nnx.Linear(16, 32, kernel_init=init, bias_init=bias_init,
+                       rngs=nnx.Rngs(0))
+    tx = taco_optax.taco(learning_rate=1e-2, k=4)
+    # Without the helper nnx copies the kernel's ('fsdp', 'tensor') onto the
+    # rank-1 exponents and fails to reshard them.
+    with pytest.raises(Exception):
+      nnx.Optimizer(model, tx, wrt=nnx.Param)
+    optimizer = nnx.Optimizer(model, _sharding.for_nnx_optimizer(tx),
+                              wrt=nnx.Param)
+
+    @nnx.jit
+    def train_step(model, optimizer, inputs):
+      grads = nnx.grad(lambda m: jnp.mean(m(inputs) ** 2))(model)
+      optimizer.update(model, grads)
+
+    train_step(model, optimizer, jnp.ones((4, 16)))
+
+  taco_state = optimizer.opt_state.inner_states['taco'].inner_state[0]
+  adam_state = optimizer.opt_state.inner_states['adam'].inner_state[0]
+  for name, variable, spec in [
+      ('values', taco_state.values['kernel'], P(None, 'fsdp')),
+      ('indices', taco_state.indices['kernel'], P(None, 'fsdp')),
+      ('exponents', taco_state.exponents['kernel'], P('fsdp')),
+      ('adam mu', adam_state.mu['bias'], P('tensor'))]:
+    value = variable.get_value()
+    assert specs(value) == normalized(spec, value.ndim), name
+    assert normalized(P(*variable.get_metadata('out_sharding')),
+                      value.ndim) == normalized(spec, value.ndim), name
+  assert specs(model.kernel.get_value()) == (('fsdp',), ('tensor',))
