@@ -77,6 +77,10 @@ def build_parser() -> argparse.ArgumentParser:
   add('--taco-k', type=int, default=_DEFAULTS.taco_k)
   add('--taco-mu', type=float, default=_DEFAULTS.taco_mu)
   add('--output-dir', default=_DEFAULTS.output_dir)
+  add('--resume', action='store_true',
+      help='continue from OUTPUT_DIR/checkpoint (saved at the end of a run)')
+  add('--no-checkpoint', action='store_true',
+      help='do not save OUTPUT_DIR/checkpoint')
   add('--no-progress', action='store_true', help='no progress bar')
   return parser
 
@@ -94,6 +98,7 @@ def config_from_args(args: argparse.Namespace) -> train_lib.RunConfig:
       label_words=args.label_words, template=args.template,
       max_new_tokens=args.max_new_tokens, taco_k=args.taco_k,
       taco_mu=args.taco_mu, output_dir=args.output_dir,
+      resume=args.resume, save_checkpoint=not args.no_checkpoint,
       progress=not args.no_progress)
 
 

@@ -58,6 +58,8 @@ class RunConfig:
   taco_k: int = 16
   taco_mu: float = 0.95
   output_dir: str = 'runs/finetune'
+  resume: bool = False
+  save_checkpoint: bool = True
   progress: bool = True
 
 
@@ -274,6 +276,47 @@ def write_json_atomic(path: str, payload: dict) -> None:
     raise
 
 
+# Checkpoints (Orbax): model parameters and optimizer state, step included.
+
+CHECKPOINT_DIR = 'checkpoint'
+
+
+def checkpoint_path(output_dir: str) -> str:
+  return os.path.join(os.path.abspath(output_dir), CHECKPOINT_DIR)
+
+
+def save_checkpoint(path: str, model, optimizer) -> None:
+  """Saves ``nnx.state((model, optimizer))``; Orbax writes it atomically."""
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  checkpointer = ocp.StandardCheckpointer()
+  checkpointer.save(path, nnx.to_pure_dict(nnx.state((model, optimizer))),
+                    force=True)
+  checkpointer.wait_until_finished()
+
+
+def restore_checkpoint(path: str, model, optimizer) -> int:
+  """Loads a checkpoint into ``model`` and ``optimizer``; returns its step.
+
+  The freshly built model and optimizer give the expected structure, shapes
+  and dtypes, so a checkpoint of another model or optimizer is refused.
+  """
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  if not os.path.isdir(path):
+    raise FinetuneError(f'--resume: no checkpoint at {path}')
+  state = nnx.state((model, optimizer))
+  target = nnx.to_pure_dict(state)
+  try:
+    restored = ocp.StandardCheckpointer().restore(path, target)
+  except Exception as e:  # Orbax raises many types for a mismatched tree.
+    raise FinetuneError(
+        f'--resume: checkpoint at {path} does not match this model and '
+        f'optimizer ({type(e).__name__}: {str(e).splitlines()[0][:200]})'
+    ) from e
+  nnx.replace_by_pure_dict(state, restored)
+  nnx.update((model, optimizer), state)
+  return int(optimizer.step[...])
+
+
 # The run.
 
 
@@ -477,6 +520,16 @@ def run(config: RunConfig, log: Callable[[str], None] = print) -> dict:
       taco_mu=config.taco_mu)
   tx = spec.build(schedule, hints)
   optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+  start_step = 0
+  if config.resume:
+    start_step = restore_checkpoint(checkpoint_path(config.output_dir), model,
+                                    optimizer)
+    if start_step >= config.steps:
+      raise FinetuneError(f'--resume: the checkpoint is at step {start_step}, '
+                          f'not before --steps {config.steps}')
+    for _ in range(start_step):  # Continue the same batch stream.
+      next(batches)
+    log(f'resumed from step {start_step}')
   step_path = 'optax (nnx.Optimizer + nnx.jit)'
   if config.optimizer == 'taco':
     step_path += '; layer-wise TACO step not used' + (
@@ -497,15 +550,16 @@ def run(config: RunConfig, log: Callable[[str], None] = print) -> dict:
   compiled = train_step.lower(model, optimizer, first).compile()
   compile_seconds = time.perf_counter() - compile_start
 
-  progress = _Progress(config.steps, config.progress)
+  progress = _Progress(config.steps - start_step, config.progress)
   losses, evals, tokens, train_seconds = [], [], 0, 0.0
   batch = first
   try:
-    for step in range(1, config.steps + 1):
+    for step in range(start_step + 1, config.steps + 1):
       start = time.perf_counter()
       loss = float(train_step(model, optimizer, batch))
       elapsed = time.perf_counter() - start
-      if step > 1 or config.steps == 1:
+      # The first step's time is mostly waiting for the compiled code.
+      if step > start_step + 1 or config.steps == start_step + 1:
         train_seconds += elapsed
         tokens += int(batch.attention_mask.sum())
       losses.append(loss)
@@ -525,6 +579,8 @@ def run(config: RunConfig, log: Callable[[str], None] = print) -> dict:
 
   after = evaluate(model, eval_set, tokenizer, config, stop_ids)
   evals.append({'step': config.steps, **after})
+  if config.save_checkpoint:
+    save_checkpoint(checkpoint_path(config.output_dir), model, optimizer)
   peak, peak_source = peak_memory(compiled)
   param_bytes = optimizers_lib.state_bytes(nnx.state(model, nnx.Param))
   results = {
@@ -549,6 +605,7 @@ def run(config: RunConfig, log: Callable[[str], None] = print) -> dict:
       'compile_seconds': compile_seconds,
       'wall_seconds': time.perf_counter() - wall_start,
       'step_path': step_path,
+      'resumed_from_step': start_step,
       'backend': jax.default_backend(),
       'config': dataclasses.asdict(config),
   }

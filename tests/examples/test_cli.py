@@ -211,3 +211,25 @@ def test_sequence_longer_than_positions(workspace, capsys):
   args[args.index('--seq-len') + 1] = str(_MAX_POSITIONS + 1)
   assert 'positions' in _error_of(args, capsys)
   assert not output_dir.exists()
+
+
+def test_checkpoint_and_resume(workspace, capsys):
+  output_dir = workspace['root'] / 'run-resume'
+  args = _text_args(workspace, output_dir, '--optimizer', 'taco',
+                    '--eval-every', '0')
+  args[args.index('--steps') + 1] = '2'
+  assert cli.main(args) == 0
+  assert (output_dir / 'checkpoint').is_dir()
+  args[args.index('--steps') + 1] = '3'
+  assert cli.main(args + ['--resume']) == 0
+  with open(output_dir / 'results.json') as f:
+    results = json.load(f)
+  assert results['resumed_from_step'] == 2
+  assert len(results['losses']) == 1
+  # A checkpoint of another optimizer's state does not fit.
+  message = _error_of(args + ['--resume', '--optimizer', 'adamw'], capsys)
+  assert 'does not match' in message
+  missing = workspace['root'] / 'never-resumed'
+  args[args.index('--output-dir') + 1] = str(missing)
+  assert 'no checkpoint' in _error_of(args + ['--resume'], capsys)
+  assert not missing.exists()
