@@ -1,10 +1,10 @@
 """TACO on a simulated 8-device CPU mesh: exactness, shardings, collectives.
 
 The mesh tests need 8 host devices, which must be requested before JAX starts
-its backend. Run alone (``pytest tests/test_sharding.py``) this module asks for
-them itself; inside a larger session where JAX already started with fewer
-devices, ``test_mesh_suite_in_subprocess`` reruns this file in a fresh process
-with ``--xla_force_host_platform_device_count=8``.
+its backend. With ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` they
+run in this process; otherwise ``test_mesh_suite_in_subprocess`` reruns this
+file in a fresh process with that flag (the rest of the suite keeps its one
+device).
 """
 
 import os
@@ -13,13 +13,7 @@ import subprocess
 import sys
 
 import jax
-
-try:
-  jax.config.update('jax_num_cpu_devices', 8)
-except RuntimeError:  # The backend already started: see the subprocess test.
-  pass
-
-import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -44,7 +38,8 @@ def test_mesh_suite_in_subprocess():
                       ' --xla_force_host_platform_device_count=8').strip()
   env['JAX_PLATFORMS'] = 'cpu'
   result = subprocess.run(
-      [sys.executable, '-m', 'pytest', '-q', '-p', 'no:cacheprovider',
+      [sys.executable, '-m', 'pytest', '-q', '-o', 'addopts=', '-p',
+       'no:cacheprovider',
        __file__],
       env=env, capture_output=True, text=True, timeout=900, check=False,
       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -1,0 +1,253 @@
+"""Checkpoints: bit-exact save/restore, resume equivalence, refusal of bad ones.
+
+The sharded round trip needs 8 host devices; as in ``test_sharding.py`` it
+runs in this process under ``XLA_FLAGS=--xla_force_host_platform_device_count=8``
+and otherwise ``test_sharded_suite_in_subprocess`` reruns it in a fresh process.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import taco_optax
+from examples.finetune import checkpoint
+from taco_optax import _sharding
+
+has_mesh = jax.device_count() >= 8
+needs_mesh = pytest.mark.skipif(
+    not has_mesh, reason='needs 8 devices; see test_sharded_suite_in_subprocess')
+
+METADATA = {'model': 'tiny-mlp', 'k': 4, 'learning_rate': 0.01}
+
+
+@pytest.mark.skipif(has_mesh, reason='the mesh tests run in this process')
+def test_sharded_suite_in_subprocess():
+  env = dict(os.environ)
+  env['XLA_FLAGS'] = (env.get('XLA_FLAGS', '') +
+                      ' --xla_force_host_platform_device_count=8').strip()
+  env['JAX_PLATFORMS'] = 'cpu'
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  result = subprocess.run(
+      [sys.executable, '-m', 'pytest', '-q', '-o', 'addopts=', '-p',
+       'no:cacheprovider',
+       __file__, '-k', 'sharded'],
+      env=env, capture_output=True, text=True, timeout=600, check=False,
+      cwd=root)
+  assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
+  assert ' passed' in result.stdout
+
+
+# A tiny model trained with taco_optax.taco, with a deterministic data order
+# and RNG that live in the checkpointed state.
+
+NUM_EXAMPLES, BATCH = 40, 8
+
+
+def dataset():
+  rng = np.random.default_rng(0)
+  inputs = rng.normal(size=(NUM_EXAMPLES, 8)).astype(np.float32)
+  targets = rng.normal(size=(NUM_EXAMPLES, 4)).astype(np.float32)
+  return inputs, targets
+
+
+def make_optimizer(k=METADATA['k']):
+  return taco_optax.taco(learning_rate=METADATA['learning_rate'], k=k)
+
+
+def initial_state(tx):
+  keys = jax.random.split(jax.random.key(1), 2)
+  params = {'w1': jax.random.normal(keys[0], (8, 16)) * 0.3,
+            'b1': jnp.zeros((16,)),
+            'w2': jax.random.normal(keys[1], (16, 4)) * 0.3}
+  return {'params': params, 'opt_state': tx.init(params),
+          'data': {'epoch': np.int32(0), 'position': np.int32(0)},
+          'rng': jax.random.key_data(jax.random.key(2))}
+
+
+def next_batch(data, inputs, targets):
+  """The batch at (epoch, position); each epoch shuffles with its own seed."""
+  epoch, position = int(data['epoch']), int(data['position'])
+  if position + BATCH > NUM_EXAMPLES:
+    epoch, position = epoch + 1, 0
+  order = np.random.default_rng(1000 + epoch).permutation(NUM_EXAMPLES)
+  chosen = order[position:position + BATCH]
+  data = {'epoch': np.int32(epoch), 'position': np.int32(position + BATCH)}
+  return (inputs[chosen], targets[chosen]), data
+
+
+def train(state, num_steps, tx):
+  inputs, targets = dataset()
+
+  @jax.jit
+  def step(params, opt_state, key_data, batch):
+    key, dropout_key = jax.random.split(jax.random.wrap_key_data(key_data))
+
+    def loss(p):
+      keep = jax.random.bernoulli(dropout_key, 0.9, (batch[0].shape[0], 16))
+      hidden = jnp.tanh(batch[0] @ p['w1'] + p['b1']) * keep / 0.9
+      return jnp.mean((hidden @ p['w2'] - batch[1]) ** 2)
+
+    updates, opt_state = tx.update(jax.grad(loss)(params), opt_state, params)
+    return (optax.apply_updates(params, updates), opt_state,
+            jax.random.key_data(key))
+
+  for _ in range(num_steps):
+    batch, data = next_batch(state['data'], inputs, targets)
+    params, opt_state, rng = step(state['params'], state['opt_state'],
+                                  state['rng'], batch)
+    state = {'params': params, 'opt_state': opt_state, 'data': data,
+             'rng': rng}
+  return state
+
+
+def abstract_of(tree):
+  return jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype
+                                     if not hasattr(x, 'dtype') else x.dtype,
+                                     sharding=getattr(x, 'sharding', None)),
+      tree)
+
+
+def assert_bitwise_equal(actual, expected):
+  actual_leaves, actual_def = jax.tree.flatten(actual)
+  expected_leaves, expected_def = jax.tree.flatten(expected)
+  assert actual_def == expected_def
+  for a, e in zip(actual_leaves, expected_leaves):
+    a, e = np.asarray(a), np.asarray(e)
+    assert (a.dtype, a.shape) == (e.dtype, e.shape)
+    assert a.tobytes() == e.tobytes()
+
+
+def float8_leaves(tree):
+  return [x for x in jax.tree.leaves(tree)
+          if np.asarray(x).dtype == jnp.float8_e4m3fn]
+
+
+def test_round_trip_is_bit_exact_including_float8(tmp_path):
+  tx = make_optimizer()
+  state = train(initial_state(tx), 3, tx)
+  assert float8_leaves(state) and any(
+      np.asarray(x).astype(np.float32).any() for x in float8_leaves(state))
+  checkpoint.save(tmp_path, 3, state, METADATA)
+  step, restored, metadata = checkpoint.restore_latest(
+      tmp_path, abstract_of(state), METADATA)
+  assert step == 3 and metadata == METADATA
+  assert_bitwise_equal(restored, state)
+
+
+def test_resume_equals_uninterrupted_run_bitwise(tmp_path):
+  tx = make_optimizer()
+  uninterrupted = train(initial_state(tx), 9, tx)  # crosses an epoch at 5
+  first_part = train(initial_state(tx), 4, tx)
+  checkpoint.save(tmp_path, 4, first_part, METADATA)
+  del first_part
+  # A new process would rebuild the optimizer and the abstract state.
+  tx = make_optimizer()
+  abstract = jax.eval_shape(lambda: initial_state(tx))
+  restored = checkpoint.restore_latest(tmp_path, abstract, METADATA)
+  assert restored is not None
+  step, state, _ = restored
+  resumed = train(state, 9 - step, tx)
+  assert_bitwise_equal(resumed, uninterrupted)
+
+
+def test_no_checkpoint_gives_none(tmp_path):
+  assert checkpoint.restore_latest(tmp_path / 'absent', {}, METADATA) is None
+  assert checkpoint.restore_latest(tmp_path, {}, METADATA) is None
+
+
+def test_interrupted_save_falls_back_to_latest_complete(tmp_path, monkeypatch):
+  tx = make_optimizer()
+  state = initial_state(tx)
+  checkpoint.save(tmp_path, 1, state, METADATA)
+  later = train(state, 1, tx)
+
+  def crash(*args, **kwargs):
+    raise KeyboardInterrupt('killed while writing the manifest')
+
+  monkeypatch.setattr(checkpoint, '_file_digests', crash)
+  with pytest.raises(KeyboardInterrupt):
+    checkpoint.save(tmp_path, 2, later, METADATA)
+  monkeypatch.undo()
+  assert os.path.isdir(tmp_path / 'step_00000002.partial')
+  assert checkpoint.complete_steps(tmp_path) == [1]
+  step, restored, _ = checkpoint.restore_latest(tmp_path, abstract_of(state),
+                                                METADATA)
+  assert step == 1
+  assert_bitwise_equal(restored, state)
+  # Saving step 2 again replaces the leftover partial directory.
+  checkpoint.save(tmp_path, 2, later, METADATA, keep=1)
+  assert checkpoint.complete_steps(tmp_path) == [2]
+  assert not os.path.exists(tmp_path / 'step_00000002.partial')
+
+
+def test_corrupt_checkpoint_is_refused(tmp_path):
+  tx = make_optimizer()
+  state = initial_state(tx)
+  path = checkpoint.save(tmp_path, 5, state, METADATA)
+  with open(os.path.join(path, 'manifest.json')) as f:
+    files = sorted(json.load(f))
+  data_file = max((os.path.join(path, name) for name in files),
+                  key=os.path.getsize)
+  with open(data_file, 'r+b') as f:
+    f.seek(os.path.getsize(data_file) // 2)
+    byte = f.read(1)
+    f.seek(-1, os.SEEK_CUR)
+    f.write(bytes([byte[0] ^ 0xFF]))
+  with pytest.raises(checkpoint.CheckpointError, match='corrupt'):
+    checkpoint.restore_latest(tmp_path, abstract_of(state), METADATA)
+
+
+def test_checkpoint_of_another_run_is_refused(tmp_path):
+  tx = make_optimizer()
+  state = initial_state(tx)
+  checkpoint.save(tmp_path, 5, state, METADATA)
+  with pytest.raises(checkpoint.CheckpointError, match="k: checkpoint has 4"):
+    checkpoint.restore_latest(tmp_path, abstract_of(state),
+                              dict(METADATA, k=8))
+  with pytest.raises(checkpoint.CheckpointError, match='model'):
+    checkpoint.restore_latest(tmp_path, abstract_of(state),
+                              dict(METADATA, model='other'))
+  # Same metadata, but the state says otherwise: k=8 history, another width.
+  other_k = initial_state(make_optimizer(k=8))
+  with pytest.raises(checkpoint.CheckpointError, match='does not match'):
+    checkpoint.restore_latest(tmp_path, abstract_of(other_k), METADATA)
+  other_model = dict(state, params=dict(state['params'],
+                                        w2=jnp.zeros((16, 5))))
+  with pytest.raises(checkpoint.CheckpointError, match=r"\['w2'\]"):
+    checkpoint.restore_latest(tmp_path, abstract_of(other_model), METADATA)
+
+
+@needs_mesh
+def test_sharded_round_trip_is_bit_exact(tmp_path):
+  mesh = jax.make_mesh((2, 4), ('fsdp', 'tensor'))
+  layouts = {'w1': P('fsdp', 'tensor'), 'b1': P('tensor'),
+             'w2': P('tensor', 'fsdp')}
+  tx = make_optimizer()
+  state = train(initial_state(tx), 3, tx)
+  with jax.set_mesh(mesh):
+    params = {n: jax.device_put(x, NamedSharding(mesh, layouts[n]))
+              for n, x in state['params'].items()}
+    shardings = _sharding.state_shardings(tx, params)
+    opt_state = jax.device_put(state['opt_state'], shardings)
+    sharded = dict(state, params=params, opt_state=opt_state)
+    checkpoint.save(tmp_path, 3, sharded, METADATA)
+    _, restored, _ = checkpoint.restore_latest(tmp_path, abstract_of(sharded),
+                                               METADATA)
+  assert_bitwise_equal(restored, state)
+  taco_values = restored['opt_state'].inner_states['taco'].inner_state[0].values
+  assert taco_values['w1'].sharding.spec == P(None, 'fsdp')
+  assert restored['params']['w2'].sharding.spec == P('tensor', 'fsdp')
+  # The same checkpoint restores unsharded (e.g. on one device).
+  _, unsharded, _ = checkpoint.restore_latest(
+      tmp_path, jax.eval_shape(lambda: state), METADATA)
+  assert_bitwise_equal(unsharded, state)
