@@ -303,8 +303,9 @@ def test_smollm2_gguf_predicts_english_and_paris(smollm2):
   nll = -jnp.take_along_axis(log_probs, tokens[:, 1:, None], -1)[..., 0]
   weights = mask[:, 1:]
   real, scrambled = np.asarray((nll * weights).sum(1) / weights.sum(1))
-  # Measured: 1.83 nats/token on the paragraph, 7.74 shuffled.
-  assert real < 3.0 and scrambled > real + 3.0, (real, scrambled)
+  # Measured: 1.83 nats/token on the paragraph, 7.74 shuffled; 3.22 on the
+  # paragraph when the GGUF Q/K permutation is left in place.
+  assert real < 2.5 and scrambled > real + 3.0, (real, scrambled)
 
   prompt = tokenizer.encode('The capital of France is').ids
   for _ in range(3):
