@@ -76,6 +76,10 @@ def build_parser() -> argparse.ArgumentParser:
       help='generation length for squad/drop')
   add('--taco-k', type=int, default=_DEFAULTS.taco_k)
   add('--taco-mu', type=float, default=_DEFAULTS.taco_mu)
+  add('--taco-step', default=_DEFAULTS.taco_step,
+      choices=('auto', 'layerwise', 'optax'),
+      help='TACO only: the memory-lean layer-wise step (auto: when '
+      'taco_optax has it) or the plain optax path')
   add('--output-dir', default=_DEFAULTS.output_dir)
   add('--resume', action='store_true',
       help='continue from OUTPUT_DIR/checkpoint (saved at the end of a run)')
@@ -97,7 +101,8 @@ def config_from_args(args: argparse.Namespace) -> train_lib.RunConfig:
       train_file=args.train_file, test_file=args.test_file,
       label_words=args.label_words, template=args.template,
       max_new_tokens=args.max_new_tokens, taco_k=args.taco_k,
-      taco_mu=args.taco_mu, output_dir=args.output_dir,
+      taco_mu=args.taco_mu, taco_step=args.taco_step,
+      output_dir=args.output_dir,
       resume=args.resume, save_checkpoint=not args.no_checkpoint,
       progress=not args.no_progress)
 

@@ -57,6 +57,7 @@ class RunConfig:
   max_new_tokens: int = 16
   taco_k: int = 16
   taco_mu: float = 0.95
+  taco_step: str = 'auto'
   output_dir: str = 'runs/finetune'
   resume: bool = False
   save_checkpoint: bool = True
@@ -73,12 +74,18 @@ def next_token_log_probs(model, input_ids, attention_mask):
   return jnp.take_along_axis(log_probs, input_ids[:, 1:, None], -1)[..., 0]
 
 
-def completion_loss(model, batch: data_lib.Batch):
-  """Mean negative log-likelihood of the completion tokens in the batch."""
-  log_probs = next_token_log_probs(model, batch.input_ids,
-                                   batch.attention_mask)
+def completion_nll(logits, batch: data_lib.Batch):
+  """Mean negative log-likelihood of the completion tokens, from logits."""
+  log_probs = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), axis=-1)
+  log_probs = jnp.take_along_axis(log_probs, batch.input_ids[:, 1:, None],
+                                  -1)[..., 0]
   mask = batch.loss_mask[:, 1:]
   return -(log_probs * mask).sum() / jnp.maximum(mask.sum(), 1.0)
+
+
+def completion_loss(model, batch: data_lib.Batch):
+  """Mean negative log-likelihood of the completion tokens in the batch."""
+  return completion_nll(model(batch.input_ids, batch.attention_mask), batch)
 
 
 @nnx.jit
@@ -276,7 +283,104 @@ def write_json_atomic(path: str, payload: dict) -> None:
     raise
 
 
-# Checkpoints (Orbax): model parameters and optimizer state, step included.
+# Trainers: the optax path for every optimizer, the layer-wise TACO step.
+
+
+class NnxTrainer:
+  """``nnx.Optimizer(model, tx, wrt=nnx.Param)`` and a donated ``nnx.jit`` step.
+  """
+  path = 'optax (nnx.Optimizer + nnx.jit)'
+
+  def __init__(self, model, tx, needs_loss: bool):
+    self.model = model
+    self.optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    self._step = make_train_step(needs_loss)
+
+  def compile(self, batch):
+    return self._step.lower(self.model, self.optimizer, batch).compile()
+
+  def step(self, batch):
+    return self._step(self.model, self.optimizer, batch)
+
+  @property
+  def step_count(self) -> int:
+    return int(self.optimizer.step[...])
+
+  def optimizer_state_bytes(self) -> int:
+    return optimizers_lib.state_bytes(
+        nnx.state(self.optimizer, nnx.optimizer.OptState))
+
+  def checkpoint_tree(self):
+    return nnx.to_pure_dict(nnx.state((self.model, self.optimizer)))
+
+  def load_checkpoint_tree(self, tree) -> None:
+    state = nnx.state((self.model, self.optimizer))
+    nnx.replace_by_pure_dict(state, tree)
+    nnx.update((self.model, self.optimizer), state)
+
+
+class LayerwiseTacoTrainer:
+  """TACO through ``taco_optax``'s layer-wise step: each block's gradient is
+  consumed (history updated, winners written into the weight) as soon as
+  backprop produces it, so no dense update and at most one block's gradients
+  exist at a time. Same parameters and state as the optax path."""
+  path = ('layer-wise TACO step (taco_optax): per-block backward, winners '
+          'written into the weights during backprop')
+
+  def __init__(self, model, schedule, hints: optimizers_lib.ModelHints):
+    from examples.finetune import layerwise  # pylint: disable=g-import-not-at-top
+    self.model = model
+    self._layered = layerwise.layered_model(model, completion_nll)
+    train = layerwise.layerwise_lib.layerwise_train_step(
+        self._layered.loss, schedule, k=hints.taco_k, mu=hints.taco_mu,
+        weight_dimension_numbers=hints.taco_dimension_numbers,
+        update_scale=hints.taco_update_scale)
+    self.params = self._layered.params
+    self.opt_state = train.optimizer.init(self.params)
+    self.count = 0
+    self._step = jax.jit(train.step, donate_argnums=(0, 1))
+
+  def compile(self, batch):
+    return self._step.lower(self.params, self.opt_state, batch).compile()
+
+  def step(self, batch):
+    self.params, self.opt_state, loss = self._step(self.params,
+                                                   self.opt_state, batch)
+    # The donated old arrays are gone: point the model at the new ones.
+    self._layered.write_back(self.params)
+    self.count += 1
+    return loss
+
+  @property
+  def step_count(self) -> int:
+    return self.count
+
+  def optimizer_state_bytes(self) -> int:
+    return optimizers_lib.state_bytes(self.opt_state)
+
+  def checkpoint_tree(self):
+    return {'params': self.params, 'opt_state': self.opt_state,
+            'step': np.asarray(self.count, np.int64)}
+
+  def load_checkpoint_tree(self, tree) -> None:
+    self.params, self.opt_state = tree['params'], tree['opt_state']
+    self.count = int(tree['step'])
+    self._layered.write_back(self.params)
+
+
+def make_trainer(config: 'RunConfig', spec, model, schedule, hints):
+  """The layer-wise step for TACO when ``--taco-step`` allows, else optax."""
+  if config.optimizer == 'taco' and config.taco_step != 'optax':
+    from examples.finetune import layerwise  # pylint: disable=g-import-not-at-top
+    if layerwise.available():
+      return LayerwiseTacoTrainer(model, schedule, hints)
+    if config.taco_step == 'layerwise':
+      raise FinetuneError('--taco-step layerwise: this taco_optax has no '
+                          'layer-wise train step')
+  return NnxTrainer(model, spec.build(schedule, hints), spec.needs_loss)
+
+
+# Checkpoints (Orbax): parameters and optimizer state, step included.
 
 CHECKPOINT_DIR = 'checkpoint'
 
@@ -285,36 +389,33 @@ def checkpoint_path(output_dir: str) -> str:
   return os.path.join(os.path.abspath(output_dir), CHECKPOINT_DIR)
 
 
-def save_checkpoint(path: str, model, optimizer) -> None:
-  """Saves ``nnx.state((model, optimizer))``; Orbax writes it atomically."""
+def save_checkpoint(path: str, trainer) -> None:
+  """Saves the trainer's state; Orbax writes it atomically."""
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
   checkpointer = ocp.StandardCheckpointer()
-  checkpointer.save(path, nnx.to_pure_dict(nnx.state((model, optimizer))),
-                    force=True)
+  checkpointer.save(path, trainer.checkpoint_tree(), force=True)
   checkpointer.wait_until_finished()
 
 
-def restore_checkpoint(path: str, model, optimizer) -> int:
-  """Loads a checkpoint into ``model`` and ``optimizer``; returns its step.
+def restore_checkpoint(path: str, trainer) -> int:
+  """Loads a checkpoint into the trainer; returns its step.
 
-  The freshly built model and optimizer give the expected structure, shapes
-  and dtypes, so a checkpoint of another model or optimizer is refused.
+  The freshly built trainer gives the expected structure, shapes and dtypes,
+  so a checkpoint of another model, optimizer or step path is refused.
   """
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
   if not os.path.isdir(path):
     raise FinetuneError(f'--resume: no checkpoint at {path}')
-  state = nnx.state((model, optimizer))
-  target = nnx.to_pure_dict(state)
   try:
-    restored = ocp.StandardCheckpointer().restore(path, target)
+    restored = ocp.StandardCheckpointer().restore(path,
+                                                  trainer.checkpoint_tree())
   except Exception as e:  # Orbax raises many types for a mismatched tree.
     raise FinetuneError(
-        f'--resume: checkpoint at {path} does not match this model and '
-        f'optimizer ({type(e).__name__}: {str(e).splitlines()[0][:200]})'
-    ) from e
-  nnx.replace_by_pure_dict(state, restored)
-  nnx.update((model, optimizer), state)
-  return int(optimizer.step[...])
+        f'--resume: checkpoint at {path} does not match this model, '
+        f'optimizer and step path ({type(e).__name__}: '
+        f'{str(e).splitlines()[0][:200]})') from e
+  trainer.load_checkpoint_tree(restored)
+  return trainer.step_count
 
 
 # The run.
@@ -399,14 +500,10 @@ def _check_config(config: RunConfig) -> None:
   if config.remat_policy not in model_lib.REMAT_POLICIES:
     raise FinetuneError(f'--remat-policy must be one of '
                         f'{", ".join(model_lib.REMAT_POLICIES)}')
+  if config.taco_step not in ('auto', 'layerwise', 'optax'):
+    raise FinetuneError('--taco-step must be auto, layerwise or optax')
   if config.eval_every < 0:
     raise FinetuneError('--eval-every must be >= 0')
-
-
-def _fused_taco_available() -> bool:
-  # The layer-by-layer TACO step needs the model written as
-  # embed -> layers -> head; used once the model exposes that form.
-  return False
 
 
 def _format_bytes(n: Optional[int]) -> str:
@@ -518,22 +615,18 @@ def run(config: RunConfig, log: Callable[[str], None] = print) -> dict:
       taco_update_scale=model_lib.taco_update_scale,
       vocab_size=model_config.vocab_size, taco_k=config.taco_k,
       taco_mu=config.taco_mu)
-  tx = spec.build(schedule, hints)
-  optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+  trainer = make_trainer(config, spec, model, schedule, hints)
   start_step = 0
   if config.resume:
-    start_step = restore_checkpoint(checkpoint_path(config.output_dir), model,
-                                    optimizer)
+    start_step = restore_checkpoint(checkpoint_path(config.output_dir),
+                                    trainer)
     if start_step >= config.steps:
       raise FinetuneError(f'--resume: the checkpoint is at step {start_step}, '
                           f'not before --steps {config.steps}')
     for _ in range(start_step):  # Continue the same batch stream.
       next(batches)
     log(f'resumed from step {start_step}')
-  step_path = 'optax (nnx.Optimizer + nnx.jit)'
-  if config.optimizer == 'taco':
-    step_path += '; layer-wise TACO step not used' + (
-        '' if _fused_taco_available() else ' (not available for this model)')
+  step_path = trainer.path
   log(f'model {model_path} ({model_config.family}, '
       f'{len(train_tokens)} train / {len(test_examples)} held-out examples)')
   log(f'optimizer {config.optimizer}: lr {lr:g}, warm-up {warmup}, '
@@ -544,10 +637,9 @@ def run(config: RunConfig, log: Callable[[str], None] = print) -> dict:
   before = evaluate(model, eval_set, tokenizer, config, stop_ids)
   log(f'held-out {metric} before: {before[metric]:.4f}')
 
-  train_step = make_train_step(spec.needs_loss)
   first = next(batches)
   compile_start = time.perf_counter()
-  compiled = train_step.lower(model, optimizer, first).compile()
+  compiled = trainer.compile(first)
   compile_seconds = time.perf_counter() - compile_start
 
   progress = _Progress(config.steps - start_step, config.progress)
@@ -556,7 +648,7 @@ def run(config: RunConfig, log: Callable[[str], None] = print) -> dict:
   try:
     for step in range(start_step + 1, config.steps + 1):
       start = time.perf_counter()
-      loss = float(train_step(model, optimizer, batch))
+      loss = float(trainer.step(batch))
       elapsed = time.perf_counter() - start
       # The first step's time is mostly waiting for the compiled code.
       if step > start_step + 1 or config.steps == start_step + 1:
@@ -580,7 +672,7 @@ def run(config: RunConfig, log: Callable[[str], None] = print) -> dict:
   after = evaluate(model, eval_set, tokenizer, config, stop_ids)
   evals.append({'step': config.steps, **after})
   if config.save_checkpoint:
-    save_checkpoint(checkpoint_path(config.output_dir), model, optimizer)
+    save_checkpoint(checkpoint_path(config.output_dir), trainer)
   peak, peak_source = peak_memory(compiled)
   param_bytes = optimizers_lib.state_bytes(nnx.state(model, nnx.Param))
   results = {
@@ -595,8 +687,7 @@ def run(config: RunConfig, log: Callable[[str], None] = print) -> dict:
       'after': after,
       'evals': evals,
       'losses': losses,
-      'optimizer_state_bytes': optimizers_lib.state_bytes(
-          nnx.state(optimizer, nnx.optimizer.OptState)),
+      'optimizer_state_bytes': trainer.optimizer_state_bytes(),
       'parameter_bytes': param_bytes,
       'peak_memory_bytes': peak,
       'peak_memory_source': peak_source,

@@ -1,0 +1,123 @@
+"""A :class:`model.DecoderLM` written as ``embed -> blocks -> head``.
+
+The memory-lean TACO step (``taco_optax``'s layer-wise train step) runs the
+backward pass one block at a time and writes each column's winners into the
+weights as soon as that block's gradient exists. It needs the loss as three
+pure functions over ``(outer, layers)`` parameters; this module builds them
+from a live model, using the model's own submodules, so the loss equals
+``train.completion_loss`` (tested).
+"""
+
+from typing import Any, Callable, NamedTuple
+
+from flax import nnx
+import jax
+import jax.numpy as jnp
+
+from examples.finetune import layers as layers_lib
+
+try:  # The layer-wise step is optional: older taco_optax lacks it.
+  from taco_optax import _train_step as layerwise_lib  # pylint: disable=g-import-not-at-top
+except ImportError:  # pragma: no cover
+  layerwise_lib = None
+
+
+def available() -> bool:
+  return layerwise_lib is not None
+
+
+class LayeredModel(NamedTuple):
+  """A model as a ``LayeredLoss`` plus its parameters.
+
+  Attributes:
+    loss: the ``taco_optax`` ``LayeredLoss``.
+    params: ``(outer, layers)`` pure parameter trees; ``layers`` is a list of
+      per-block trees, or one tree with a leading layer axis when the model
+      scans its layers.
+    write_back: ``write_back(params)`` puts parameters into the live model.
+  """
+  loss: Any
+  params: tuple[Any, Any]
+  write_back: Callable[[tuple[Any, Any]], None]
+
+
+def _outer_modules(model) -> dict[str, nnx.Module]:
+  modules = {'embed': model.embed, 'final_norm': model.final_norm}
+  if model.config.learned_positions:
+    modules['positions'] = model.positions
+  if not model.config.tie_word_embeddings:
+    modules['lm_head'] = model.lm_head
+  return modules
+
+
+def _positions(attention_mask):
+  return jnp.maximum(jnp.cumsum(attention_mask, axis=1) - 1, 0)
+
+
+def layered_model(model, loss_of_logits: Callable) -> LayeredModel:
+  """Splits ``model`` into ``embed``/``layer``/``head`` pure functions.
+
+  Args:
+    model: a :class:`model.DecoderLM`.
+    loss_of_logits: ``(logits [B, T, V] float32, batch) -> scalar``.
+
+  Returns:
+    A :class:`LayeredModel`.
+  """
+  if layerwise_lib is None:
+    raise RuntimeError('this taco_optax has no layer-wise train step')
+  config = model.config
+  outer_modules = _outer_modules(model)
+  outer_defs = {name: nnx.split(module)[0]
+                for name, module in outer_modules.items()}
+  outer = {name: nnx.as_pure(nnx.state(module))
+           for name, module in outer_modules.items()}
+  if model.scan_layers:
+    block_def, stacked = nnx.split(model.layers)
+    layers = nnx.as_pure(stacked)
+  else:
+    block_def = nnx.split(model.layers[0])[0]
+    layers = [nnx.as_pure(nnx.state(block)) for block in model.layers]
+  inverse_frequencies = layers_lib.rotary_inverse_frequencies(config)
+
+  def module(name, outer_params):
+    return nnx.merge(outer_defs[name], outer_params[name])
+
+  def embed(outer_params, batch):
+    mask = batch.attention_mask.astype(bool)
+    hidden = module('embed', outer_params)(batch.input_ids)
+    if config.learned_positions:
+      hidden = hidden + module('positions', outer_params)(
+          _positions(mask) + config.position_offset)
+    return hidden
+
+  def layer(block_params, hidden, batch):
+    mask = batch.attention_mask.astype(bool)
+    rotary = layers_lib.rotary_angles(_positions(mask), inverse_frequencies)
+    attention = layers_lib.attention_mask(mask, config.sliding_window)
+    return nnx.merge(block_def, block_params)(hidden, rotary, attention)
+
+  def head(outer_params, hidden, batch):
+    hidden = module('final_norm', outer_params)(hidden)
+    if config.tie_word_embeddings:
+      table = outer_params['embed']['embedding'].astype(model.dtype)
+      logits = jnp.einsum('btd,vd->btv', hidden, table,
+                          preferred_element_type=jnp.float32)
+    else:
+      logits = module('lm_head', outer_params)(hidden)
+    return loss_of_logits(logits.astype(jnp.float32), batch)
+
+  def write_back(params):
+    outer_params, layer_params = params
+    for name, submodule in outer_modules.items():
+      nnx.update(submodule, outer_params[name])
+    if model.scan_layers:
+      nnx.update(model.layers, layer_params)
+    else:
+      for block, block_params in zip(model.layers, layer_params):
+        nnx.update(block, block_params)
+
+  loss = layerwise_lib.LayeredLoss(embed=embed, layer=layer, head=head,
+                                   scan_layers=model.scan_layers,
+                                   remat=model.remat is not None)
+  return LayeredModel(loss, (outer, layers), write_back)
