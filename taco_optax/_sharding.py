@@ -207,6 +207,8 @@ def add_history(dense: jax.Array, indices: jax.Array, values: jax.Array,
   Entries held by other devices are dropped rather than added as zeros, so
   ``-0.0`` stays ``-0.0`` exactly as on one device.
   """
+  if not shards.gather_axes:  # every device holds whole rows
+    return _selection.scatter_add_rows(dense, indices, values)
   local, held = local_rows(indices, shards)
   m_local = dense.shape[-1]
   local = jnp.where(held, local, m_local)  # out of bounds: dropped
@@ -227,6 +229,8 @@ def merged_column_topk(candidates: jax.Array, k: int, shards: LeafSharding
     ``(values, indices)``, each ``(N, k)``, identical on every device and to
     the single-device result; ``indices`` are global.
   """
+  if not shards.gather_axes:  # every device holds whole rows
+    return _selection.column_topk(candidates, k)
   local_values, local_indices = _selection.column_topk(
       candidates, min(k, candidates.shape[-1]))
   gather = lambda x: jax.lax.all_gather(x, shards.gather_axes, axis=1,
@@ -319,7 +323,7 @@ def state_shardings(tx: optax.GradientTransformation, params: Any) -> Any:
     >>> tx = taco_optax.scale_by_taco(k=2)
     >>> state_shardings = taco_optax.state_shardings(tx, {'w': w})
     >>> state_shardings.values['w'].spec
-    PartitionSpec(None, 'fsdp')
+    P(None, 'fsdp')
   """
   mesh = _the_mesh(params)
   explicit_params, explicit_mesh = _explicit_abstract(params, mesh)

@@ -354,6 +354,19 @@ def test_communication_volume_against_gathering_the_gradient(capsys):
                                            state).compile().as_text()
     gather = jax.jit(lambda g: jax.sharding.reshard(g, P()))
     dense_hlo = gather.lower(grad).compile().as_text()
+  # For comparison: XLA's own partitioning of the same step on an Auto mesh.
+  auto_mesh = jax.make_mesh((1, tensor), ('fsdp', 'tensor'),
+                            axis_types=(AxisType.Auto, AxisType.Auto))
+  auto_grad = jax.ShapeDtypeStruct(
+      (n, m), jnp.float32,
+      sharding=NamedSharding(auto_mesh, P(None, 'tensor')))
+  auto_shardings = _sharding.state_shardings(tx, {'w': auto_grad})
+  auto_state = jax.tree.map(
+      lambda sh, x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
+      auto_shardings, jax.eval_shape(tx.init, {'w': auto_grad}))
+  auto_hlo = jax.jit(
+      tx.update, out_shardings=({'w': auto_grad.sharding}, auto_shardings)
+  ).lower({'w': auto_grad}, auto_state).compile().as_text()
   candidate_bytes = gathered_bytes(sharded_hlo)
   dense_bytes = gathered_bytes(dense_hlo)
   received = lambda total: total * (tensor - 1) // tensor
@@ -362,7 +375,9 @@ def test_communication_volume_against_gathering_the_gradient(capsys):
           f'all-gather result {candidate_bytes} B (receives '
           f'{received(candidate_bytes)} B) for the merged top-k vs '
           f'{dense_bytes} B (receives {received(dense_bytes)} B) to gather '
-          f'the dense gradient: {dense_bytes / candidate_bytes:.1f}x less')
+          f'the dense gradient: {dense_bytes / candidate_bytes:.1f}x less. '
+          f'XLA on an Auto mesh: {gathered_bytes(auto_hlo)} B all-gathered, '
+          f'collectives {collectives(auto_hlo)}')
   assert dense_bytes == n * m * 4
   assert candidate_bytes == n * k * tensor * 8
   assert dense_bytes / candidate_bytes == m * 4 / (k * tensor * 8)
