@@ -173,6 +173,17 @@ def scale_by_taco(
   its history is left unchanged, so :func:`optax.apply_if_finite` can skip the
   step and no NaN enters the state.
 
+  Sharding: on a mesh with ``Explicit`` axes (the default of
+  :func:`jax.make_mesh`) each leaf's sharding is read from its type. The state
+  shards like the parameter's batch and reduction axes (only the first
+  reduction axis may be sharded) and is replicated over the mesh axes that
+  split the output axes; every sharded leaf is updated in :func:`jax.shard_map`
+  where each device takes the top-k of its slice of every column and the
+  ``k * shards`` candidates are all-gathered and merged, so results are
+  bit-identical to one device and communication is ``O(k n)``, not ``O(m n)``.
+  With ``Auto`` axes XLA partitions the step itself; use
+  :func:`taco_optax.state_shardings` for the state's shardings either way.
+
   Args:
     k: history entries kept per column (the heavy-hitter threshold); ``None``
       keeps a dense history (``k = m``), the paper's dense ablation.

@@ -384,10 +384,11 @@ def test_communication_volume_against_gathering_the_gradient(capsys):
 
 
 @needs_mesh
-def test_nnx_optimizer_state_gets_taco_shardings():
+@pytest.mark.parametrize('explicit', [True, False])
+def test_nnx_optimizer_state_gets_taco_shardings(explicit):
   from flax import nnx  # pylint: disable=g-import-not-at-top
 
-  mesh = make_mesh()
+  mesh = make_mesh(explicit)
   init = nnx.with_partitioning(nnx.initializers.lecun_normal(),
                                ('fsdp', 'tensor'))
   bias_init = nnx.with_partitioning(nnx.initializers.zeros_init(),
@@ -398,7 +399,7 @@ def test_nnx_optimizer_state_gets_taco_shardings():
                        rngs=nnx.Rngs(0))
     tx = taco_optax.taco(learning_rate=1e-2, k=4)
     # Without the helper nnx copies the kernel's ('fsdp', 'tensor') onto the
-    # rank-1 exponents and fails to reshard them.
+    # rank-1 exponents and fails to place them.
     with pytest.raises(Exception):
       nnx.Optimizer(model, tx, wrt=nnx.Param)
     optimizer = nnx.Optimizer(model, _sharding.for_nnx_optimizer(tx),
