@@ -119,6 +119,24 @@ def _data_dependency(values: jax.Array, after: Any) -> jax.Array:
   return values + jnp.where(jnp.isfinite(first), first, 0) * 0
 
 
+# A matrix whose column step would hold more float32 elements than this is
+# processed a block of columns at a time (the column step's transients, e.g.
+# the float32 candidates and their magnitudes, are each gradient-sized).
+_CHUNK_ELEMENTS = 2**20
+
+
+def _column_chunk(layout: dn.MatrixLayout) -> Optional[int]:
+  """Columns per block for a chunked update, or None for one pass."""
+  if layout.batch_shape or layout.n * layout.m <= 2 * _CHUNK_ELEMENTS:
+    return None
+  if layout.transpose not in ((0, 1), (1, 0)):
+    return None
+  target = max(1, _CHUNK_ELEMENTS // layout.m)
+  chunk = max(c for c in range(1, min(target, layout.n) + 1)
+              if layout.n % c == 0)
+  return chunk if chunk < layout.n else None
+
+
 def _taco_leaf_update(param, grad, values, indices, exponents, plan, mu,
                       update_topk, lr_tx, lr_state, after=None):
   """One TACO leaf: the history step, then the winners scattered into param.
@@ -126,6 +144,10 @@ def _taco_leaf_update(param, grad, values, indices, exponents, plan, mu,
   Same arithmetic as ``scale_by_taco`` -> ``scale_by_learning_rate`` ->
   ``optax.apply_updates`` on the winners; every other entry is ``p + 0``.
   """
+  chunk = _column_chunk(plan.layout)
+  if chunk is not None:
+    return _chunked_leaf_update(param, grad, values, indices, exponents, plan,
+                                mu, update_topk, lr_tx, lr_state, after, chunk)
   layout = plan.layout
   keep = values.shape[-2]
   rows_of_state = lambda x: jnp.swapaxes(x, -1, -2).reshape(-1, keep)
@@ -150,6 +172,54 @@ def _taco_leaf_update(param, grad, values, indices, exponents, plan, mu,
   return (new_param, state_of_rows(step.history.values),
           state_of_rows(step.history_indices),
           step.history.exponents.reshape(exponents.shape))
+
+
+def _chunked_leaf_update(param, grad, values, indices, exponents, plan, mu,
+                         update_topk, lr_tx, lr_state, after, chunk):
+  """:func:`_taco_leaf_update` of a 2-D leaf, ``chunk`` columns at a time.
+
+  Columns are independent in TACO, so a ``lax.scan`` over column blocks gives
+  the same result with block-sized transients; the weight and state are
+  updated in place in the carry. Finiteness is judged on the whole leaf, as
+  the optax path does.
+  """
+  layout = plan.layout
+  keep = values.shape[-2]
+  rows_are_axis0 = layout.transpose == (0, 1)
+  finite = jnp.all(jnp.isfinite(grad))
+
+  def rows(x, start):  # (chunk, m) rows of a param-shaped array
+    if rows_are_axis0:
+      return jax.lax.dynamic_slice_in_dim(x, start, chunk, axis=0)
+    return jax.lax.dynamic_slice_in_dim(x, start, chunk, axis=1).T
+
+  def body(carry, block):
+    param, values, indices, exponents = carry
+    start = block * chunk
+    columns = lambda x: jax.lax.dynamic_slice_in_dim(x, start, chunk, axis=-1)
+    step = _transform.column_step(
+        rows(grad, start), columns(values).T, columns(indices).T,
+        columns(exponents), mu, keep, min(update_topk, layout.m))
+    direction = (step.winner_signs * plan.scale).astype(grad.dtype)
+    delta, _ = lr_tx.update(direction, lr_state)
+    if after is not None:
+      delta = _data_dependency(delta, after)
+    row_ids = start + jnp.arange(chunk, dtype=jnp.int32)[:, None]
+    where = ((row_ids, step.winner_indices) if rows_are_axis0
+             else (step.winner_indices, row_ids))
+    param = param.at[where].set(
+        jnp.asarray(param[where] + delta).astype(param.dtype),
+        unique_indices=True, mode='promise_in_bounds')
+    put = lambda old, new: jax.lax.dynamic_update_slice_in_dim(
+        old, jnp.where(finite, new, columns(old)), start, axis=-1)
+    return (param, put(values, step.history.values.T),
+            put(indices, step.history_indices.T),
+            put(exponents, step.history.exponents)), None
+
+  (param, values, indices, exponents), _ = jax.lax.scan(
+      body, (param, values, indices, exponents),
+      jnp.arange(layout.n // chunk, dtype=jnp.int32))
+  return jnp.where(finite, param, jnp.nan), values, indices, exponents
 
 
 def _drop_leading_axis(plan: _LeafPlan, shape: tuple[int, ...]) -> _LeafPlan:

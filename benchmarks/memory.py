@@ -1,0 +1,169 @@
+"""Compiled peak memory of a full train step, per optimizer and path.
+
+For the example's Llama-style ``DecoderLM`` (SmolLM2-135M shapes by default,
+batch 4, short sequences, remat on), compiles on abstract shapes (nothing is
+allocated) and reads XLA's ``memory_analysis()`` of
+
+* the forward-only loss,
+* the plain ``value_and_grad -> tx.update -> apply_updates`` step for
+  ``optax.adamw`` and ``taco_optax.taco``,
+* the layerwise TACO step (``taco_optax.layerwise_train_step``),
+
+with stacked (``lax.scan``) and unrolled layers, params and state donated.
+Peak = arguments + outputs - aliased + temporaries. The table splits it as in
+the paper's Figure 1: weights, persistent optimizer state, activations (the
+forward's temporaries) and the rest (gradients and other transients). The last
+line is ``taco_overhead=... adamw_overhead=... state_ratio=...`` with
+overhead = (peak_train - peak_forward) / weight bytes, for scanned layers
+(``*_unrolled`` for unrolled ones).
+
+The CPU backend may compute bf16 matmuls in f32, inflating temporaries, so
+run with ``--dtype float32`` as well.
+
+  python benchmarks/memory.py [--dtype bfloat16|float32] [--batch 4]
+      [--seq 64] [--layers N]
+"""
+
+import argparse
+import dataclasses
+import time
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from benchmarks import layered_decoder
+from examples.finetune import config as config_lib
+from examples.finetune import model as model_lib
+from taco_optax import _train_step
+
+# SmolLM2-135M (Hugging Face config.json, Llama architecture).
+SMOLLM2_135M = {
+    'architectures': ['LlamaForCausalLM'], 'model_type': 'llama',
+    'vocab_size': 49152, 'hidden_size': 576, 'intermediate_size': 1536,
+    'num_hidden_layers': 30, 'num_attention_heads': 9,
+    'num_key_value_heads': 3, 'head_dim': 64,
+    'max_position_embeddings': 8192, 'rms_norm_eps': 1e-5,
+    'rope_theta': 100000.0, 'tie_word_embeddings': True,
+    'hidden_act': 'silu', 'bos_token_id': 0, 'eos_token_id': 0,
+}
+
+
+def tree_bytes(tree):
+  return sum(x.size * jnp.dtype(x.dtype).itemsize
+             for x in jax.tree.leaves(tree))
+
+
+def peak_bytes(fn, args, donate=()):
+  """(peak, temp) bytes of ``jit(fn)`` compiled for ``args``."""
+  compiled = jax.jit(fn, donate_argnums=donate).lower(*args).compile()
+  stats = compiled.memory_analysis()
+  peak = (stats.argument_size_in_bytes + stats.output_size_in_bytes
+          - stats.alias_size_in_bytes + stats.temp_size_in_bytes)
+  return peak, stats.temp_size_in_bytes
+
+
+def plain_step(loss, tx):
+  def step(params, opt_state, batch):
+    value, grads = jax.value_and_grad(loss)(params, batch)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, value
+  return step
+
+
+def abstract_decoder(hf_config, *, dtype, scan_layers, num_layers=None):
+  config = config_lib.ModelConfig.from_hf_config(hf_config)
+  if num_layers is not None:
+    config = dataclasses.replace(config, num_layers=num_layers)
+  model = nnx.eval_shape(lambda: model_lib.DecoderLM(
+      config, dtype=dtype, param_dtype=dtype, remat='block',
+      scan_layers=scan_layers, rngs=nnx.Rngs(0)))
+  return config, layered_decoder.layered_decoder(model)
+
+
+def measure(hf_config, *, dtype, scan_layers, batch, seq, num_layers=None,
+            paths=('forward', 'adamw', 'taco', 'taco layerwise')):
+  """Rows of (path, peak, state, temp) bytes, and the weight bytes."""
+  config, decoder = abstract_decoder(hf_config, dtype=dtype,
+                                     scan_layers=scan_layers,
+                                     num_layers=num_layers)
+  params = decoder.params
+  tokens = (jax.ShapeDtypeStruct((batch, seq), jnp.int32),
+            jax.ShapeDtypeStruct((batch, seq), jnp.bool_))
+  train = _train_step.layerwise_train_step(
+      decoder.loss, 3e-5,
+      weight_dimension_numbers=model_lib.taco_dimension_numbers,
+      update_scale=model_lib.taco_update_scale)
+  rows = []
+  for path in paths:
+    start = time.perf_counter()
+    if path == 'forward':
+      state = ()
+      peak, temp = peak_bytes(decoder.loss, (params, tokens))
+    else:
+      tx = optax.adamw(1e-5) if path == 'adamw' else train.optimizer
+      state = jax.eval_shape(tx.init, params)
+      step = train.step if path == 'taco layerwise' else plain_step(
+          decoder.loss, tx)
+      peak, temp = peak_bytes(step, (params, state, tokens), donate=(0, 1))
+    rows.append((path, peak, tree_bytes(state), temp,
+                 time.perf_counter() - start))
+  return config, tree_bytes(params), rows
+
+
+def print_table(title, weights, rows):
+  mib = lambda x: x / 2**20
+  forward_peak = rows[0][1]
+  forward_temp = rows[0][3]
+  print(f'\n{title}')
+  print(f'{"path":<16}{"peak MiB":>10}{"weights":>9}{"state":>8}'
+        f'{"activ.":>8}{"grads+transient":>17}{"overhead":>10}'
+        f'{"compile s":>11}')
+  overheads = {}
+  for path, peak, state, temp, seconds in rows:
+    activations = forward_temp
+    rest = peak - weights - state - activations if path != 'forward' else 0
+    overhead = (peak - forward_peak) / weights
+    overheads[path] = overhead
+    print(f'{path:<16}{mib(peak):>10.1f}{mib(weights):>9.1f}{mib(state):>8.1f}'
+          f'{mib(activations):>8.1f}{mib(rest):>17.1f}{overhead:>10.3f}'
+          f'{seconds:>11.1f}')
+  return overheads
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+  parser.add_argument('--dtype', default='bfloat16')
+  parser.add_argument('--batch', type=int, default=4)
+  parser.add_argument('--seq', type=int, default=64)
+  parser.add_argument('--layers', type=int, default=None,
+                      help='override the number of layers (default: 30)')
+  parser.add_argument('--skip-unrolled', action='store_true')
+  args = parser.parse_args()
+  dtype = jnp.dtype(args.dtype)
+  print(f'SmolLM2-135M shapes, dtype={dtype.name}, batch={args.batch}, '
+        f'seq={args.seq}, layers={args.layers or 30}, remat on, '
+        f'backend={jax.default_backend()}')
+  results = {}
+  layouts = [True] if args.skip_unrolled else [True, False]
+  for scan_layers in layouts:
+    _, weights, rows = measure(SMOLLM2_135M, dtype=dtype,
+                               scan_layers=scan_layers, batch=args.batch,
+                               seq=args.seq, num_layers=args.layers)
+    title = 'scanned layers (lax.scan)' if scan_layers else 'unrolled layers'
+    results[scan_layers] = (print_table(title, weights, rows), rows)
+  overheads, rows = results[True]
+  states = {path: state for path, _, state, _, _ in rows}
+  line = (f'taco_overhead={overheads["taco layerwise"]:.3f} '
+          f'adamw_overhead={overheads["adamw"]:.3f} '
+          f'state_ratio={states["adamw"] / states["taco"]:.1f}')
+  if False in results:
+    unrolled = results[False][0]
+    line += (f' taco_overhead_unrolled={unrolled["taco layerwise"]:.3f}'
+             f' adamw_overhead_unrolled={unrolled["adamw"]:.3f}')
+  print(line)
+
+
+if __name__ == '__main__':
+  main()

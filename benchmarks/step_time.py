@@ -1,0 +1,131 @@
+"""Update-only time of TACO vs optax optimizers on LLM-shaped parameter trees.
+
+Times ``jit(update + apply_updates)`` (params and state donated) for
+``taco_optax.taco`` and optax's adamw, adafactor, lion and contrib.muon, and
+one read of the gradient tree (the memory-bound floor). Prints a table and, on
+its last line, ``taco_over_adamw=<ratio> taco_over_read=<ratio>``.
+
+  python benchmarks/step_time.py [--model llama-125m|llama-350m|smollm2-135m]
+      [--dtype bfloat16|float32] [--repeats 3]
+"""
+
+import argparse
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import taco_optax
+
+# name: (vocab, hidden, layers, ffn, q heads * head dim, kv heads * head dim)
+SHAPES = {
+    'smollm2-135m': (49152, 576, 30, 1536, 576, 192),
+    'llama-125m': (32000, 768, 12, 2048, 768, 768),
+    'llama-350m': (32000, 1024, 24, 2816, 1024, 1024),
+}
+
+
+def llama_params(name, dtype):
+  """A Llama-shaped parameter tree, Flax layout (in, out), random values."""
+  vocab, hidden, layers, ffn, q_dim, kv_dim = SHAPES[name]
+  shapes = {'embedding': (vocab, hidden), 'lm_head': (hidden, vocab),
+            'final_norm': (hidden,)}
+  for l in range(layers):
+    shapes.update({
+        f'layer{l}/q': (hidden, q_dim), f'layer{l}/k': (hidden, kv_dim),
+        f'layer{l}/v': (hidden, kv_dim), f'layer{l}/o': (q_dim, hidden),
+        f'layer{l}/gate': (hidden, ffn), f'layer{l}/up': (hidden, ffn),
+        f'layer{l}/down': (ffn, hidden), f'layer{l}/attn_norm': (hidden,),
+        f'layer{l}/mlp_norm': (hidden,)})
+  keys = jax.random.split(jax.random.key(0), len(shapes))
+  return {name: (0.02 * jax.random.normal(key, shape)).astype(dtype)
+          for key, (name, shape) in zip(keys, sorted(shapes.items()))}
+
+
+def optimizers():
+  lr = 1e-4
+  return {
+      'taco': taco_optax.taco(lr),
+      'adamw': optax.adamw(lr),
+      'adafactor': optax.adafactor(lr),
+      'lion': optax.lion(lr),
+      'muon': optax.contrib.muon(lr),
+  }
+
+
+def time_fn(fn, args, repeats):
+  """Best wall time of ``fn(*args)`` over ``repeats`` runs (after a warm-up)."""
+  out = fn(*args)
+  jax.block_until_ready(out)
+  best = float('inf')
+  for _ in range(repeats):
+    start = time.perf_counter()
+    out = fn(*args)
+    jax.block_until_ready(out)
+    best = min(best, time.perf_counter() - start)
+  return best
+
+
+def time_optimizer(tx, params, grads, repeats):
+  state = tx.init(params)
+
+  def step(params, state, grads):
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  step = jax.jit(step, donate_argnums=(0, 1))
+  compiled = step.lower(params, state, grads).compile()
+  carry = [jax.tree.map(jnp.copy, params), state]
+
+  def run():
+    carry[0], carry[1] = compiled(carry[0], carry[1], grads)
+    return carry[0]
+
+  best = time_fn(lambda: run(), (), repeats)
+  state_bytes = sum(x.nbytes for x in jax.tree.leaves(state))
+  return best, state_bytes
+
+
+def time_read(grads, repeats):
+  read = jax.jit(lambda g: [jnp.max(x) for x in jax.tree.leaves(g)])
+  return time_fn(read, (grads,), repeats)
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+  parser.add_argument('--model', default='llama-125m', choices=sorted(SHAPES))
+  parser.add_argument('--dtype', default='bfloat16')
+  parser.add_argument('--repeats', type=int, default=3)
+  parser.add_argument('--only', default=None,
+                      help='comma-separated subset of optimizers')
+  args = parser.parse_args()
+  dtype = jnp.dtype(args.dtype)
+  params = llama_params(args.model, dtype)
+  grads = jax.tree.map(
+      lambda p: (1e-3 * jax.random.normal(jax.random.key(1), p.shape)
+                 ).astype(p.dtype), params)
+  num_params = sum(x.size for x in jax.tree.leaves(params))
+  print(f'model={args.model} params={num_params / 1e6:.1f}M dtype={dtype.name}'
+        f' device={jax.devices()[0].device_kind}')
+  read = time_read(grads, args.repeats)
+  rows = [('read gradients', read, 0)]
+  chosen = optimizers()
+  if args.only:
+    chosen = {k: v for k, v in chosen.items() if k in args.only.split(',')}
+  for name, tx in chosen.items():
+    seconds, state_bytes = time_optimizer(tx, params, grads, args.repeats)
+    rows.append((name, seconds, state_bytes))
+  print(f'{"update":<16}{"ms":>10}{"x read":>9}{"state MiB":>11}')
+  for name, seconds, state_bytes in rows:
+    print(f'{name:<16}{1e3 * seconds:>10.1f}{seconds / read:>9.2f}'
+          f'{state_bytes / 2**20:>11.1f}')
+  times = {name: seconds for name, seconds, _ in rows}
+  if 'taco' in times and 'adamw' in times:
+    print(f'taco_over_adamw={times["taco"] / times["adamw"]:.3f} '
+          f'taco_over_read={times["taco"] / read:.3f}')
+
+
+if __name__ == '__main__':
+  main()
