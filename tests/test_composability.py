@@ -207,6 +207,21 @@ def test_nnx_optimizer_integration():
   assert sorted(v.shape for v in values) == [(1, 16), (4, 4)]  # (min(k, m), n)
 
 
+def _fit(loss, params, tx, num_steps):
+  """Full-batch gradient descent with tx; returns the final params."""
+
+  @jax.jit
+  def step(params, state):
+    grads = jax.grad(loss)(params)
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  state = tx.init(params)
+  for _ in range(num_steps):
+    params, state = step(params, state)
+  return params
+
+
 def test_converges_on_least_squares():
   rng = np.random.default_rng(6)
   a = jnp.asarray(rng.standard_normal((64, 16)), jnp.float32)
@@ -215,18 +230,8 @@ def test_converges_on_least_squares():
   loss = lambda p: jnp.mean((a @ p['w'] - b) ** 2)
   params = {'w': jnp.zeros((16, 8))}
   tx = taco_optax.taco(optax.linear_schedule(0.2, 0.0, 400), k=4, mu=0.5)
-  state = tx.init(params)
-
-  @jax.jit
-  def step(params, state):
-    grads = jax.grad(loss)(params)
-    updates, state = tx.update(grads, state, params)
-    return optax.apply_updates(params, updates), state
-
   initial = float(loss(params))
-  for _ in range(400):
-    params, state = step(params, state)
-  assert float(loss(params)) < 1e-2 * initial
+  assert float(loss(_fit(loss, params, tx, 400))) < 1e-2 * initial
 
 
 def test_converges_on_a_small_mlp():
@@ -244,15 +249,5 @@ def test_converges_on_a_small_mlp():
 
   tx = taco_optax.taco(optax.linear_schedule(0.05, 0.0, 500), k=8,
                        adam_learning_rate=1e-2)
-  state = tx.init(params)
-
-  @jax.jit
-  def step(params, state):
-    grads = jax.grad(loss)(params)
-    updates, state = tx.update(grads, state, params)
-    return optax.apply_updates(params, updates), state
-
   initial = float(loss(params))
-  for _ in range(500):
-    params, state = step(params, state)
-  assert float(loss(params)) < 0.1 * initial
+  assert float(loss(_fit(loss, params, tx, 500))) < 0.1 * initial
