@@ -80,7 +80,7 @@ def save_hf_model(name: str, directory: str, seed: int = 0, **save_kwargs):
   config.architectures = [_ARCHITECTURE[config_class]]
   torch.manual_seed(seed)
   model = getattr(transformers, _ARCHITECTURE[config_class])._from_config(
-      config, attn_implementation='eager', dtype=torch.float32)
+      config, attn_implementation='eager').float()
   with torch.no_grad():
     for parameter in model.parameters():
       parameter.add_(0.1 * torch.randn_like(parameter))
