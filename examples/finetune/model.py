@@ -106,8 +106,9 @@ class DecoderLM(nnx.Module):
 
     Args:
       input_ids: ``int32[B, T]``.
-      attention_mask: ``bool[B, T]``, true for real tokens (right padding);
-        ``None`` means no padding. Positions count real tokens only.
+      attention_mask: ``bool[B, T]``, true for real tokens (right or left
+        padding); ``None`` means no padding. Positions count real tokens
+        only, so a padded row gives the logits of the unpadded sequence.
 
     Returns:
       ``float32[B, T, vocab_size]`` logits; position ``t`` predicts token

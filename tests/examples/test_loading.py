@@ -127,6 +127,13 @@ def test_error_file_that_is_not_gguf(tmp_path):
   assert 'not a .gguf' in _load_error(str(path))
 
 
+def test_error_malformed_gguf(tmp_path):
+  pytest.importorskip('gguf', reason='GGUF tests need: pip install gguf')
+  path = tmp_path / 'model.gguf'
+  path.write_bytes(b'GGUF' + bytes(60))
+  assert 'cannot read GGUF file' in _load_error(str(path))
+
+
 def test_error_malformed_config(saved_models, tmp_path):
   directory = _copy(saved_models, tmp_path)
   with open(os.path.join(directory, 'config.json'), 'w') as f:

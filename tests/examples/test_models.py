@@ -74,7 +74,7 @@ def test_causal_future_tokens_do_not_change_past_logits(family):
 
 
 @pytest.mark.parametrize('family', FAMILIES)
-def test_right_padding_matches_unpadded_rows(family):
+def test_padding_matches_unpadded_rows(family):
   model = _tiny_model(family)
   tokens = _tokens(model.config, batch=2, length=9)
   mask = jnp.array([[True] * 9, [True] * 6 + [False] * 3])
@@ -85,6 +85,11 @@ def test_right_padding_matches_unpadded_rows(family):
   np.testing.assert_allclose(logits[1, :6], alone[0], rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(logits[0], model(tokens[:1])[0], rtol=1e-5,
                              atol=1e-5)
+  # Left padding works too: positions count real tokens only.
+  left = jnp.concatenate([jnp.zeros((1, 3), jnp.int32), tokens[1:, :6]], 1)
+  left_mask = jnp.array([[False] * 3 + [True] * 6])
+  np.testing.assert_allclose(model(left, left_mask)[0, 3:], alone[0],
+                             rtol=1e-5, atol=1e-5)
 
 
 def test_sliding_window_limits_how_far_back_a_query_sees():
