@@ -1,0 +1,260 @@
+"""One fine-tuning run of the quality benchmark, with compiled steps reused.
+
+The example's loop (``examples.finetune.train``) compiles one step per run.
+A benchmark of ~100 runs cannot afford that on two CPU cores, so this module
+keeps the example's pieces (model, data, batches, loss, schedule, optimizer
+registry, evaluation, memory figure) and changes one thing: the peak learning
+rate is a traced value (``optax.inject_hyperparams``), fed each step from the
+example's warm-up/decay schedule on the host, so one compiled step serves every
+learning rate and seed of an optimizer variant.
+"""
+
+import dataclasses
+import functools
+import math
+import time
+from typing import Any, Iterable, Optional, Sequence
+
+from flax import nnx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from examples.finetune import data as data_lib
+from examples.finetune import model as model_lib
+from examples.finetune import optimizers as optimizers_lib
+from examples.finetune import train as train_lib
+import taco_optax
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+  """An optimizer configuration that needs its own compiled step.
+
+  Attributes:
+    optimizer: a name of the example's ``--optimizer`` registry.
+    taco_k: TACO history entries per column; ``None`` is a dense history.
+    taco_mu: TACO history decay.
+    taco_update_topk: TACO's update Top-r.
+  """
+  optimizer: str
+  taco_k: Optional[int] = 16
+  taco_mu: float = 0.95
+  taco_update_topk: int = 1
+
+  @property
+  def label(self) -> str:
+    if self.optimizer != 'taco':
+      return self.optimizer
+    k = 'dense' if self.taco_k is None else self.taco_k
+    return f'taco(k={k},mu={self.taco_mu:g},r={self.taco_update_topk})'
+
+
+def _taco_with_update_topk(variant: Variant, hints):
+  """The registry's TACO (same dimension numbers and scales) with Top-r.
+
+  The registry's ``ModelHints`` carries ``k`` and ``mu`` but not the update
+  Top-r of the paper's ablation; this adds it.
+  """
+  def build(schedule, hints):
+    return taco_optax.taco(
+        schedule, k=variant.taco_k, mu=variant.taco_mu,
+        update_topk=variant.taco_update_topk,
+        weight_dimension_numbers=hints.taco_dimension_numbers,
+        update_scale=hints.taco_update_scale)
+  return build
+
+
+def build_transformation(variant: Variant, hints) -> tuple[Any, bool]:
+  """``(inject_hyperparams transformation, needs_loss)`` for a variant."""
+  spec = optimizers_lib.get(variant.optimizer)
+  build = spec.build
+  if variant.optimizer == 'taco':
+    hints = dataclasses.replace(hints, taco_k=variant.taco_k,
+                                taco_mu=variant.taco_mu)
+    if variant.taco_update_topk != 1 or variant.taco_k is None:
+      build = _taco_with_update_topk(variant, hints)
+  factory = lambda learning_rate: build(learning_rate, hints)
+  return optax.inject_hyperparams(factory)(learning_rate=0.0), spec.needs_loss
+
+
+@dataclasses.dataclass
+class CompiledStep:
+  """A compiled ``(params, state, batch, lr) -> (params, state, loss)``."""
+  step: Any
+  transformation: Any
+  compile_seconds: float
+  peak_memory_bytes: Optional[int]
+  peak_memory_source: str
+
+
+class Runner:
+  """Runs fine-tuning runs of one model on one data set.
+
+  Args:
+    model: the ``DecoderLM`` whose current parameters every run starts from.
+    train_tokens: tokenised training examples.
+    eval_set: the held-out ``train.EvalSet`` (``None``: no evaluation).
+    tokenizer: the tokenizer (for evaluation).
+    batch_size: training batch size.
+    seq_len: padded training and evaluation length.
+    eval_batch_size: evaluation batch size.
+    pad_id: padding token id.
+    hints: ``optimizers.ModelHints`` for the registry's builders.
+  """
+
+  def __init__(self, model, train_tokens: Sequence[data_lib.TokenizedExample],
+               eval_set, tokenizer, *, batch_size: int, seq_len: int,
+               eval_batch_size: int, pad_id: int, hints):
+    self.graphdef, self.initial_params, self.rest = nnx.split(
+        model, nnx.Param, ...)
+    self.train_tokens = list(train_tokens)
+    self.eval_set = eval_set
+    self.tokenizer = tokenizer
+    self.batch_size = batch_size
+    self.seq_len = seq_len
+    self.pad_id = pad_id
+    self.hints = hints
+    self.eval_config = train_lib.RunConfig(
+        seq_len=seq_len, eval_batch_size=eval_batch_size, progress=False)
+    self._compiled: dict[Variant, CompiledStep] = {}
+
+  def loss(self, params, batch):
+    return train_lib.completion_loss(
+        nnx.merge(self.graphdef, params, self.rest), batch)
+
+  def model_of(self, params):
+    return nnx.merge(self.graphdef, params, self.rest)
+
+  def _first_batch(self):
+    return next(data_lib.training_batches(self.train_tokens, self.batch_size,
+                                          self.seq_len, 0, self.pad_id))
+
+  def compiled(self, variant: Variant) -> CompiledStep:
+    """The variant's compiled step (compiled on first use)."""
+    if variant in self._compiled:
+      return self._compiled[variant]
+    transformation, needs_loss = build_transformation(variant, self.hints)
+
+    def step(params, state, batch, learning_rate):
+      loss, grads = jax.value_and_grad(self.loss)(params, batch)
+      state = state._replace(
+          hyperparams={**state.hyperparams, 'learning_rate': learning_rate})
+      extra = ({'obj_fn': functools.partial(self.loss, batch=batch)}
+               if needs_loss else {})
+      updates, state = transformation.update(grads, state, params, **extra)
+      return optax.apply_updates(params, updates), state, loss
+
+    params = self.initial_params
+    state = jax.eval_shape(transformation.init, params)
+    start = time.perf_counter()
+    compiled = jax.jit(step, donate_argnums=(0, 1)).lower(
+        params, state, self._first_batch(), jnp.float32(0.0)).compile()
+    seconds = time.perf_counter() - start
+    peak, source = train_lib.peak_memory(compiled)
+    self._compiled[variant] = CompiledStep(compiled, transformation, seconds,
+                                           peak, source)
+    return self._compiled[variant]
+
+  def evaluate(self, params) -> float:
+    """Held-out accuracy (the task's headline metric)."""
+    scores = train_lib.evaluate(self.model_of(params), self.eval_set,
+                                self.tokenizer, self.eval_config)
+    return float(next(iter(scores.values())))
+
+  def train(self, variant: Variant, learning_rate: float, seed: int,
+            steps: int, warmup_steps: int,
+            eval_steps: Iterable[int] = ()) -> dict:
+    """Trains from the initial parameters; returns the run's record.
+
+    Args:
+      variant: the optimizer configuration.
+      learning_rate: peak learning rate of the linear warm-up/decay schedule.
+      seed: seed of the training-batch order.
+      steps: training steps.
+      warmup_steps: warm-up steps.
+      eval_steps: steps before the last after which to evaluate too.
+
+    Returns:
+      A JSON-ready record: losses, evaluations, final accuracy (``None``
+      without an eval set), state bytes, peak memory, tokens/s, times; the
+      final parameters are kept in ``self.last_params``.
+    """
+    compiled = self.compiled(variant)
+    params = jax.tree.map(jnp.copy, self.initial_params)
+    state = jax.jit(compiled.transformation.init)(params)
+    state_bytes = optimizers_lib.state_bytes(state.inner_state)
+    schedule = optimizers_lib.linear_schedule(learning_rate, steps,
+                                              warmup_steps)
+    batches = data_lib.training_batches(self.train_tokens, self.batch_size,
+                                        self.seq_len, seed, self.pad_id)
+    eval_steps = set(eval_steps)
+    losses, evals, tokens, seconds = [], [], 0, 0.0
+    diverged_at = None
+    wall = time.perf_counter()
+    for step in range(steps):
+      batch = next(batches)
+      start = time.perf_counter()
+      params, state, loss = compiled.step(
+          params, state, batch, jnp.float32(schedule(step)))
+      loss = float(loss)
+      if step > 0:  # The first call includes dispatch warm-up.
+        seconds += time.perf_counter() - start
+        tokens += int(batch.attention_mask.sum())
+      losses.append(loss)
+      if not math.isfinite(loss):
+        diverged_at = step + 1
+        break
+      if self.eval_set is not None and step + 1 in eval_steps and (
+          step + 1 < steps):
+        evals.append({'step': step + 1, 'accuracy': self.evaluate(params)})
+    accuracy = None
+    if self.eval_set is not None:
+      accuracy = 0.0 if diverged_at else self.evaluate(params)
+      evals.append({'step': len(losses), 'accuracy': accuracy})
+    self.last_params = params
+    return {
+        'variant': variant.label,
+        'optimizer': variant.optimizer,
+        'taco_k': variant.taco_k if variant.optimizer == 'taco' else None,
+        'taco_mu': variant.taco_mu if variant.optimizer == 'taco' else None,
+        'taco_update_topk': (variant.taco_update_topk
+                             if variant.optimizer == 'taco' else None),
+        'learning_rate': learning_rate,
+        'seed': seed,
+        'steps': steps,
+        'warmup_steps': warmup_steps,
+        'accuracy': accuracy,
+        'evals': evals,
+        'losses': losses,
+        'diverged_at_step': diverged_at,
+        'optimizer_state_bytes': state_bytes,
+        'peak_memory_bytes': compiled.peak_memory_bytes,
+        'peak_memory_source': compiled.peak_memory_source,
+        'compile_seconds': compiled.compile_seconds,
+        'tokens_per_second': tokens / seconds if seconds else 0.0,
+        'train_seconds': seconds,
+        'wall_seconds': time.perf_counter() - wall,
+    }
+
+
+def model_hints(model_config, **overrides):
+  """The registry's ``ModelHints`` for an example ``DecoderLM``."""
+  return optimizers_lib.ModelHints(
+      taco_dimension_numbers=model_lib.taco_dimension_numbers,
+      taco_update_scale=model_lib.taco_update_scale,
+      vocab_size=model_config.vocab_size, **overrides)
+
+
+def layerwise_taco_peak(model, batch, hints) -> tuple[Optional[int], str]:
+  """Compiled peak memory of the example's layer-wise TACO step."""
+  schedule = optimizers_lib.linear_schedule(3e-5, 10, 1)
+  trainer = train_lib.LayerwiseTacoTrainer(model, schedule, hints)
+  return train_lib.peak_memory(trainer.compile(batch))
+
+
+def mean_std(values: Sequence[float]) -> tuple[float, float]:
+  values = np.asarray(values, np.float64)
+  return float(values.mean()), float(values.std(ddof=1) if len(values) > 1
+                                     else 0.0)
