@@ -74,6 +74,11 @@ def build_parser() -> argparse.ArgumentParser:
       help='for --task text: prompt with a {text} placeholder')
   add('--max-new-tokens', type=int, default=_DEFAULTS.max_new_tokens,
       help='generation length for squad/drop')
+  add('--objective', default=_DEFAULTS.objective,
+      choices=('auto', 'candidates', 'completion'),
+      help='training loss: cross-entropy over single-token candidates '
+      '(MeZO\'s classification objective), or the likelihood of the '
+      'correct completion; auto picks candidates when they are single tokens')
   add('--taco-k', type=int, default=_DEFAULTS.taco_k)
   add('--taco-mu', type=float, default=_DEFAULTS.taco_mu)
   add('--taco-step', default=_DEFAULTS.taco_step,
@@ -102,6 +107,7 @@ def config_from_args(args: argparse.Namespace) -> train_lib.RunConfig:
       label_words=args.label_words, template=args.template,
       max_new_tokens=args.max_new_tokens, taco_k=args.taco_k,
       taco_mu=args.taco_mu, taco_step=args.taco_step,
+      objective=args.objective,
       output_dir=args.output_dir,
       resume=args.resume, save_checkpoint=not args.no_checkpoint,
       progress=not args.no_progress)

@@ -182,10 +182,59 @@ def collate(examples: Sequence[TokenizedExample], seq_len: int,
   return Batch(input_ids, attention_mask, loss_mask)
 
 
+class ChoiceExample(NamedTuple):
+  """A prompt whose candidates are single tokens, and the correct one."""
+  prompt_ids: tuple[int, ...]
+  candidate_ids: tuple[int, ...]
+  label: int
+
+
+class ChoiceBatch(NamedTuple):
+  """A padded batch of prompts scored over their candidate tokens.
+
+  Attributes:
+    input_ids: int32 ``[B, T]`` prompts.
+    attention_mask: bool ``[B, T]``, False on padding.
+    candidate_ids: int32 ``[B, C]`` token of each candidate.
+    labels: int32 ``[B]`` index of the correct candidate.
+  """
+  input_ids: np.ndarray
+  attention_mask: np.ndarray
+  candidate_ids: np.ndarray
+  labels: np.ndarray
+
+
+def collate_choices(examples: Sequence[ChoiceExample], seq_len: int,
+                    pad_id: int = 0) -> ChoiceBatch:
+  """Right-pads prompts (cut from the left) to ``seq_len``."""
+  prompts = collate([TokenizedExample(e.prompt_ids, ()) for e in examples],
+                    seq_len, pad_id)
+  return ChoiceBatch(
+      prompts.input_ids, prompts.attention_mask,
+      np.asarray([e.candidate_ids for e in examples], np.int32),
+      np.asarray([e.label for e in examples], np.int32))
+
+
+def choice_examples(tokenizer, examples) -> Optional[list[ChoiceExample]]:
+  """Tokenised examples when every candidate is one token, else None."""
+  choices = []
+  for example in examples:
+    candidates = [encode(tokenizer, c, special=False)
+                  for c in example.candidates]
+    if not candidates or any(len(c) != 1 for c in candidates):
+      return None
+    choices.append(ChoiceExample(encode(tokenizer, example.prompt,
+                                        special=True),
+                                 tuple(c[0] for c in candidates),
+                                 example.label))
+  return choices
+
+
 def training_batches(examples: Sequence[TokenizedExample], batch_size: int,
-                     seq_len: int, seed: int,
-                     pad_id: int = 0) -> Iterator[Batch]:
+                     seq_len: int, seed: int, pad_id: int = 0,
+                     collate_fn=None) -> Iterator[Batch]:
   """Endless batches, reshuffled each epoch, reproducible from ``seed``."""
+  collate_fn = collate_fn or collate
   if not examples:
     raise DataError('no training examples')
   rng = np.random.default_rng(seed)
@@ -194,8 +243,8 @@ def training_batches(examples: Sequence[TokenizedExample], batch_size: int,
     if len(order) < batch_size:  # Keep one batch shape: no recompilation.
       order = np.resize(order, batch_size)
     for start in range(0, len(order) - batch_size + 1, batch_size):
-      yield collate([examples[i] for i in order[start:start + batch_size]],
-                    seq_len, pad_id)
+      yield collate_fn([examples[i] for i in order[start:start + batch_size]],
+                       seq_len, pad_id)
 
 
 def longest(examples: Sequence[TokenizedExample]) -> int:

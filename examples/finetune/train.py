@@ -58,6 +58,7 @@ class RunConfig:
   taco_k: int = 16
   taco_mu: float = 0.95
   taco_step: str = 'auto'
+  objective: str = 'auto'
   output_dir: str = 'runs/finetune'
   resume: bool = False
   save_checkpoint: bool = True
@@ -83,9 +84,31 @@ def completion_nll(logits, batch: data_lib.Batch):
   return -(log_probs * mask).sum() / jnp.maximum(mask.sum(), 1.0)
 
 
-def completion_loss(model, batch: data_lib.Batch):
-  """Mean negative log-likelihood of the completion tokens in the batch."""
-  return completion_nll(model(batch.input_ids, batch.attention_mask), batch)
+def candidate_nll(logits, batch: data_lib.ChoiceBatch):
+  """Cross-entropy of the correct candidate among the candidate tokens.
+
+  The classification objective of MeZO's prompt-based fine-tuning: a softmax
+  over the label words' logits after the prompt, so no step is spent on the
+  label words' prior probability.
+  """
+  last = batch.attention_mask.sum(-1).astype(jnp.int32) - 1
+  rows = jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0]
+  scores = jnp.take_along_axis(rows.astype(jnp.float32), batch.candidate_ids,
+                               -1)
+  log_probs = jax.nn.log_softmax(scores, axis=-1)
+  return -jnp.take_along_axis(log_probs, batch.labels[:, None], -1).mean()
+
+
+def batch_loss(logits, batch):
+  """The loss a batch asks for: candidates (``ChoiceBatch``) or completion."""
+  if isinstance(batch, data_lib.ChoiceBatch):
+    return candidate_nll(logits, batch)
+  return completion_nll(logits, batch)
+
+
+def completion_loss(model, batch):
+  """The training loss of ``model`` on ``batch`` (see :func:`batch_loss`)."""
+  return batch_loss(model(batch.input_ids, batch.attention_mask), batch)
 
 
 @nnx.jit
@@ -330,7 +353,7 @@ class LayerwiseTacoTrainer:
   def __init__(self, model, schedule, hints: optimizers_lib.ModelHints):
     from examples.finetune import layerwise  # pylint: disable=g-import-not-at-top
     self.model = model
-    self._layered = layerwise.layered_model(model, completion_nll)
+    self._layered = layerwise.layered_model(model, batch_loss)
     train = layerwise.layerwise_lib.layerwise_train_step(
         self._layered.loss, schedule, k=hints.taco_k, mu=hints.taco_mu,
         weight_dimension_numbers=hints.taco_dimension_numbers,
@@ -502,6 +525,8 @@ def _check_config(config: RunConfig) -> None:
                         f'{", ".join(model_lib.REMAT_POLICIES)}')
   if config.taco_step not in ('auto', 'layerwise', 'optax'):
     raise FinetuneError('--taco-step must be auto, layerwise or optax')
+  if config.objective not in ('auto', 'candidates', 'completion'):
+    raise FinetuneError('--objective must be auto, candidates or completion')
   if config.eval_every < 0:
     raise FinetuneError('--eval-every must be >= 0')
 
@@ -596,12 +621,24 @@ def run(config: RunConfig, log: Callable[[str], None] = print) -> dict:
   if task.generative and config.max_new_tokens >= config.seq_len:
     raise FinetuneError('--max-new-tokens must be below --seq-len')
 
-  train_tokens = [data_lib.tokenize(tokenizer, e.prompt, e.target)
-                  for e in train_examples]
+  train_tokens, collate_fn, objective = None, None, 'completion likelihood'
+  if config.objective in ('auto', 'candidates') and not task.generative:
+    train_tokens = data_lib.choice_examples(tokenizer, train_examples)
+    collate_fn, objective = data_lib.collate_choices, 'candidate cross-entropy'
+    if train_tokens is None and config.objective == 'candidates':
+      raise FinetuneError('--objective candidates needs single-token '
+                          'candidates')
+  elif config.objective == 'candidates':
+    raise FinetuneError('--objective candidates needs a classification task')
+  if train_tokens is None:
+    train_tokens = [data_lib.tokenize(tokenizer, e.prompt, e.target)
+                    for e in train_examples]
+    collate_fn, objective = data_lib.collate, 'completion likelihood'
   eval_set = make_eval_set(task, test_examples, tokenizer)
   pad_id = model_config.pad_token_id or 0
   batches = data_lib.training_batches(train_tokens, config.batch_size,
-                                      config.seq_len, config.seed, pad_id)
+                                      config.seq_len, config.seed, pad_id,
+                                      collate_fn)
   stop_ids = [i for i in (model_config.eos_token_id,) if i is not None]
   stop_ids += tokenizer.encode('\n', add_special_tokens=False).ids[:1]
 
@@ -631,7 +668,7 @@ def run(config: RunConfig, log: Callable[[str], None] = print) -> dict:
       f'{len(train_tokens)} train / {len(test_examples)} held-out examples)')
   log(f'optimizer {config.optimizer}: lr {lr:g}, warm-up {warmup}, '
       f'{config.steps} steps x batch {config.batch_size} x {config.seq_len} '
-      f'tokens; step path: {step_path}')
+      f'tokens, {objective}; step path: {step_path}')
 
   metric = next(iter(tasks_lib.score(task, [], [])))
   before = evaluate(model, eval_set, tokenizer, config, stop_ids)
@@ -696,6 +733,7 @@ def run(config: RunConfig, log: Callable[[str], None] = print) -> dict:
       'compile_seconds': compile_seconds,
       'wall_seconds': time.perf_counter() - wall_start,
       'step_path': step_path,
+      'objective': objective,
       'resumed_from_step': start_step,
       'backend': jax.default_backend(),
       'config': dataclasses.asdict(config),

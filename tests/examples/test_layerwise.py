@@ -42,9 +42,14 @@ def _hints(config):
 def test_layered_loss_equals_model_loss(family, scan_layers):
   model = _model(family, scan_layers)
   batch = _batch(model.config.vocab_size)
-  layered = layerwise.layered_model(model, train.completion_nll)
+  layered = layerwise.layered_model(model, train.batch_loss)
   np.testing.assert_allclose(layered.loss(layered.params, batch),
                              train.completion_loss(model, batch), rtol=1e-5)
+  choices = data.collate_choices(
+      [data.ChoiceExample((5, 6, 7), (10, 11), 1),
+       data.ChoiceExample((8,), (10, 11), 0)], seq_len=6)
+  np.testing.assert_allclose(layered.loss(layered.params, choices),
+                             train.completion_loss(model, choices), rtol=1e-5)
 
 
 @pytest.mark.parametrize('family', ['llama', 'qwen3'])

@@ -244,3 +244,24 @@ def test_training_batches_are_reproducible_and_fixed_shape():
     a, b = next(first), next(second)
     assert a.input_ids.shape == (4, 3)
     np.testing.assert_array_equal(a.input_ids, b.input_ids)
+
+
+def test_collate_choices_and_choice_examples():
+  tokenizers = pytest.importorskip('tokenizers')
+  vocab = {'[UNK]': 0, 'a': 1, 'b': 2, 'great': 3, 'terrible': 4}
+  tokenizer = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, '[UNK]'))
+  tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+  task = tasks.text_classification({'n': ' terrible', 'p': ' great'}, '{text}')
+  examples = [task.example({'text': 'a b', 'label': 'p'}),
+              task.example({'text': 'b', 'label': 'n'})]
+  choices = data.choice_examples(tokenizer, examples)
+  assert choices == [data.ChoiceExample((1, 2), (4, 3), 1),
+                     data.ChoiceExample((2,), (4, 3), 0)]
+  batch = data.collate_choices(choices, seq_len=3)
+  np.testing.assert_array_equal(batch.input_ids, [[1, 2, 0], [2, 0, 0]])
+  np.testing.assert_array_equal(batch.candidate_ids, [[4, 3], [4, 3]])
+  np.testing.assert_array_equal(batch.labels, [1, 0])
+  # A two-token candidate: no single-token objective.
+  long = tasks.text_classification({'n': ' a b', 'p': ' great'}, '{text}')
+  assert data.choice_examples(
+      tokenizer, [long.example({'text': 'a', 'label': 'p'})]) is None
