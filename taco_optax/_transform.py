@@ -314,10 +314,11 @@ def scale_by_taco(
       if layout is None:
         out.append((grad,) + leaf_state)
       elif (sharded := _sharding.leaf_sharding_of(grad, dims[i])) is not None:
-        local_update = functools.partial(
-            update_leaf, layout=layout, scale=scales[i], dim_num=dims[i])
+        local_update = functools.partial(update_leaf, layout=layout,
+                                         dim_num=dims[i])
         out.append(_sharding.map_over_shards(local_update, *sharded, grad,
-                                             *leaf_state, mu=mu))
+                                             *leaf_state, scale=scales[i],
+                                             mu=mu))
       else:
         out.append(update_leaf(grad, *leaf_state, layout, scales[i]))
     unflatten = lambda i: treedef.unflatten([o[i] for o in out])

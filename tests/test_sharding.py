@@ -277,9 +277,9 @@ def test_auto_mesh_uses_state_shardings_for_init():
 
 
 @needs_mesh
-def test_array_mu_and_nonfinite_gradient_on_mesh():
+def test_array_hyperparameters_and_nonfinite_gradient_on_mesh():
   tx = optax.inject_hyperparams(taco_optax.scale_by_taco, static_args=('k',))(
-      k=4, mu=0.9)
+      k=4, mu=0.9, update_scale=0.5)
   mesh = make_mesh()
   grads = tied_gradients(0, ['both'])
   expected_updates, expected_state = jax.jit(tx.update)(grads, tx.init(grads))
