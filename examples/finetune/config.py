@@ -256,10 +256,14 @@ def _mistral(hf: _HFConfig) -> ModelConfig:
 
 
 def _qwen3(hf: _HFConfig) -> ModelConfig:
+  # Layers from index max_window_layers on use the sliding window.
   window = hf.get('sliding_window') if hf.get('use_sliding_window') else None
-  if window and hf.get('max_window_layers', 0) < hf['num_hidden_layers']:
+  first_sliding = int(hf.get('max_window_layers', 0))
+  if window and 0 < first_sliding < int(hf['num_hidden_layers']):
     raise ValueError('unsupported architecture: Qwen3 with sliding-window '
                      'attention on some layers only.')
+  if first_sliding >= int(hf['num_hidden_layers']):
+    window = None
   return _llama_like(hf, 'qwen3', qk_norm=True,
                      attention_bias=bool(hf.get('attention_bias', False)),
                      sliding_window=int(window) if window else None)

@@ -11,7 +11,7 @@ import dataclasses
 import importlib.util
 import json
 import os
-from typing import Any, Callable, Iterator, Optional, Protocol
+from typing import Any, Iterator, Optional, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -224,8 +224,7 @@ def _alternatives(name: str) -> Iterator[str]:
 
 def _load_parameters(abstract_state: Any, source: _TensorSource,
                      table: _NameTable, config: config_lib.ModelConfig,
-                     scan_layers: bool, param_dtype: Any,
-                     transform: Callable[..., np.ndarray] = _to_flax) -> Any:
+                     scan_layers: bool, param_dtype: Any) -> Any:
   """Fills an abstract parameter state from ``source``; checks everything."""
   available = source.names()
   used = set()
@@ -237,7 +236,7 @@ def _load_parameters(abstract_state: Any, source: _TensorSource,
     if found is None:
       raise ModelLoadError(f'checkpoint tensor {wanted!r} is missing.')
     used.add(found)
-    values = transform(found, names[-1], source.read(found), config)
+    values = _to_flax(found, names[-1], source.read(found), config)
     if values.shape != expected:
       raise ModelLoadError(
           f'checkpoint tensor {found!r} has shape {values.shape} after '
