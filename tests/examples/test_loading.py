@@ -289,9 +289,12 @@ def _padded(sequences, length=64):
 
 
 def test_smollm2_gguf_config_and_tokenizer(smollm2):
-  _, tokenizer, config = smollm2
+  model, tokenizer, config = smollm2
   assert (config.num_layers, config.hidden_size, config.num_heads,
           config.num_kv_heads, config.vocab_size) == (30, 576, 9, 3, 49152)
+  parameters = sum(x.size for x in jax.tree.leaves(nnx.state(model,
+                                                             nnx.Param)))
+  assert parameters == config_lib.num_parameters(config) == 134_515_008
   assert config.tie_word_embeddings and config.rope_theta == 100000.0
   assert tokenizer.decode(tokenizer.encode(_PARAGRAPH).ids) == _PARAGRAPH
   assert tokenizer.encode('in 2023').tokens == ['in', 'Ġ', '2', '0', '2', '3']
