@@ -22,6 +22,10 @@ run with ``--dtype float32`` as well.
 
   python benchmarks/memory.py [--dtype bfloat16|float32] [--batch 4]
       [--seq 64] [--layers N]
+
+With ``--execute PATH`` (on a GPU; one path per process, since the device's
+``peak_bytes_in_use`` only grows) it instead runs that path for a few steps
+on random weights and prints the measured peak and tokens/s.
 """
 
 import argparse
@@ -132,6 +136,56 @@ def print_table(title, weights, rows):
   return overheads
 
 
+def execute(path, *, dtype, scan_layers, batch, seq, num_layers, steps,
+            hf_config=None):
+  """Runs one path on the default device; measured peak bytes and tokens/s."""
+  config = config_lib.ModelConfig.from_hf_config(hf_config or SMOLLM2_135M)
+  if num_layers is not None:
+    config = dataclasses.replace(config, num_layers=num_layers)
+  model = model_lib.DecoderLM(config, dtype=dtype, param_dtype=dtype,
+                              remat='block', scan_layers=scan_layers,
+                              rngs=nnx.Rngs(0))
+  decoder = layered_decoder.layered_decoder(model)
+  params = decoder.params
+  del model
+  tokens = jax.random.randint(jax.random.key(1), (batch, seq), 0,
+                              config.vocab_size)
+  batch_data = (tokens, jnp.ones((batch, seq), bool))
+  train = _train_step.layerwise_train_step(
+      decoder.loss, 3e-5,
+      weight_dimension_numbers=model_lib.taco_dimension_numbers,
+      update_scale=model_lib.taco_update_scale)
+  if path == 'forward':
+    run = jax.jit(decoder.loss)
+    args = (params, batch_data)
+    step = lambda: run(*args)
+  else:
+    tx = optax.adamw(1e-5) if path == 'adamw' else train.optimizer
+    state = tx.init(params)
+    fn = train.step if path == 'taco layerwise' else plain_step(decoder.loss,
+                                                                 tx)
+    run = jax.jit(fn, donate_argnums=(0, 1))
+    carry = [params, state]
+
+    def step():
+      carry[0], carry[1], value = run(carry[0], carry[1], batch_data)
+      return value
+  jax.block_until_ready(step())
+  start = time.perf_counter()
+  for _ in range(steps):
+    value = step()
+  jax.block_until_ready(value)
+  seconds = (time.perf_counter() - start) / steps
+  stats = jax.devices()[0].memory_stats() or {}
+  return {'path': path, 'scan_layers': scan_layers, 'dtype': dtype.name,
+          'batch': batch, 'seq': seq, 'layers': config.num_layers,
+          'weights_bytes': tree_bytes(params) if path == 'forward'
+                           else tree_bytes(carry[0]),
+          'peak_bytes_in_use': stats.get('peak_bytes_in_use'),
+          'step_seconds': seconds, 'tokens_per_second': batch * seq / seconds,
+          'loss': float(value), 'device': jax.devices()[0].device_kind}
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
   parser.add_argument('--dtype', default='bfloat16')
@@ -140,8 +194,20 @@ def main():
   parser.add_argument('--layers', type=int, default=None,
                       help='override the number of layers (default: 30)')
   parser.add_argument('--skip-unrolled', action='store_true')
+  parser.add_argument('--execute', default=None,
+                      choices=('forward', 'adamw', 'taco', 'taco layerwise'))
+  parser.add_argument('--unrolled', action='store_true',
+                      help='with --execute: unrolled instead of scanned layers')
+  parser.add_argument('--steps', type=int, default=5)
   args = parser.parse_args()
   dtype = jnp.dtype(args.dtype)
+  if args.execute:
+    import json  # pylint: disable=import-outside-toplevel
+    print(json.dumps(execute(args.execute, dtype=dtype,
+                             scan_layers=not args.unrolled, batch=args.batch,
+                             seq=args.seq, num_layers=args.layers,
+                             steps=args.steps)))
+    return
   print(f'SmolLM2-135M shapes, dtype={dtype.name}, batch={args.batch}, '
         f'seq={args.seq}, layers={args.layers or 30}, remat on, '
         f'backend={jax.default_backend()}')
