@@ -31,6 +31,13 @@ _PAPER = {
 }
 
 
+def _load(session, when, meta=None):
+  load = session.get(f'load_average_at_{when}')
+  if not load and meta is not None:  # Sessions before per-session records.
+    load = meta.get(f'load_average_at_{when}')
+  return 'n/a' if not load else f'{load[0]:.1f}'
+
+
 def _mib(n: Optional[float]) -> str:
   return 'n/a' if n is None else f'{n / MIB:,.1f}'
 
@@ -86,7 +93,9 @@ def main_summary(data) -> list[dict]:
   budget = data['meta']['budget']
   best = data.get('best_learning_rates', {})
   rows = []
+  grids = data.get('learning_rate_grids', {})
   for name, grid in budget['learning_rates']:
+    grid = grids.get(name, grid)
     label = _variant_label(name)
     sweep = {r['learning_rate']: r for r in _runs(
         data, stage='sweep', optimizer=name, variant=label)}
@@ -126,12 +135,19 @@ def _main_section(data, out_dir, lines) -> list[dict]:
   lines.append(
       f'{budget["steps"]} steps x batch {budget["batch_size"]} x '
       f'{budget["seq_len"]} tokens, linear warm-up ({budget["steps"] // 10 or 1}'
-      ' steps) and decay, from the same pretrained weights. Best rate = best '
-      'seed-0 held-out accuracy on the grid (ties: lower final training '
-      'loss), then the other seeds at that rate; mean +- std over seeds (the '
-      'seed sets the batch order). State = persistent optimizer-state bytes '
-      '(array leaves); peak = compiled memory analysis of the whole train '
-      'step (arguments + outputs + temporaries - donated aliases; CPU, f32).\n')
+      ' step; the example\'s schedule starts at 0, so step 1 does not move '
+      'the weights) and decay, from the same pretrained weights. Best rate: '
+      'on seed 0, the runs within one binomial standard error '
+      f'(0.5/sqrt({2 * budget["eval_per_class"]})) of the best held-out '
+      'accuracy count as tied and the lowest training loss over the last '
+      'quarter of steps wins among them; a grid whose best rate is at an '
+      'edge is widened by one half-decade, up to '
+      f'{budget.get("max_grid_extensions", 0)} times. Then the other seeds '
+      'run at that rate; mean +- std over seeds (the seed sets the batch '
+      'order; seed 0 also chose the rate). State = persistent optimizer-state '
+      'bytes (array leaves); peak = compiled memory analysis of the whole '
+      'train step (arguments + outputs + temporaries - donated aliases; CPU, '
+      'f32).\n')
   grid_header = 'accuracy (%) at each grid rate, seed 0'
   lines.append(f'| optimizer | {grid_header} | best lr | accuracy % '
                '(mean +- std, seeds) | state MiB | peak MiB | tokens/s |')
@@ -493,13 +509,13 @@ def render(data, out_dir: str) -> str:
   os.makedirs(os.path.join(out_dir, 'results'), exist_ok=True)
   meta = data['meta']
   budget = meta['budget']
+  sessions = meta.get('sessions', [])
   body = []
   rows = _main_section(data, out_dir, body)
   ablations = _ablation_section(data, out_dir, body)
   long_runs = _long_section(data, out_dir, body)
   transfer = _transfer_section(data, out_dir, body)
   body += _memory_section(data)
-  sessions = meta.get('sessions', [])
   elapsed = sum(s.get('elapsed_seconds', 0.0) for s in sessions)
   expected = {'transfer', 'main', 'ablations', 'long', 'memory'}
   missing = sorted(expected - set(data.get('stages_done', [])))
@@ -515,10 +531,15 @@ def render(data, out_dir: str) -> str:
       f'tweets, {meta.get("eval_examples")} balanced held-out tweets; '
       f'zero-shot accuracy {_pct(meta.get("zero_shot_accuracy"))}%.',
       f'- Machine: {meta.get("cpu_count")} CPU cores, backend '
-      f'{meta.get("backend")}, jax {meta.get("jax_version")}; load average at '
-      f'start {meta.get("load_average_at_start")} (shared with other jobs, so '
-      'tokens/s are pessimistic and only comparable within this run).',
-      f'- Measured wall time of the whole run: {elapsed / 60:.1f} min'
+      f'{meta.get("backend")}, jax {meta.get("jax_version")}; 1-minute load '
+      'average at the start/end of each session: ' + ', '.join(
+          f'{_load(s, "start", meta if i == 0 else None)}/'
+          f'{_load(s, "end", meta if i == 0 else None)}'
+          for i, s in enumerate(sessions))
+      + ' (the cores were shared with other jobs, so tokens/s are '
+      'pessimistic and only comparable within this run).',
+      f'- Measured wall time: {elapsed / 60:.1f} min over {len(sessions)} '
+      'session(s)'
       + (f' (stages: ' + ', '.join(
           f'{k} {v / 60:.1f} min' for k, v in meta.get('stage_seconds',
                                                          {}).items()) + ')'

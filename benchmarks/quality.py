@@ -68,6 +68,7 @@ class Budget:
   ablation_k: tuple[Optional[int], ...] = (1, 2, 4, 8, 16, 32, 64, None)
   ablation_mu: tuple[float, ...] = (0.0, 0.95)
   ablation_update_topk: tuple[int, ...] = (1, 2, 4, 8)
+  max_grid_extensions: int = 2
   long_factor: int = 3
   long_optimizers: tuple[str, ...] = ('taco', 'adamw')
   transfer_widths: tuple[int, ...] = (64, 128, 256)
@@ -105,25 +106,62 @@ SMOKE = Budget(
 # The results file.
 
 
+# Budget fields each group of stages depends on: a rerun with another budget
+# keeps the runs of groups whose fields did not change.
+_GROUP_OF_STAGE = {'sweep': 'main', 'seeds': 'main', 'ablation': 'main',
+                   'long': 'main', 'main': 'main', 'ablations': 'main',
+                   'memory': 'main', 'transfer': 'transfer',
+                   'transfer-pretrain': 'transfer'}
+
+
+def _group_budget(budget: dict, group: str) -> dict:
+  if group == 'transfer':
+    names = [n for n in budget if n.startswith('transfer_')]
+  else:
+    # Not the rate grids: runs are found by their rate, so a widened grid
+    # reuses the runs it already has.
+    names = ['steps', 'batch_size', 'seq_len', 'eval_per_class', 'seeds',
+             'long_factor']
+  return _as_json({n: budget.get(n) for n in names + ['seq_len', 'smoke']})
+
+
 class Results:
-  """The JSON results, written after every run (atomically)."""
+  """The JSON results, written after every run (atomically).
+
+  Runs of an earlier session are kept when the budget fields their stage
+  depends on are unchanged (see ``_group_budget``); the others are dropped.
+  """
 
   def __init__(self, path: str, budget: Budget):
     self.path = path
-    self.budget = dataclasses.asdict(budget)
-    self.data = None
+    self.budget = _as_json(dataclasses.asdict(budget))
+    self.data = {'meta': {'budget': self.budget}, 'runs': [], 'memory': {},
+                 'stages_done': [], 'errors': []}
     if os.path.exists(path):
       with open(path) as f:
         previous = json.load(f)
-      if _as_json(previous.get('meta', {}).get('budget')) == _as_json(
-          self.budget):
-        self.data = previous
-    if self.data is None:
-      self.data = {'meta': {'budget': self.budget}, 'runs': [], 'memory': {},
-                   'stages_done': [], 'errors': []}
+      self._keep(previous)
     self.data['meta'].setdefault('sessions', []).append(
         {'started_unix': time.time()})
     self._start = time.time()
+
+  def _keep(self, previous: dict) -> None:
+    old = previous.get('meta', {}).get('budget') or {}
+    same = {group: _group_budget(old, group) == _group_budget(self.budget,
+                                                              group)
+            for group in ('main', 'transfer')}
+    if not any(same.values()):
+      return
+    self.data = previous
+    self.data['meta']['budget'] = self.budget
+    self.data['runs'] = [r for r in previous['runs']
+                         if same[_GROUP_OF_STAGE[r['stage']]]]
+    self.data['stages_done'] = [s for s in previous.get('stages_done', [])
+                                if same[_GROUP_OF_STAGE[s]]]
+    if not same['main']:
+      self.data['memory'] = {}
+      self.data.pop('best_learning_rates', None)
+      self.data['meta'].pop('zero_shot_accuracy', None)
 
   def find(self, **key) -> Optional[dict]:
     for run in self.data['runs']:
@@ -261,23 +299,61 @@ def _train(results: Results, runner, stage: str, variant: Variant, lr: float,
   return record
 
 
-def _best(runs: list[dict]) -> dict:
-  """Highest final accuracy; ties -> lower mean loss over the last quarter."""
-  def key(run):
-    losses = run['losses']
-    tail = losses[-max(1, len(losses) // 4):]
-    return (-(run['accuracy'] or 0.0), float(np.mean(tail)))
-  return min(runs, key=key)
+def _tail_loss(run: dict) -> float:
+  losses = run['losses']
+  if run.get('diverged_at_step') is not None:
+    return float('inf')
+  return float(np.mean(losses[-max(1, len(losses) // 4):]))
+
+
+def _best(runs: list[dict], eval_examples: int) -> dict:
+  """The best run of a rate grid.
+
+  Accuracy on a small held-out set is coarse, so every run within one
+  binomial standard error at 50% (``0.5 / sqrt(eval_examples)``) of the best
+  accuracy counts as tied; among those, the lowest mean training loss over
+  the last quarter of steps wins.
+  """
+  tolerance = 0.5 / np.sqrt(max(eval_examples, 1))
+  top = max(run['accuracy'] or 0.0 for run in runs)
+  tied = [run for run in runs if (run['accuracy'] or 0.0) >= top - tolerance]
+  return min(tied, key=_tail_loss)
+
+
+def _neighbour_rate(lr: float, up: bool) -> float:
+  """The next rate of the 1, 3, 10, 30, ... series above or below ``lr``."""
+  exponent = np.floor(np.log10(lr) + 1e-9)
+  leading = lr / 10 ** exponent
+  series = [1.0, 3.0, 10.0] if up else [0.3, 1.0, 3.0]
+  if up:
+    nxt = next(s for s in series if s > leading * 1.01)
+  else:
+    nxt = next(s for s in reversed(series) if s < leading / 1.01)
+  return float(f'{nxt * 10 ** exponent:.3g}')
 
 
 def stage_main(results: Results, runner, budget: Budget) -> dict[str, float]:
-  """LR grid on seed 0, then the other seeds at the best rate."""
-  best = {}
+  """LR grid on seed 0 (widened while the best rate is at an edge, at most
+  ``max_grid_extensions`` times), then the other seeds at the best rate."""
+  best, grids = {}, {}
+  eval_examples = 2 * budget.eval_per_class
   for name, grid in budget.learning_rates:
-    runs = [_train(results, runner, 'sweep', Variant(name), lr,
-                   budget.seeds[0], budget.steps, budget.warmup_steps)
-            for lr in grid]
-    best[name] = _best(runs)['learning_rate']
+    grid = sorted(grid)
+    runs = {lr: _train(results, runner, 'sweep', Variant(name), lr,
+                       budget.seeds[0], budget.steps, budget.warmup_steps)
+            for lr in grid}
+    for _ in range(budget.max_grid_extensions):
+      lr = _best(list(runs.values()), eval_examples)['learning_rate']
+      if len(grid) < 2 or lr not in (grid[0], grid[-1]):
+        break
+      new = _neighbour_rate(lr, up=lr == grid[-1])
+      grid = sorted(grid + [new])
+      runs[new] = _train(results, runner, 'sweep', Variant(name), new,
+                         budget.seeds[0], budget.steps, budget.warmup_steps)
+    best[name] = _best(list(runs.values()), eval_examples)['learning_rate']
+    grids[name] = grid
+    results.data['learning_rate_grids'] = grids
+    results.save()
   results.data['best_learning_rates'] = best
   results.save()
   for seed in budget.seeds[1:]:
@@ -438,8 +514,12 @@ def _stage(results: Results, name: str, function, *args):
   return output
 
 
-def run(out_dir: str, budget: Budget, render_only: bool = False) -> dict:
-  """Runs every stage (skipping finished runs); renders after each."""
+STAGES = ('transfer', 'main', 'ablations', 'long', 'memory')
+
+
+def run(out_dir: str, budget: Budget, render_only: bool = False,
+        stages=STAGES) -> dict:
+  """Runs the stages (skipping finished runs); renders after each."""
   results_dir = os.path.join(out_dir, 'results')
   os.makedirs(results_dir, exist_ok=True)
   results = Results(os.path.join(results_dir, 'results.json'), budget)
@@ -449,29 +529,37 @@ def run(out_dir: str, budget: Budget, render_only: bool = False) -> dict:
     return results.data
   meta = results.data['meta']
   meta.update(jax_version=jax.__version__, backend=jax.default_backend(),
-              cpu_count=os.cpu_count(), platform=platform.platform(),
-              load_average_at_start=list(os.getloadavg()))
-  setup = (smoke_setup if budget.smoke else real_setup)(budget)
-  meta.update(model=setup.description, task='tweets sentiment',
-              train_examples=len(setup.train_records),
-              eval_examples=len(setup.test_records))
-  runner = _runner(setup, budget)
-  if 'zero_shot_accuracy' not in meta:
-    meta['zero_shot_accuracy'] = runner.evaluate(runner.initial_params)
-  _log(f'{setup.description}: zero-shot accuracy '
-       f'{meta["zero_shot_accuracy"]:.3f}')
-  tokenizer = (_smollm2_tokenizer() if budget.smoke else setup.tokenizer)
-  _stage(results, 'transfer', stage_transfer, results, budget, tokenizer)
-  render()
-  best = _stage(results, 'main', stage_main, results, runner, budget)
-  render()
-  if best:
-    _stage(results, 'ablations', stage_ablations, results, runner, budget,
-           best['taco'])
+              cpu_count=os.cpu_count(), platform=platform.platform())
+  session = meta['sessions'][-1]
+  session.update(stages=list(stages),
+                 load_average_at_start=list(os.getloadavg()))
+  if 'transfer' in stages:
+    _stage(results, 'transfer', stage_transfer, results, budget,
+           _smollm2_tokenizer())
     render()
-    _stage(results, 'long', stage_long, results, runner, budget, best)
-  _stage(results, 'memory', stage_memory, results, runner, setup, budget)
-  meta['load_average_at_end'] = list(os.getloadavg())
+  if set(stages) & {'main', 'ablations', 'long', 'memory'}:
+    setup = (smoke_setup if budget.smoke else real_setup)(budget)
+    meta.update(model=setup.description, task='tweets sentiment',
+                train_examples=len(setup.train_records),
+                eval_examples=len(setup.test_records))
+    runner = _runner(setup, budget)
+    if 'zero_shot_accuracy' not in meta:
+      meta['zero_shot_accuracy'] = runner.evaluate(runner.initial_params)
+    _log(f'{setup.description}: zero-shot accuracy '
+         f'{meta["zero_shot_accuracy"]:.3f}')
+    best = results.data.get('best_learning_rates')
+    if 'main' in stages:
+      best = _stage(results, 'main', stage_main, results, runner, budget)
+      render()
+    if best and 'ablations' in stages:
+      _stage(results, 'ablations', stage_ablations, results, runner, budget,
+             best['taco'])
+      render()
+    if best and 'long' in stages:
+      _stage(results, 'long', stage_long, results, runner, budget, best)
+    if 'memory' in stages:
+      _stage(results, 'memory', stage_memory, results, runner, setup, budget)
+  session['load_average_at_end'] = list(os.getloadavg())
   results.save()
   render()
   return results.data
@@ -485,12 +573,15 @@ def main(argv=None) -> None:
                       help='a seconds-long run on a tiny random model')
   parser.add_argument('--render-only', action='store_true',
                       help='re-render results.md from the existing JSON')
-  parser.add_argument('--steps', type=int, help='override the step budget')
+  parser.add_argument('--stages', default=','.join(STAGES),
+                      help='comma-separated subset of ' + ','.join(STAGES))
   args = parser.parse_args(argv)
+  stages = tuple(args.stages.split(','))
+  unknown = set(stages) - set(STAGES)
+  if unknown:
+    parser.error(f'unknown stages {sorted(unknown)}')
   budget = SMOKE if args.smoke else Budget()
-  if args.steps:
-    budget = dataclasses.replace(budget, steps=args.steps)
-  run(args.out, budget, args.render_only)
+  run(args.out, budget, args.render_only, stages)
 
 
 if __name__ == '__main__':
