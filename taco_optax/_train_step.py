@@ -110,10 +110,12 @@ def _flatten(tree: Any) -> list[Any]:
 def _data_dependency(values: jax.Array, after: Any) -> jax.Array:
   """``values + 0`` computed from ``after``: orders ``after`` first.
 
-  XLA updates a donated weight in place only if every other read of it is an
-  ancestor of the update; otherwise it copies the weight up front. The input
-  cotangent ``d_hidden = d_out @ W.T`` reads ``W`` but does not feed the
-  update, and an ``optimization_barrier`` does not count as an ancestor.
+  A true data edge, which XLA neither drops nor lets CSE merge away (an
+  ``optimization_barrier`` is lowered to a control edge on CPU and does not
+  survive). E.g. XLA updates a donated weight in place only if every other
+  read of it is an ancestor of the update, or else copies the weight up
+  front; the input cotangent ``d_out @ W.T`` reads ``W`` without feeding the
+  update, so the update is made to depend on it.
   """
   first = jax.tree.leaves(after)[0].ravel()[0].astype(values.dtype)
   return values + jnp.where(jnp.isfinite(first), first, 0) * 0
@@ -459,10 +461,13 @@ def _unrolled_backward(run_layer, layers, layer_def, layer_plans,
     offsets.append(offsets[-1] + len(jax.tree.leaves(layer_params)))
   del layer_def
   for l in reversed(range(len(layers))):
-    # Start this layer's backward only after the previous layer's update, so
-    # XLA does not interleave (and keep alive) several layers' gradients.
-    layer_params, layer_input, d_hidden = jax.lax.optimization_barrier(
-        (layers[l], layer_inputs[l], d_hidden))
+    # Recompute this layer from inputs that depend on the cotangent: XLA
+    # turns optimization barriers into control edges and then CSEs the
+    # recomputation with the forward pass, which would keep every layer's
+    # activations alive (measured: +1 layer of weights' worth per layer).
+    layer_params = layers[l]
+    layer_input = jax.tree.map(lambda x: _data_dependency(x, d_hidden),
+                               layer_inputs[l])
     _, layer_vjp = jax.vjp(run_layer, layer_params, layer_input)
     grads, d_hidden = layer_vjp(d_hidden)
     updated_leaves = []
@@ -479,12 +484,12 @@ def _unrolled_backward(run_layer, layers, layer_def, layer_plans,
       for s, u in zip(new_state, updated):
         s[num_outer + i] = u
       updated_leaves.append(i)
-    # Tie the next layer's backward to this layer's update, so XLA cannot
-    # postpone the updates (and keep every gradient alive) to the end.
-    tied = [new_layer_leaves[i] for i in updated_leaves]
-    d_hidden, tied = jax.lax.optimization_barrier((d_hidden, tied))
-    for i, leaf in zip(updated_leaves, tied):
-      new_layer_leaves[i] = leaf
+    # The next layer's backward waits for this layer's update, so XLA cannot
+    # postpone the updates (keeping every gradient alive) to the end.
+    if updated_leaves:
+      d_hidden = jax.tree.map(
+          lambda x: _data_dependency(x, new_layer_leaves[updated_leaves[0]]),
+          d_hidden)
   return d_hidden
 
 

@@ -190,9 +190,9 @@ def test_layerwise_step_peak_memory_is_near_forward(scan_layers):
     assert plain_overhead > fused_overhead + 1.0, (plain_overhead,
                                                    fused_overhead)
   else:
-    # Measured: 0.51 layerwise, 0.57 plain: unrolled, XLA frees most
+    # Measured: 0.40 layerwise, 0.57 plain: unrolled, XLA frees most
     # gradients early by itself; without _data_dependency it was 1.46.
-    assert fused_overhead < 0.55, fused_overhead
+    assert fused_overhead < 0.45, fused_overhead
     assert plain_overhead > fused_overhead, (plain_overhead, fused_overhead)
 
 
