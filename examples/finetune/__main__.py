@@ -33,6 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
   add = parser.add_argument
   lrs = ', '.join(f'{name} {spec.default_lr:g}'
                   for name, spec in optimizers_lib.OPTIMIZERS.items())
+  lrs += '; the short tweet demo uses ' + ', '.join(
+      f'{name} {spec.demo_lr:g}'
+      for name, spec in optimizers_lib.OPTIMIZERS.items() if spec.demo_lr)
   add('--optimizer', default=_DEFAULTS.optimizer,
       choices=tuple(optimizers_lib.OPTIMIZERS))
   add('--lr', type=float, default=None,

@@ -5,7 +5,9 @@ and the model's TACO hints) and returns an :class:`optax.GradientTransformation`
 so the training loop never branches on the optimizer. Default learning rates:
 TACO's is the paper's; AdamW's is the usual full fine-tuning rate (MeZO's
 fine-tuning baseline); the others follow their papers' advice relative to
-AdamW. Only TACO's and AdamW's were checked on the default run (see README).
+AdamW. Only TACO's and AdamW's were checked on the embedded demo, which
+runs 40 steps instead of the paper's 2000 and so gives TACO a larger rate
+(``demo_lr``).
 """
 
 import dataclasses
@@ -28,12 +30,15 @@ class OptimizerSpec:
     build: ``(schedule, hints) -> GradientTransformation``.
     needs_loss: the update needs ``obj_fn`` (Sophia's Hessian estimate).
     note: where the default comes from.
+    demo_lr: peak learning rate of the embedded tweet demo (40 steps on a
+      CPU, not the paper's 2000), when it differs from ``default_lr``.
   """
   name: str
   default_lr: float
   build: Callable[[optax.Schedule, 'ModelHints'], optax.GradientTransformation]
   needs_loss: bool = False
   note: str = ''
+  demo_lr: Optional[float] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,8 +131,11 @@ def _galore(schedule, hints):
 
 OPTIMIZERS: dict[str, OptimizerSpec] = {
     spec.name: spec for spec in (
+        # Measured on the 40-step tweet demo (SmolLM2-135M, batch 4, 200
+        # held-out): lr 3e-5 -> 61.5%, 1e-4 -> 70.5%, 3e-4 -> 69.5%, 1e-3
+        # collapses to one label; zero-shot 51.5%.
         OptimizerSpec('taco', 3e-5, _taco,
-                      note='paper: lr 3e-5, mu 0.95, k 16'),
+                      note='paper: lr 3e-5, mu 0.95, k 16', demo_lr=1e-4),
         OptimizerSpec('adamw', 1e-5, _adamw,
                       note='full fine-tuning rate of MeZO\'s FT baseline'),
         OptimizerSpec('adafactor', 1e-5, _adafactor,

@@ -36,7 +36,7 @@ class RunConfig:
   """Everything a run depends on (the CLI flags)."""
   optimizer: str = 'taco'
   lr: Optional[float] = None
-  steps: int = 60
+  steps: int = 40
   batch_size: int = 4
   seq_len: int = 64
   warmup_steps: Optional[int] = None
@@ -642,7 +642,13 @@ def run(config: RunConfig, log: Callable[[str], None] = print) -> dict:
   stop_ids = [i for i in (model_config.eos_token_id,) if i is not None]
   stop_ids += tokenizer.encode('\n', add_special_tokens=False).ids[:1]
 
-  lr = config.lr if config.lr is not None else spec.default_lr
+  lr, lr_source = config.lr, '--lr'
+  if lr is None:
+    demo = config.task == 'tweets' and spec.demo_lr is not None
+    lr = spec.demo_lr if demo else spec.default_lr
+    lr_source = ('short-demo default; paper default '
+                 f'{spec.default_lr:g} for 2000-step runs') if demo else (
+                     spec.note or 'default')
   warmup = (config.warmup_steps if config.warmup_steps is not None
             else min(50, config.steps // 10))
   schedule = optimizers_lib.linear_schedule(lr, config.steps, warmup)
@@ -666,7 +672,8 @@ def run(config: RunConfig, log: Callable[[str], None] = print) -> dict:
   step_path = trainer.path
   log(f'model {model_path} ({model_config.family}, '
       f'{len(train_tokens)} train / {len(test_examples)} held-out examples)')
-  log(f'optimizer {config.optimizer}: lr {lr:g}, warm-up {warmup}, '
+  log(f'optimizer {config.optimizer}: lr {lr:g} ({lr_source}), '
+      f'warm-up {warmup}, '
       f'{config.steps} steps x batch {config.batch_size} x {config.seq_len} '
       f'tokens, {objective}; step path: {step_path}')
 
@@ -687,10 +694,9 @@ def run(config: RunConfig, log: Callable[[str], None] = print) -> dict:
       start = time.perf_counter()
       loss = float(trainer.step(batch))
       elapsed = time.perf_counter() - start
-      # The first step's time is mostly waiting for the compiled code.
-      if step > start_step + 1 or config.steps == start_step + 1:
-        train_seconds += elapsed
-        tokens += int(batch.attention_mask.sum())
+      # Compiled above, so every step counts; padding tokens do not.
+      train_seconds += elapsed
+      tokens += int(batch.attention_mask.sum())
       losses.append(loss)
       if not math.isfinite(loss):
         raise FinetuneError(f'loss became {loss} at step {step}; lower --lr')
@@ -715,6 +721,7 @@ def run(config: RunConfig, log: Callable[[str], None] = print) -> dict:
   results = {
       'optimizer': config.optimizer,
       'learning_rate': lr,
+      'learning_rate_source': lr_source,
       'warmup_steps': warmup,
       'model': model_path,
       'family': model_config.family,
