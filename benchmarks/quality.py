@@ -140,9 +140,14 @@ class Results:
       with open(path) as f:
         previous = json.load(f)
       self._keep(previous)
-    self.data['meta'].setdefault('sessions', []).append(
-        {'started_unix': time.time()})
     self._start = time.time()
+
+  def start_session(self) -> dict:
+    """Records a new run of the script; its wall time is kept updated."""
+    self._start = time.time()
+    session = {'started_unix': self._start}
+    self.data['meta'].setdefault('sessions', []).append(session)
+    return session
 
   def _keep(self, previous: dict) -> None:
     old = previous.get('meta', {}).get('budget') or {}
@@ -173,8 +178,9 @@ class Results:
     self.save()
 
   def save(self) -> None:
-    session = self.data['meta']['sessions'][-1]
-    session['elapsed_seconds'] = time.time() - self._start
+    sessions = self.data['meta'].get('sessions')
+    if sessions:
+      sessions[-1]['elapsed_seconds'] = time.time() - self._start
     train_lib.write_json_atomic(self.path, _as_json(self.data))
 
 
@@ -529,7 +535,7 @@ def run(out_dir: str, budget: Budget, render_only: bool = False,
   meta = results.data['meta']
   meta.update(jax_version=jax.__version__, backend=jax.default_backend(),
               cpu_count=os.cpu_count(), platform=platform.platform())
-  session = meta['sessions'][-1]
+  session = results.start_session()
   session.update(stages=list(stages),
                  load_average_at_start=list(os.getloadavg()))
   if 'transfer' in stages:
