@@ -25,8 +25,10 @@ L layers, V vocabulary):
   with scanned layers, a copy of that layer's weights ``P_layer * b`` (XLA
   materialises the ``dynamic_slice`` of the stacked weights that feeds the
   matmuls; seen in the CPU buffer assignment, in the forward pass too);
-* the layerwise step keeps the dense gradients of the non-layer matrices
-  (embedding, LM head) until the end; the plain step keeps every gradient.
+* the layerwise step keeps the dense gradients of the matrices the embedding
+  reads (token and position tables) until the end and updates an untied LM
+  head right after the head's backward; the plain step keeps every
+  gradient.
 
   python benchmarks/planner.py --preset opt-30b --batch 4 --seq 128
   python benchmarks/planner.py --config path/to/config.json --gpu-gb 80
@@ -118,14 +120,20 @@ def plan(hf_config, *, batch, seq, dtype=jnp.bfloat16, scan_layers=True):
   layer_bytes = tree_bytes(layers) // num_layers
   outer_matrix_bytes = sum(tree_bytes(x) for x in jax.tree.leaves(outer)
                            if len(x.shape) >= 2)
+  # Gradients of matrices the embedding reads (token/position tables) are
+  # complete only at the end; an untied LM head is updated right away.
+  embed_matrix_bytes = sum(
+      tree_bytes(outer[name]) for name in ('embed', 'positions')
+      if name in outer)
   saved_inputs = num_layers * batch * seq * d * itemsize
   head_phase = 2 * batch * seq * config.vocab_size * 4
   layer_activations = (batch * seq * (4 * d + 3 * ffn) * itemsize
                        + 2 * batch * heads * seq * seq * 4)
   slice_copy = layer_bytes if scan_layers else 0
   layer_phase = layer_bytes + layer_activations + slice_copy
-  layerwise = (weights + taco_state + saved_inputs + outer_matrix_bytes
-               + max(head_phase, layer_phase))
+  layerwise = (weights + taco_state + saved_inputs
+               + max(head_phase + outer_matrix_bytes,
+                     layer_phase + embed_matrix_bytes))
   all_grads = weights
   plain = lambda state: (weights + state + saved_inputs + all_grads
                          + max(head_phase, layer_activations + slice_copy))
@@ -133,7 +141,7 @@ def plan(hf_config, *, batch, seq, dtype=jnp.bfloat16, scan_layers=True):
       'config': config, 'weights': weights, 'taco_state': taco_state,
       'adamw_state': adamw_state, 'saved_inputs': saved_inputs,
       'head_phase': head_phase, 'layer_phase': layer_phase,
-      'outer_grads': outer_matrix_bytes,
+      'outer_grads': embed_matrix_bytes,
       'peaks': {
           'taco layerwise': layerwise,
           'taco plain': plain(taco_state),
@@ -152,7 +160,7 @@ def print_plan(name, result, gpu_gb):
         f'{result["adamw_state"] / GB:.2f} GB')
   print(f'  terms (GB): saved inputs {result["saved_inputs"] / GB:.3f}, head '
         f'{result["head_phase"] / GB:.3f}, one layer '
-        f'{result["layer_phase"] / GB:.3f}, non-layer matrix grads '
+        f'{result["layer_phase"] / GB:.3f}, embedding grads '
         f'{result["outer_grads"] / GB:.3f}')
   print(f'  {"method":<28}{"peak GB":>9}  fits {gpu_gb:g} GB')
   for method, peak in result['peaks'].items():

@@ -14,6 +14,7 @@ import dataclasses
 from typing import Any, Callable, NamedTuple, Optional, Union
 
 import jax
+from jax.extend import core as jax_core
 import jax.numpy as jnp
 import optax
 
@@ -137,6 +138,15 @@ def _column_chunk(layout: dn.MatrixLayout) -> Optional[int]:
   chunk = max(c for c in range(1, min(target, layout.n) + 1)
               if layout.n % c == 0)
   return chunk if chunk < layout.n else None
+
+
+def _used_inputs(fn: Callable[[Any], Any], tree: Any) -> list[bool]:
+  """Which leaves of ``tree`` the traced ``fn(tree)`` reads at all."""
+  jaxpr = jax.make_jaxpr(fn)(tree).jaxpr
+  read = {v for eqn in jaxpr.eqns for v in eqn.invars
+          if isinstance(v, jax_core.Var)}
+  read |= {v for v in jaxpr.outvars if isinstance(v, jax_core.Var)}
+  return [v in read for v in jaxpr.invars]
 
 
 def _taco_leaf_update(param, grad, values, indices, exponents, plan, mu,
@@ -390,10 +400,26 @@ def layerwise_train_step(
                               hidden_out)
     outer_grads, d_hidden = head_vjp(jnp.ones_like(value))
 
+    outer_leaves, outer_def = jax.tree.flatten(outer)
+    new_outer_leaves = list(outer_leaves)
+    outer_grad_leaves = jax.tree.leaves(outer_grads)
+    new_state = [list(s) for s in state_leaves]
+    # A TACO matrix the embedding does not use (an untied LM head) has its
+    # whole gradient now: update it before the layers, so that gradient dies.
+    embed_uses = _used_inputs(lambda o: loss.embed(o, batch), outer)
+    early = [i for i in range(num_outer)
+             if plans[i].layout is not None and not embed_uses[i]]
+    for i in early:
+      new_outer_leaves[i], *updated = taco_update(
+          outer_leaves[i], outer_grad_leaves[i], i, plans[i])
+      for s, u in zip(new_state, updated):
+        s[i] = u
+      d_hidden = jax.tree.map(
+          lambda x, i=i: _data_dependency(x, new_outer_leaves[i]), d_hidden)
+
     layer_leaves, layer_def = jax.tree.flatten(layers)
     layer_plans = plans[num_outer:]
     new_layer_leaves = list(layer_leaves)
-    new_state = [list(s) for s in state_leaves]
     layer_grads = [None] * len(layer_leaves)  # non-TACO leaves only
 
     if loss.scan_layers:
@@ -409,13 +435,11 @@ def layerwise_train_step(
 
     _, embed_vjp = jax.vjp(lambda o: loss.embed(o, batch), outer)
     (embed_grads,) = embed_vjp(d_hidden)
-    outer_grads = jax.tree.map(jnp.add, outer_grads, embed_grads)
-
-    outer_leaves, outer_def = jax.tree.flatten(outer)
-    new_outer_leaves = list(outer_leaves)
-    outer_grad_leaves = jax.tree.leaves(outer_grads)
+    outer_grad_leaves = [
+        g if i in early else g + e for i, (g, e) in enumerate(
+            zip(outer_grad_leaves, jax.tree.leaves(embed_grads)))]
     for i, (param, grad) in enumerate(zip(outer_leaves, outer_grad_leaves)):
-      if plans[i].layout is not None:
+      if plans[i].layout is not None and i not in early:
         new_outer_leaves[i], *updated = taco_update(param, grad, i, plans[i])
         for s, u in zip(new_state, updated):
           s[i] = u

@@ -229,3 +229,33 @@ def test_column_chunked_update_equals_plain_optax_path(monkeypatch, dims):
   chex.assert_trees_all_close(got, expected, rtol=1e-6, atol=1e-8)
   history = lambda s: s.inner_states['taco'].inner_state[0].indices
   chex.assert_trees_all_equal(history(got[1]), history(expected[1]))
+
+
+def _untied_head(outer, hidden, tokens):
+  logits = (hidden * outer['final_scale']) @ outer['w_head']
+  targets = jnp.roll(tokens, -1, axis=-1)
+  return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+
+
+@pytest.mark.parametrize('scan_layers', [True, False])
+def test_untied_head_is_updated_before_the_layers_and_equals_plain(
+    scan_layers):
+  outer, layers = _params(scan_layers, jnp.float32)
+  outer = dict(outer, w_head=jax.random.normal(jax.random.key(7),
+                                               (WIDTH, VOCAB)) / 4)
+  params = (outer, layers)
+  embed_reads = _train_step._used_inputs(lambda o: _embed(o, _tokens(0)),
+                                         outer)
+  # Leaves in key order: embedding, final_scale, w_head.
+  assert embed_reads == [True, False, False]
+  loss = LayeredLoss(_embed, _layer, _untied_head, scan_layers=scan_layers)
+  train = layerwise_train_step(loss, 1e-2, mu=0.9, k=4,
+                               weight_dimension_numbers=_matrix_dims)
+  plain = jax.jit(_plain_step(loss, train.optimizer))
+  fused = jax.jit(train.step)
+  expected = got = (params, train.optimizer.init(params))
+  for step in range(3):
+    expected = plain(*expected[:2], _tokens(step))
+    got = fused(*got[:2], _tokens(step))
+  chex.assert_trees_all_close(got, expected, rtol=1e-5, atol=1e-7)
+  assert not np.array_equal(got[0][0]['w_head'], outer['w_head'])
