@@ -327,9 +327,9 @@ def layerwise_train_step(
     ...     head=lambda outer, h, x: jnp.mean((h @ outer['w_out']) ** 2))
     >>> outer = {'w_in': jnp.ones((3, 8)), 'w_out': jnp.ones((8, 2))}
     >>> layers = {'w': jnp.ones((4, 8, 8)) / 8, 'b': jnp.zeros((4, 8))}
-    >>> dims = lambda params: jax.tree.map(
-    ...     lambda x: taco_optax.TacoDimensionNumbers(x.ndim - 2, x.ndim - 1)
-    ...     if x.ndim >= 2 else None, params)
+    >>> matrix = taco_optax.TacoDimensionNumbers()
+    >>> dims = ({'w_in': matrix, 'w_out': matrix},
+    ...         {'w': taco_optax.TacoDimensionNumbers(1, 2), 'b': None})
     >>> train = taco_optax.layerwise_train_step(
     ...     loss, learning_rate=1e-3, weight_dimension_numbers=dims)
     >>> params = (outer, layers)
