@@ -1,9 +1,11 @@
 """Update-only time of TACO vs optax optimizers on LLM-shaped parameter trees.
 
 Times ``jit(update + apply_updates)`` (params and state donated) for
-``taco_optax.taco`` and optax's adamw, adafactor, lion and contrib.muon, and
-one read of the gradient tree (the memory-bound floor). Prints a table and, on
-its last line, ``taco_over_adamw=<ratio> taco_over_read=<ratio>``.
+``taco_optax.taco`` and optax's adamw, adafactor, lion and contrib.muon, TACO
+as the layerwise step applies it (winners scattered into the weights, no dense
+update), and one read of the gradient tree (the memory-bound floor). Prints a
+table and, on its last line,
+``taco_over_adamw=<ratio> taco_over_read=<ratio> taco_scatter_over_adamw=...``.
 
   python benchmarks/step_time.py [--model llama-125m|llama-350m|smollm2-135m]
       [--dtype bfloat16|float32] [--repeats 3]
@@ -18,6 +20,8 @@ import numpy as np
 import optax
 
 import taco_optax
+from taco_optax import _dimension_numbers
+from taco_optax import _train_step
 
 # name: (vocab, hidden, layers, ffn, q heads * head dim, kv heads * head dim)
 SHAPES = {
@@ -88,6 +92,42 @@ def time_optimizer(tx, params, grads, repeats):
   return best, state_bytes
 
 
+def time_scatter_apply(params, grads, repeats, lr=1e-4):
+  """TACO as the layerwise step applies it: winners scattered into params.
+
+  The same state update as ``scale_by_taco`` but no dense update tensor and
+  no ``apply_updates`` pass (``_train_step._taco_leaf_update`` per matrix).
+  """
+  tx = taco_optax.taco(lr)
+  state = tx.init(params)
+  lr_tx = optax.scale_by_learning_rate(lr)
+  matrices = [k for k, v in params.items() if v.ndim == 2]
+
+  def step(params, state, grads):
+    taco_state, lr_state = state.inner_states['taco'].inner_state
+    params = dict(params)
+    fields = [dict(f) for f in taco_state]
+    for name in matrices:
+      layout = _dimension_numbers.matrix_layout(
+          params[name].shape, taco_optax.TacoDimensionNumbers())
+      plan = _train_step._LeafPlan(layout, layout.m / layout.n)  # pylint: disable=protected-access
+      params[name], *new = _train_step._taco_leaf_update(  # pylint: disable=protected-access
+          params[name], grads[name], *(f[name] for f in fields), plan, 0.95,
+          1, lr_tx, lr_state)
+      for f, value in zip(fields, new):
+        f[name] = value
+    return params, fields
+
+  step = jax.jit(step, donate_argnums=(0,))
+  carry = [jax.tree.map(jnp.copy, params)]
+
+  def run():
+    carry[0], _ = step(carry[0], state, grads)
+    return carry[0]
+
+  return time_fn(run, (), repeats)
+
+
 def time_read(grads, repeats):
   read = jax.jit(lambda g: [jnp.max(x) for x in jax.tree.leaves(g)])
   return time_fn(read, (grads,), repeats)
@@ -117,6 +157,10 @@ def main():
   for name, tx in chosen.items():
     seconds, state_bytes = time_optimizer(tx, params, grads, args.repeats)
     rows.append((name, seconds, state_bytes))
+    if name == 'taco':
+      rows.append(('taco (scatter)', time_scatter_apply(params, grads,
+                                                         args.repeats),
+                   state_bytes))
   print(f'{"update":<16}{"ms":>10}{"x read":>9}{"state MiB":>11}')
   for name, seconds, state_bytes in rows:
     print(f'{name:<16}{1e3 * seconds:>10.1f}{seconds / read:>9.2f}'
@@ -124,7 +168,9 @@ def main():
   times = {name: seconds for name, seconds, _ in rows}
   if 'taco' in times and 'adamw' in times:
     print(f'taco_over_adamw={times["taco"] / times["adamw"]:.3f} '
-          f'taco_over_read={times["taco"] / read:.3f}')
+          f'taco_over_read={times["taco"] / read:.3f} '
+          f'taco_scatter_over_adamw='
+          f'{times["taco (scatter)"] / times["adamw"]:.3f}')
 
 
 if __name__ == '__main__':
