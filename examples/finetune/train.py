@@ -5,17 +5,15 @@ anything is written, scores the held-out set, trains with
 ``nnx.Optimizer`` + ``nnx.jit`` (model and optimizer donated), evaluates
 periodically, and writes ``results.json`` (Table-4-style figures: metric
 before/after, persistent optimizer-state bytes, peak memory, tokens/s, wall
-time) into ``output_dir``.
+time) into ``output_dir``. The pieces live beside it: ``losses``,
+``evaluation``, ``trainers`` and ``report``.
 """
 
 import dataclasses
-import json
 import math
 import os
-import sys
-import tempfile
 import time
-from typing import Any, Callable, Optional, Sequence
+from typing import Callable, Optional
 
 from flax import nnx
 import jax
@@ -23,8 +21,22 @@ import jax.numpy as jnp
 import numpy as np
 
 from examples.finetune import data as data_lib
+from examples.finetune import evaluation as evaluation_lib
+from examples.finetune import losses as losses_lib
 from examples.finetune import optimizers as optimizers_lib
+from examples.finetune import report as report_lib
 from examples.finetune import tasks as tasks_lib
+from examples.finetune import trainers as trainers_lib
+
+# Re-exported: the benchmarks reach these through ``train``.
+completion_loss = losses_lib.completion_loss
+EvalSet = evaluation_lib.EvalSet
+make_eval_set = evaluation_lib.make_eval_set
+evaluate = evaluation_lib.evaluate
+peak_memory = trainers_lib.peak_memory
+LayerwiseTacoTrainer = trainers_lib.LayerwiseTacoTrainer
+write_json_atomic = report_lib.write_json_atomic
+results_table = report_lib.results_table
 
 
 class FinetuneError(Exception):
@@ -63,344 +75,6 @@ class RunConfig:
   resume: bool = False
   save_checkpoint: bool = True
   progress: bool = True
-
-
-# Losses and scores.
-
-
-def next_token_log_probs(model, input_ids, attention_mask):
-  """``[B, T-1]`` log-probability of each next token."""
-  logits = model(input_ids, attention_mask).astype(jnp.float32)
-  log_probs = jax.nn.log_softmax(logits[:, :-1], axis=-1)
-  return jnp.take_along_axis(log_probs, input_ids[:, 1:, None], -1)[..., 0]
-
-
-def completion_nll(logits, batch: data_lib.Batch):
-  """Mean negative log-likelihood of the completion tokens, from logits."""
-  log_probs = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), axis=-1)
-  log_probs = jnp.take_along_axis(log_probs, batch.input_ids[:, 1:, None],
-                                  -1)[..., 0]
-  mask = batch.loss_mask[:, 1:]
-  return -(log_probs * mask).sum() / jnp.maximum(mask.sum(), 1.0)
-
-
-def candidate_nll(logits, batch: data_lib.ChoiceBatch):
-  """Cross-entropy of the correct candidate among the candidate tokens.
-
-  The classification objective of MeZO's prompt-based fine-tuning: a softmax
-  over the label words' logits after the prompt, so no step is spent on the
-  label words' prior probability.
-  """
-  last = batch.attention_mask.sum(-1).astype(jnp.int32) - 1
-  rows = jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0]
-  scores = jnp.take_along_axis(rows.astype(jnp.float32), batch.candidate_ids,
-                               -1)
-  log_probs = jax.nn.log_softmax(scores, axis=-1)
-  return -jnp.take_along_axis(log_probs, batch.labels[:, None], -1).mean()
-
-
-def batch_loss(logits, batch):
-  """The loss a batch asks for: candidates (``ChoiceBatch``) or completion."""
-  if isinstance(batch, data_lib.ChoiceBatch):
-    return candidate_nll(logits, batch)
-  return completion_nll(logits, batch)
-
-
-def completion_loss(model, batch):
-  """The training loss of ``model`` on ``batch`` (see :func:`batch_loss`)."""
-  return batch_loss(model(batch.input_ids, batch.attention_mask), batch)
-
-
-@nnx.jit
-def _completion_scores(model, batch: data_lib.Batch):
-  """Per-row mean log-likelihood of the completion."""
-  log_probs = next_token_log_probs(model, batch.input_ids,
-                                   batch.attention_mask)
-  mask = batch.loss_mask[:, 1:]
-  return (log_probs * mask).sum(-1) / jnp.maximum(mask.sum(-1), 1.0)
-
-
-@nnx.jit
-def _last_token_log_probs(model, input_ids, attention_mask, last):
-  """``[B, V]`` next-token log-probabilities after position ``last[b]``."""
-  logits = model(input_ids, attention_mask)
-  rows = jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0]
-  return jax.nn.log_softmax(rows.astype(jnp.float32), axis=-1)
-
-
-def _chunks(items: Sequence, size: int):
-  """Fixed-size chunks, the last one padded by repeating its first item, so
-  every call has one shape (no recompilation); yields (chunk, real_count)."""
-  for start in range(0, len(items), size):
-    chunk = list(items[start:start + size])
-    real = len(chunk)
-    chunk += [chunk[0]] * (size - real)
-    yield chunk, real
-
-
-# Evaluation.
-
-
-@dataclasses.dataclass(frozen=True)
-class EvalSet:
-  """A held-out set, tokenised once."""
-  task: tasks_lib.Task
-  examples: list[tasks_lib.Example]
-  prompts: list[tuple[int, ...]]
-  candidates: list[list[tuple[int, ...]]]
-
-  @property
-  def single_token(self) -> bool:
-    """Every candidate is one token after one shared prompt: one forward per
-    example scores all candidates."""
-    return all(len(c) == 1 for cands in self.candidates for c in cands)
-
-
-def make_eval_set(task, examples, tokenizer) -> EvalSet:
-  prompts = [data_lib.encode(tokenizer, e.prompt, special=True)
-             for e in examples]
-  candidates = [[data_lib.encode(tokenizer, c, special=False)
-                 for c in e.candidates] for e in examples]
-  return EvalSet(task, list(examples), prompts, candidates)
-
-
-def _predict_single_token(model, eval_set, seq_len, batch_size):
-  predictions = []
-  pairs = list(zip(eval_set.prompts, eval_set.candidates))
-  for chunk, real in _chunks(pairs, batch_size):
-    batch = data_lib.collate(
-        [data_lib.TokenizedExample(p, ()) for p, _ in chunk], seq_len)
-    last = batch.attention_mask.sum(-1).astype(np.int32) - 1
-    log_probs = np.asarray(_last_token_log_probs(
-        model, batch.input_ids, batch.attention_mask, last))
-    for row in range(real):
-      ids = [c[0] for c in chunk[row][1]]
-      predictions.append(int(np.argmax(log_probs[row, ids])))
-  return predictions
-
-
-def _predict_by_likelihood(model, eval_set, seq_len, batch_size):
-  flat = [(i, data_lib.TokenizedExample(p, c))
-          for i, (p, cands) in enumerate(zip(eval_set.prompts,
-                                             eval_set.candidates))
-          for c in cands]
-  scores = []
-  for chunk, real in _chunks(flat, batch_size):
-    batch = data_lib.collate([e for _, e in chunk], seq_len)
-    scores.extend(np.asarray(_completion_scores(model, batch))[:real])
-  predictions, position = [], 0
-  for cands in eval_set.candidates:
-    predictions.append(int(np.argmax(scores[position:position + len(cands)])))
-    position += len(cands)
-  return predictions
-
-
-def _generate(model, eval_set, tokenizer, seq_len, batch_size,
-              max_new_tokens, stop_ids):
-  """Greedy decoding in a fixed ``[B, seq_len]`` buffer (no KV cache)."""
-  texts = []
-  room = seq_len - max_new_tokens
-  for chunk, real in _chunks(eval_set.prompts, batch_size):
-    ids = np.zeros((batch_size, seq_len), np.int32)
-    lengths = np.zeros((batch_size,), np.int32)
-    for row, prompt in enumerate(chunk):
-      prompt = prompt[-room:]
-      ids[row, :len(prompt)] = prompt
-      lengths[row] = len(prompt)
-    start = lengths.copy()
-    done = np.zeros((batch_size,), bool)
-    for _ in range(max_new_tokens):
-      mask = np.arange(seq_len)[None] < lengths[:, None]
-      log_probs = _last_token_log_probs(model, ids, mask, lengths - 1)
-      next_ids = np.asarray(jnp.argmax(log_probs, -1))
-      for row in range(batch_size):
-        if done[row]:
-          continue
-        ids[row, lengths[row]] = next_ids[row]
-        lengths[row] += 1
-        done[row] = next_ids[row] in stop_ids
-      if done[:real].all():
-        break
-    for row in range(real):
-      new = [t for t in ids[row, start[row]:lengths[row]] if t not in stop_ids]
-      texts.append(tasks_lib.first_line(tokenizer.decode(new)))
-  return texts
-
-
-def evaluate(model, eval_set: EvalSet, tokenizer, config: RunConfig,
-             stop_ids=()) -> dict[str, float]:
-  """The task metric(s) of ``model`` on ``eval_set``."""
-  model.eval()
-  try:
-    if eval_set.task.generative:
-      predictions = _generate(model, eval_set, tokenizer, config.seq_len,
-                              config.eval_batch_size, config.max_new_tokens,
-                              set(stop_ids))
-    elif eval_set.single_token:
-      predictions = _predict_single_token(model, eval_set, config.seq_len,
-                                          config.eval_batch_size)
-    else:
-      predictions = _predict_by_likelihood(model, eval_set, config.seq_len,
-                                           config.eval_batch_size)
-  finally:
-    model.train()
-  return tasks_lib.score(eval_set.task, eval_set.examples, predictions)
-
-
-# Training.
-
-
-def make_train_step(needs_loss: bool) -> Callable:
-  """``step(model, optimizer, batch) -> loss``, jitted, model/state donated.
-  """
-
-  def train_step(model, optimizer, batch):
-    loss, grads = nnx.value_and_grad(completion_loss)(model, batch)
-    if needs_loss:
-      graphdef, _, rest = nnx.split(model, nnx.Param, ...)
-      objective = lambda params: completion_loss(
-          nnx.merge(graphdef, params, rest), batch)
-      optimizer.update(model, grads, obj_fn=objective)
-    else:
-      optimizer.update(model, grads)
-    return loss
-
-  return nnx.jit(train_step, donate_argnames=('model', 'optimizer'))
-
-
-def peak_memory(compiled=None) -> tuple[Optional[int], str]:
-  """Peak bytes and where the figure comes from.
-
-  The device's own counter where the backend has one (GPU/TPU); else the
-  compiled train step's memory analysis (arguments + outputs + temporaries
-  - donated aliases), an estimate of the step's peak.
-  """
-  stats = None
-  try:
-    stats = jax.devices()[0].memory_stats()
-  except Exception:  # Backends without memory stats raise or return None.
-    stats = None
-  if stats and 'peak_bytes_in_use' in stats:
-    return int(stats['peak_bytes_in_use']), 'device memory_stats'
-  if compiled is not None:
-    analysis = compiled.memory_analysis()
-    if analysis is not None:
-      total = (analysis.argument_size_in_bytes + analysis.output_size_in_bytes
-               + analysis.temp_size_in_bytes - analysis.alias_size_in_bytes)
-      return int(total), 'compiled memory analysis of the train step'
-  return None, 'unavailable'
-
-
-def write_json_atomic(path: str, payload: dict) -> None:
-  """Writes ``path`` whole or not at all."""
-  directory = os.path.dirname(os.path.abspath(path))
-  os.makedirs(directory, exist_ok=True)
-  fd, tmp = tempfile.mkstemp(dir=directory, suffix='.tmp')
-  try:
-    with os.fdopen(fd, 'w') as f:
-      json.dump(payload, f, indent=2)
-      f.write('\n')
-    os.replace(tmp, path)
-  except BaseException:
-    os.unlink(tmp)
-    raise
-
-
-# Trainers: the optax path for every optimizer, the layer-wise TACO step.
-
-
-class NnxTrainer:
-  """``nnx.Optimizer(model, tx, wrt=nnx.Param)`` and a donated ``nnx.jit`` step.
-  """
-  path = 'optax (nnx.Optimizer + nnx.jit)'
-
-  def __init__(self, model, tx, needs_loss: bool):
-    self.model = model
-    self.optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
-    self._step = make_train_step(needs_loss)
-
-  def compile(self, batch):
-    return self._step.lower(self.model, self.optimizer, batch).compile()
-
-  def step(self, batch):
-    return self._step(self.model, self.optimizer, batch)
-
-  @property
-  def step_count(self) -> int:
-    return int(self.optimizer.step[...])
-
-  def optimizer_state_bytes(self) -> int:
-    return optimizers_lib.state_bytes(
-        nnx.state(self.optimizer, nnx.optimizer.OptState))
-
-  def checkpoint_tree(self):
-    return nnx.to_pure_dict(nnx.state((self.model, self.optimizer)))
-
-  def load_checkpoint_tree(self, tree) -> None:
-    state = nnx.state((self.model, self.optimizer))
-    nnx.replace_by_pure_dict(state, tree)
-    nnx.update((self.model, self.optimizer), state)
-
-
-class LayerwiseTacoTrainer:
-  """TACO through ``taco_optax``'s layer-wise step: each block's gradient is
-  consumed (history updated, winners written into the weight) as soon as
-  backprop produces it, so no dense update and at most one block's gradients
-  exist at a time. Same parameters and state as the optax path."""
-  path = ('layer-wise TACO step (taco_optax): per-block backward, winners '
-          'written into the weights during backprop')
-
-  def __init__(self, model, schedule, hints: optimizers_lib.ModelHints):
-    from examples.finetune import layerwise  # pylint: disable=g-import-not-at-top
-    self.model = model
-    self._layered = layerwise.layered_model(model, batch_loss)
-    train = layerwise.layerwise_lib.layerwise_train_step(
-        self._layered.loss, schedule, k=hints.taco_k, mu=hints.taco_mu,
-        weight_dimension_numbers=hints.taco_dimension_numbers,
-        update_scale=hints.taco_update_scale)
-    self.params = self._layered.params
-    self.opt_state = train.optimizer.init(self.params)
-    self.count = 0
-    self._step = jax.jit(train.step, donate_argnums=(0, 1))
-
-  def compile(self, batch):
-    return self._step.lower(self.params, self.opt_state, batch).compile()
-
-  def step(self, batch):
-    self.params, self.opt_state, loss = self._step(self.params,
-                                                   self.opt_state, batch)
-    # The donated old arrays are gone: point the model at the new ones.
-    self._layered.write_back(self.params)
-    self.count += 1
-    return loss
-
-  @property
-  def step_count(self) -> int:
-    return self.count
-
-  def optimizer_state_bytes(self) -> int:
-    return optimizers_lib.state_bytes(self.opt_state)
-
-  def checkpoint_tree(self):
-    return {'params': self.params, 'opt_state': self.opt_state,
-            'step': np.asarray(self.count, np.int64)}
-
-  def load_checkpoint_tree(self, tree) -> None:
-    self.params, self.opt_state = tree['params'], tree['opt_state']
-    self.count = int(tree['step'])
-    self._layered.write_back(self.params)
-
-
-def make_trainer(config: 'RunConfig', spec, model, schedule, hints):
-  """The layer-wise step for TACO when ``--taco-step`` allows, else optax."""
-  if config.optimizer == 'taco' and config.taco_step != 'optax':
-    from examples.finetune import layerwise  # pylint: disable=g-import-not-at-top
-    if layerwise.available():
-      return LayerwiseTacoTrainer(model, schedule, hints)
-    if config.taco_step == 'layerwise':
-      raise FinetuneError('--taco-step layerwise: this taco_optax has no '
-                          'layer-wise train step')
-  return NnxTrainer(model, spec.build(schedule, hints), spec.needs_loss)
 
 
 # Checkpoints (Orbax): parameters and optimizer state, step included.
@@ -531,76 +205,6 @@ def _check_config(config: RunConfig) -> None:
     raise FinetuneError('--eval-every must be >= 0')
 
 
-def _format_bytes(n: Optional[int]) -> str:
-  if n is None:
-    return 'n/a'
-  for unit in ('B', 'KiB', 'MiB', 'GiB'):
-    if n < 1024 or unit == 'GiB':
-      return f'{n:.0f} {unit}' if unit == 'B' else f'{n:.1f} {unit}'
-    n /= 1024
-
-
-def results_table(results: dict) -> str:
-  """The paper's Table-4 figures as plain text."""
-  metric = results['metric']
-  rows = [
-      ('optimizer', results['optimizer']),
-      ('model', os.path.basename(str(results['model']))),
-      ('task', results['task']),
-      (f'{metric} before', f"{results['before'][metric]:.4f}"),
-      (f'{metric} after', f"{results['after'][metric]:.4f}"),
-      ('optimizer state', _format_bytes(results['optimizer_state_bytes'])),
-      ('parameters', _format_bytes(results['parameter_bytes'])),
-      ('peak memory', f"{_format_bytes(results['peak_memory_bytes'])} "
-                      f"({results['peak_memory_source']})"),
-      ('tokens/s', f"{results['tokens_per_second']:.1f}"),
-      ('train time', f"{results['train_seconds']:.1f} s "
-                     f"(compile {results['compile_seconds']:.1f} s)"),
-      ('wall time', f"{results['wall_seconds']:.1f} s"),
-      ('step path', results['step_path']),
-  ]
-  width = max(len(k) for k, _ in rows)
-  return '\n'.join(f'{k:<{width}}  {v}' for k, v in rows)
-
-
-class _Progress:
-  """A rich progress bar with loss and tokens/s on a terminal; elsewhere (logs,
-  CI) a plain line every tenth of the run; nothing when disabled."""
-
-  def __init__(self, total: int, enabled: bool):
-    self._bar = None
-    self._total, self._done = total, 0
-    self._log_every = max(1, total // 10) if enabled else 0
-    if enabled and sys.stderr.isatty():
-      from rich import console, progress  # pylint: disable=g-import-not-at-top
-      self._bar = progress.Progress(
-          progress.TextColumn('[bold]train'), progress.BarColumn(),
-          progress.MofNCompleteColumn(), progress.TimeElapsedColumn(),
-          progress.TextColumn('{task.fields[info]}'),
-          console=console.Console(stderr=True))
-      self._task = self._bar.add_task('train', total=total, info='')
-      self._bar.start()
-
-  def advance(self, info: str) -> None:
-    self._done += 1
-    if self._bar is not None:
-      self._bar.update(self._task, advance=1, info=info)
-    elif self._log_every and (self._done % self._log_every == 0
-                              or self._done == self._total):
-      print(f'step {self._done}/{self._total}: {info}', file=sys.stderr,
-            flush=True)
-
-  def print(self, text: str) -> None:
-    if self._bar is not None:
-      self._bar.console.print(text)
-    else:
-      print(text, file=sys.stderr)
-
-  def close(self) -> None:
-    if self._bar is not None:
-      self._bar.stop()
-
-
 def run(config: RunConfig, log: Callable[[str], None] = print) -> dict:
   """Fine-tunes and evaluates; returns (and writes) the results.
 
@@ -634,7 +238,7 @@ def run(config: RunConfig, log: Callable[[str], None] = print) -> dict:
     train_tokens = [data_lib.tokenize(tokenizer, e.prompt, e.target)
                     for e in train_examples]
     collate_fn, objective = data_lib.collate, 'completion likelihood'
-  eval_set = make_eval_set(task, test_examples, tokenizer)
+  eval_set = evaluation_lib.make_eval_set(task, test_examples, tokenizer)
   pad_id = model_config.pad_token_id or 0
   batches = data_lib.training_batches(train_tokens, config.batch_size,
                                       config.seq_len, config.seed, pad_id,
@@ -658,7 +262,7 @@ def run(config: RunConfig, log: Callable[[str], None] = print) -> dict:
       taco_update_scale=model_lib.taco_update_scale,
       vocab_size=model_config.vocab_size, taco_k=config.taco_k,
       taco_mu=config.taco_mu)
-  trainer = make_trainer(config, spec, model, schedule, hints)
+  trainer = trainers_lib.make_trainer(config, spec, model, schedule, hints)
   start_step = 0
   if config.resume:
     start_step = restore_checkpoint(checkpoint_path(config.output_dir),
@@ -678,7 +282,8 @@ def run(config: RunConfig, log: Callable[[str], None] = print) -> dict:
       f'tokens, {objective}; step path: {step_path}')
 
   metric = next(iter(tasks_lib.score(task, [], [])))
-  before = evaluate(model, eval_set, tokenizer, config, stop_ids)
+  before = evaluation_lib.evaluate(model, eval_set, tokenizer, config,
+                                   stop_ids)
   log(f'held-out {metric} before: {before[metric]:.4f}')
 
   first = next(batches)
@@ -686,7 +291,7 @@ def run(config: RunConfig, log: Callable[[str], None] = print) -> dict:
   compiled = trainer.compile(first)
   compile_seconds = time.perf_counter() - compile_start
 
-  progress = _Progress(config.steps - start_step, config.progress)
+  progress = report_lib.Progress(config.steps - start_step, config.progress)
   losses, evals, tokens, train_seconds = [], [], 0, 0.0
   batch = first
   try:
@@ -704,7 +309,8 @@ def run(config: RunConfig, log: Callable[[str], None] = print) -> dict:
       progress.advance(f'loss {loss:.4f}  {rate:.0f} tok/s')
       if config.eval_every and step % config.eval_every == 0 and (
           step < config.steps):
-        scores = evaluate(model, eval_set, tokenizer, config, stop_ids)
+        scores = evaluation_lib.evaluate(model, eval_set, tokenizer, config,
+                                         stop_ids)
         evals.append({'step': step, **scores})
         progress.print(f'step {step}: held-out {metric} {scores[metric]:.4f}')
       if step < config.steps:
@@ -712,11 +318,12 @@ def run(config: RunConfig, log: Callable[[str], None] = print) -> dict:
   finally:
     progress.close()
 
-  after = evaluate(model, eval_set, tokenizer, config, stop_ids)
+  after = evaluation_lib.evaluate(model, eval_set, tokenizer, config,
+                                  stop_ids)
   evals.append({'step': config.steps, **after})
   if config.save_checkpoint:
     save_checkpoint(checkpoint_path(config.output_dir), trainer)
-  peak, peak_source = peak_memory(compiled)
+  peak, peak_source = trainers_lib.peak_memory(compiled)
   param_bytes = optimizers_lib.state_bytes(nnx.state(model, nnx.Param))
   results = {
       'optimizer': config.optimizer,
@@ -745,5 +352,6 @@ def run(config: RunConfig, log: Callable[[str], None] = print) -> dict:
       'backend': jax.default_backend(),
       'config': dataclasses.asdict(config),
   }
-  write_json_atomic(os.path.join(config.output_dir, 'results.json'), results)
+  report_lib.write_json_atomic(
+      os.path.join(config.output_dir, 'results.json'), results)
   return results

@@ -11,7 +11,8 @@ from examples.finetune import data
 from examples.finetune import layerwise
 from examples.finetune import model as model_lib
 from examples.finetune import optimizers
-from examples.finetune import train
+from examples.finetune import losses
+from examples.finetune import trainers
 
 pytestmark = pytest.mark.skipif(not layerwise.available(),
                                 reason='taco_optax has no layer-wise step')
@@ -42,14 +43,14 @@ def _hints(config):
 def test_layered_loss_equals_model_loss(family, scan_layers):
   model = _model(family, scan_layers)
   batch = _batch(model.config.vocab_size)
-  layered = layerwise.layered_model(model, train.batch_loss)
+  layered = layerwise.layered_model(model, losses.batch_loss)
   np.testing.assert_allclose(layered.loss(layered.params, batch),
-                             train.completion_loss(model, batch), rtol=1e-5)
+                             losses.completion_loss(model, batch), rtol=1e-5)
   choices = data.collate_choices(
       [data.ChoiceExample((5, 6, 7), (10, 11), 1),
        data.ChoiceExample((8,), (10, 11), 0)], seq_len=6)
   np.testing.assert_allclose(layered.loss(layered.params, choices),
-                             train.completion_loss(model, choices), rtol=1e-5)
+                             losses.completion_loss(model, choices), rtol=1e-5)
 
 
 @pytest.mark.parametrize('family', ['llama', 'qwen3'])
@@ -58,12 +59,12 @@ def test_layerwise_steps_equal_optax_path(family):
   schedule = optimizers.linear_schedule(1e-2, 4, 1)
   reference = _model(family, False)
   spec = optimizers.get('taco')
-  plain = train.NnxTrainer(reference, spec.build(schedule,
-                                                 _hints(reference.config)),
-                           needs_loss=False)
+  plain = trainers.NnxTrainer(reference, spec.build(schedule,
+                                                    _hints(reference.config)),
+                              needs_loss=False)
   lean_model = _model(family, False)
-  lean = train.LayerwiseTacoTrainer(lean_model, schedule,
-                                    _hints(lean_model.config))
+  lean = trainers.LayerwiseTacoTrainer(lean_model, schedule,
+                                       _hints(lean_model.config))
   for batch in batches:
     np.testing.assert_allclose(lean.step(batch), plain.step(batch),
                                rtol=1e-5)

@@ -4,7 +4,7 @@ import jax
 import numpy as np
 
 from examples.finetune import data
-from examples.finetune import train
+from examples.finetune import losses
 
 
 def test_candidate_nll_is_cross_entropy_over_candidate_logits():
@@ -19,9 +19,9 @@ def test_candidate_nll_is_cross_entropy_over_candidate_logits():
       labels=np.array([0, 1], np.int32))
   expected = np.mean([-np.log(np.exp(1) / (np.exp(1) + np.exp(3))),
                       np.log(2)])
-  np.testing.assert_allclose(train.candidate_nll(logits, batch), expected,
+  np.testing.assert_allclose(losses.candidate_nll(logits, batch), expected,
                              rtol=1e-6)
-  assert train.batch_loss(logits, batch) == train.candidate_nll(logits, batch)
+  assert losses.batch_loss(logits, batch) == losses.candidate_nll(logits, batch)
 
 
 def test_completion_nll_counts_only_completion_tokens():
@@ -30,5 +30,5 @@ def test_completion_nll_counts_only_completion_tokens():
   logits[0, 1, 3] = 2.0  # position 1 predicts token 3 (the completion)
   logits[0, 0, 0] = 50.0  # predicting a prompt token: not in the loss
   expected = -jax.nn.log_softmax(logits[0, 1])[3]
-  np.testing.assert_allclose(train.completion_nll(logits, batch), expected,
+  np.testing.assert_allclose(losses.completion_nll(logits, batch), expected,
                              rtol=1e-6)

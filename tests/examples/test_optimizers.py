@@ -9,7 +9,7 @@ from examples.finetune import config as config_lib
 from examples.finetune import data
 from examples.finetune import model as model_lib
 from examples.finetune import optimizers
-from examples.finetune import train
+from examples.finetune import trainers
 
 
 @pytest.mark.parametrize('name', sorted(optimizers.OPTIMIZERS))
@@ -26,7 +26,7 @@ def test_optimizer_lowers_the_loss_of_a_fixed_batch(name):
                                 model_lib.taco_update_scale,
                                 config.vocab_size)
   tx = spec.build(optimizers.linear_schedule(1e-2, 8, 0), hints)
-  trainer = train.NnxTrainer(model, tx, spec.needs_loss)
+  trainer = trainers.NnxTrainer(model, tx, spec.needs_loss)
   losses = [float(trainer.step(batch)) for _ in range(6)]
   assert np.all(np.isfinite(losses))
   assert losses[-1] < losses[0], losses

@@ -1,0 +1,50 @@
+"""Training losses of the example: completion likelihood or candidate choice.
+"""
+
+import jax
+import jax.numpy as jnp
+
+from examples.finetune import data as data_lib
+
+
+def next_token_log_probs(model, input_ids, attention_mask):
+  """``[B, T-1]`` log-probability of each next token."""
+  logits = model(input_ids, attention_mask).astype(jnp.float32)
+  log_probs = jax.nn.log_softmax(logits[:, :-1], axis=-1)
+  return jnp.take_along_axis(log_probs, input_ids[:, 1:, None], -1)[..., 0]
+
+
+def completion_nll(logits, batch: data_lib.Batch):
+  """Mean negative log-likelihood of the completion tokens, from logits."""
+  log_probs = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), axis=-1)
+  log_probs = jnp.take_along_axis(log_probs, batch.input_ids[:, 1:, None],
+                                  -1)[..., 0]
+  mask = batch.loss_mask[:, 1:]
+  return -(log_probs * mask).sum() / jnp.maximum(mask.sum(), 1.0)
+
+
+def candidate_nll(logits, batch: data_lib.ChoiceBatch):
+  """Cross-entropy of the correct candidate among the candidate tokens.
+
+  The classification objective of MeZO's prompt-based fine-tuning: a softmax
+  over the label words' logits after the prompt, so no step is spent on the
+  label words' prior probability.
+  """
+  last = batch.attention_mask.sum(-1).astype(jnp.int32) - 1
+  rows = jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0]
+  scores = jnp.take_along_axis(rows.astype(jnp.float32), batch.candidate_ids,
+                               -1)
+  log_probs = jax.nn.log_softmax(scores, axis=-1)
+  return -jnp.take_along_axis(log_probs, batch.labels[:, None], -1).mean()
+
+
+def batch_loss(logits, batch):
+  """The loss a batch asks for: candidates (``ChoiceBatch``) or completion."""
+  if isinstance(batch, data_lib.ChoiceBatch):
+    return candidate_nll(logits, batch)
+  return completion_nll(logits, batch)
+
+
+def completion_loss(model, batch):
+  """The training loss of ``model`` on ``batch`` (see :func:`batch_loss`)."""
+  return batch_loss(model(batch.input_ids, batch.attention_mask), batch)

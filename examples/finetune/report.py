@@ -1,0 +1,93 @@
+"""What a run shows and keeps: progress, the final table, ``results.json``."""
+
+import json
+import os
+import sys
+import tempfile
+from typing import Optional
+
+
+def write_json_atomic(path: str, payload: dict) -> None:
+  """Writes ``path`` whole or not at all."""
+  directory = os.path.dirname(os.path.abspath(path))
+  os.makedirs(directory, exist_ok=True)
+  fd, tmp = tempfile.mkstemp(dir=directory, suffix='.tmp')
+  try:
+    with os.fdopen(fd, 'w') as f:
+      json.dump(payload, f, indent=2)
+      f.write('\n')
+    os.replace(tmp, path)
+  except BaseException:
+    os.unlink(tmp)
+    raise
+
+
+def format_bytes(n: Optional[int]) -> str:
+  """``n`` bytes in B/KiB/MiB/GiB; ``'n/a'`` for ``None``."""
+  if n is None:
+    return 'n/a'
+  for unit in ('B', 'KiB', 'MiB', 'GiB'):
+    if n < 1024 or unit == 'GiB':
+      return f'{n:.0f} {unit}' if unit == 'B' else f'{n:.1f} {unit}'
+    n /= 1024
+
+
+def results_table(results: dict) -> str:
+  """The paper's Table-4 figures as plain text."""
+  metric = results['metric']
+  rows = [
+      ('optimizer', results['optimizer']),
+      ('model', os.path.basename(str(results['model']))),
+      ('task', results['task']),
+      (f'{metric} before', f"{results['before'][metric]:.4f}"),
+      (f'{metric} after', f"{results['after'][metric]:.4f}"),
+      ('optimizer state', format_bytes(results['optimizer_state_bytes'])),
+      ('parameters', format_bytes(results['parameter_bytes'])),
+      ('peak memory', f"{format_bytes(results['peak_memory_bytes'])} "
+                      f"({results['peak_memory_source']})"),
+      ('tokens/s', f"{results['tokens_per_second']:.1f}"),
+      ('train time', f"{results['train_seconds']:.1f} s "
+                     f"(compile {results['compile_seconds']:.1f} s)"),
+      ('wall time', f"{results['wall_seconds']:.1f} s"),
+      ('step path', results['step_path']),
+  ]
+  width = max(len(k) for k, _ in rows)
+  return '\n'.join(f'{k:<{width}}  {v}' for k, v in rows)
+
+
+class Progress:
+  """A rich progress bar with loss and tokens/s on a terminal; elsewhere (logs,
+  CI) a plain line every tenth of the run; nothing when disabled."""
+
+  def __init__(self, total: int, enabled: bool):
+    self._bar = None
+    self._total, self._done = total, 0
+    self._log_every = max(1, total // 10) if enabled else 0
+    if enabled and sys.stderr.isatty():
+      from rich import console, progress  # pylint: disable=g-import-not-at-top
+      self._bar = progress.Progress(
+          progress.TextColumn('[bold]train'), progress.BarColumn(),
+          progress.MofNCompleteColumn(), progress.TimeElapsedColumn(),
+          progress.TextColumn('{task.fields[info]}'),
+          console=console.Console(stderr=True))
+      self._task = self._bar.add_task('train', total=total, info='')
+      self._bar.start()
+
+  def advance(self, info: str) -> None:
+    self._done += 1
+    if self._bar is not None:
+      self._bar.update(self._task, advance=1, info=info)
+    elif self._log_every and (self._done % self._log_every == 0
+                              or self._done == self._total):
+      print(f'step {self._done}/{self._total}: {info}', file=sys.stderr,
+            flush=True)
+
+  def print(self, text: str) -> None:
+    if self._bar is not None:
+      self._bar.console.print(text)
+    else:
+      print(text, file=sys.stderr)
+
+  def close(self) -> None:
+    if self._bar is not None:
+      self._bar.stop()
