@@ -8,27 +8,12 @@ a batch size / sequence length; prints the predicted peak of
 * AdamW with the plain optax step (moments in the parameter dtype, as optax
   does by default, and with float32 moments),
 
-and whether each fits on a GPU of ``--gpu-gb`` GB. Parameter and state sizes
-are exact (abstract shapes of the example's ``DecoderLM``: ``nnx.eval_shape``
-and ``jax.eval_shape`` of the optimizer's ``init``); the rest is a formula
-(below) whose terms were checked against XLA's compiled memory analysis of
-the same step on small models (``--validate`` repeats that check).
-
-Formula (bytes; b = parameter dtype size, B batch, T sequence, d width,
-L layers, V vocabulary):
-
-* weights ``P * b``; optimizer state exact;
-* saved layer inputs (remat per layer) ``L * B * T * d * b``;
-* head phase: float32 logits and their gradient ``2 * B * T * V * 4``;
-* one layer's backward: its gradients ``P_layer * b`` plus its recomputed
-  activations ``B * T * (4 d + 3 ffn) * b + 2 * B * heads * T^2 * 4``, plus,
-  with scanned layers, a copy of that layer's weights ``P_layer * b`` (XLA
-  materialises the ``dynamic_slice`` of the stacked weights that feeds the
-  matmuls; seen in the CPU buffer assignment, in the forward pass too);
-* the layerwise step keeps the dense gradients of the matrices the embedding
-  reads (token and position tables) until the end and updates an untied LM
-  head right after the head's backward; the plain step keeps every
-  gradient.
+and whether each fits on a GPU of ``--gpu-gb`` GB. The estimate is
+``examples/finetune/memory_plan.py``, which the example also uses to refuse
+a run that cannot fit its device; its docstring gives the formula. Parameter
+and state sizes are exact; the rest was checked against XLA's compiled memory
+analysis of the same step on small models (``--validate`` repeats that
+check).
 
   python benchmarks/planner.py --preset opt-30b --batch 4 --seq 128
   python benchmarks/planner.py --config path/to/config.json --gpu-gb 80
@@ -37,18 +22,12 @@ L layers, V vocabulary):
 
 import argparse
 import json
-import math
 
-import jax
 import jax.numpy as jnp
-import optax
-from flax import nnx
 
-from examples.finetune import config as config_lib
-from examples.finetune import model as model_lib
-import taco_optax
+from examples.finetune import memory_plan
 
-GB = 1e9
+GB = memory_plan.GB
 
 # Public Hugging Face config.json values (the keys the planner needs).
 PRESETS = {
@@ -87,70 +66,6 @@ PRESETS = {
 PAPER_TABLE5_GB = {'opt-30b': 62.5, 'qwen3-32b': 70.0}
 
 
-def tree_bytes(tree) -> int:
-  return sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
-             for x in jax.tree.leaves(tree))
-
-
-def abstract_params(config, dtype):
-  """``(outer, layers)`` abstract parameter states of a scanned DecoderLM."""
-  model = nnx.eval_shape(lambda: model_lib.DecoderLM(
-      config, dtype=dtype, param_dtype=dtype, scan_layers=True,
-      rngs=nnx.Rngs(0)))
-  state = nnx.state(model, nnx.Param)
-  outer = {k: v for k, v in state.items() if k != 'layers'}
-  return outer, state['layers']
-
-
-def plan(hf_config, *, batch, seq, dtype=jnp.bfloat16, scan_layers=True):
-  """Predicted peak bytes per method, with the terms."""
-  config = config_lib.ModelConfig.from_hf_config(hf_config)
-  outer, layers = abstract_params(config, dtype)
-  params = (outer, layers)
-  itemsize = jnp.dtype(dtype).itemsize
-  weights = tree_bytes(params)
-  taco = taco_optax.taco(
-      3e-5, weight_dimension_numbers=model_lib.taco_dimension_numbers,
-      update_scale=model_lib.taco_update_scale)
-  taco_state = tree_bytes(jax.eval_shape(taco.init, params))
-  adamw_state = tree_bytes(jax.eval_shape(optax.adamw(1e-5).init, params))
-  adamw_state_f32 = 8 * weights // itemsize
-  d, ffn, heads = config.hidden_size, config.intermediate_size, config.num_heads
-  num_layers = config.num_layers
-  layer_bytes = tree_bytes(layers) // num_layers
-  outer_matrix_bytes = sum(tree_bytes(x) for x in jax.tree.leaves(outer)
-                           if len(x.shape) >= 2)
-  # Gradients of matrices the embedding reads (token/position tables) are
-  # complete only at the end; an untied LM head is updated right away.
-  embed_matrix_bytes = sum(
-      tree_bytes(outer[name]) for name in ('embed', 'positions')
-      if name in outer)
-  saved_inputs = num_layers * batch * seq * d * itemsize
-  head_phase = 2 * batch * seq * config.vocab_size * 4
-  layer_activations = (batch * seq * (4 * d + 3 * ffn) * itemsize
-                       + 2 * batch * heads * seq * seq * 4)
-  slice_copy = layer_bytes if scan_layers else 0
-  layer_phase = layer_bytes + layer_activations + slice_copy
-  layerwise = (weights + taco_state + saved_inputs
-               + max(head_phase + outer_matrix_bytes,
-                     layer_phase + embed_matrix_bytes))
-  all_grads = weights
-  plain = lambda state: (weights + state + saved_inputs + all_grads
-                         + max(head_phase, layer_activations + slice_copy))
-  return {
-      'config': config, 'weights': weights, 'taco_state': taco_state,
-      'adamw_state': adamw_state, 'saved_inputs': saved_inputs,
-      'head_phase': head_phase, 'layer_phase': layer_phase,
-      'outer_grads': embed_matrix_bytes,
-      'peaks': {
-          'taco layerwise': layerwise,
-          'taco plain': plain(taco_state),
-          'adamw plain': plain(adamw_state),
-          'adamw plain, f32 moments': plain(adamw_state_f32),
-      },
-  }
-
-
 def print_plan(name, result, gpu_gb):
   config = result['config']
   print(f'\n{name}: {config.family}, d={config.hidden_size}, '
@@ -182,7 +97,8 @@ def validate():
     _, _, rows = memory.measure(hf, dtype=jnp.float32, scan_layers=True,
                                 batch=4, seq=64,
                                 paths=('forward', 'taco layerwise', 'adamw'))
-    predicted = plan(hf, batch=4, seq=64, dtype=jnp.float32)['peaks']
+    predicted = memory_plan.plan(hf, batch=4, seq=64,
+                                 dtype=jnp.float32)['peaks']
     for path, peak, *_ in rows[1:]:
       formula = predicted['taco layerwise' if 'taco' in path
                           else 'adamw plain']
@@ -212,7 +128,8 @@ def main():
     targets.append((name, PRESETS[name]))
   errors = {}
   for name, hf in targets:
-    result = plan(hf, batch=args.batch, seq=args.seq, dtype=dtype)
+    result = memory_plan.plan(hf, batch=args.batch, seq=args.seq,
+                              dtype=dtype)
     print_plan(name, result, args.gpu_gb)
     if name in PAPER_TABLE5_GB:
       paper = PAPER_TABLE5_GB[name]

@@ -6,7 +6,7 @@ anything is written, scores the held-out set, trains with
 periodically, and writes ``results.json`` (Table-4-style figures: metric
 before/after, persistent optimizer-state bytes, peak memory, tokens/s, wall
 time) into ``output_dir``. The pieces live beside it: ``losses``,
-``evaluation``, ``trainers`` and ``report``.
+``evaluation``, ``trainers``, ``memory_plan`` and ``report``.
 """
 
 import dataclasses
@@ -23,6 +23,7 @@ import numpy as np
 from examples.finetune import data as data_lib
 from examples.finetune import evaluation as evaluation_lib
 from examples.finetune import losses as losses_lib
+from examples.finetune import memory_plan
 from examples.finetune import optimizers as optimizers_lib
 from examples.finetune import report as report_lib
 from examples.finetune import tasks as tasks_lib
@@ -75,6 +76,7 @@ class RunConfig:
   resume: bool = False
   save_checkpoint: bool = True
   progress: bool = True
+  memory_limit_gb: Optional[float] = None
 
 
 # Checkpoints (Orbax): parameters and optimizer state, step included.
@@ -203,6 +205,46 @@ def _check_config(config: RunConfig) -> None:
     raise FinetuneError('--objective must be auto, candidates or completion')
   if config.eval_every < 0:
     raise FinetuneError('--eval-every must be >= 0')
+  if config.memory_limit_gb is not None and config.memory_limit_gb <= 0:
+    raise FinetuneError('--memory-limit-gb must be positive')
+
+
+def _check_memory(config: RunConfig, spec, model, schedule, hints) -> None:
+  """Refuses a run whose predicted peak exceeds the device's memory.
+
+  The limit is ``config.memory_limit_gb``, else the device's own
+  (``bytes_limit``; CPUs report none, so nothing is checked there). The
+  prediction is :mod:`memory_plan`'s, with this optimizer's exact state size.
+  """
+  limit = (memory_plan.device_memory_limit() if config.memory_limit_gb is None
+           else config.memory_limit_gb * memory_plan.GB)
+  if limit is None:
+    return
+  params = memory_plan.model_params(model)
+  tx = spec.build(schedule, hints)
+  state_bytes = memory_plan.tree_bytes(
+      jax.eval_shape(tx.init, nnx.state(model, nnx.Param)))
+  layerwise = trainers_lib.uses_layerwise_step(config)
+  peak_of = lambda batch: memory_plan.model_peak(
+      model, params, state_bytes, batch=batch, seq=config.seq_len,
+      layerwise=layerwise)
+  peak = peak_of(config.batch_size)
+  if peak <= limit:
+    return
+  fitting = [b for b in range(config.batch_size - 1, 0, -1)
+             if peak_of(b) <= limit]
+  advice = [f'--batch-size {fitting[0]}'] if fitting else []
+  advice += [] if config.remat else ['--remat on']
+  if config.optimizer != 'taco':
+    advice.append('--optimizer taco')
+  elif not layerwise:
+    advice.append('--taco-step auto')
+  advice = ' or '.join(advice) or 'a device with more memory'
+  gb = lambda n: f'{n / memory_plan.GB:.3g} GB'
+  raise FinetuneError(
+      f'--optimizer {config.optimizer} at --batch-size {config.batch_size} '
+      f'x --seq-len {config.seq_len} needs about {gb(peak)} (predicted), the '
+      f'device has {gb(limit)}; try {advice}')
 
 
 def run(config: RunConfig, log: Callable[[str], None] = print) -> dict:
@@ -262,6 +304,7 @@ def run(config: RunConfig, log: Callable[[str], None] = print) -> dict:
       taco_update_scale=model_lib.taco_update_scale,
       vocab_size=model_config.vocab_size, taco_k=config.taco_k,
       taco_mu=config.taco_mu)
+  _check_memory(config, spec, model, schedule, hints)
   trainer = trainers_lib.make_trainer(config, spec, model, schedule, hints)
   start_step = 0
   if config.resume:

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -12,6 +13,7 @@ safetensors_numpy = pytest.importorskip('safetensors.numpy')
 tokenizers = pytest.importorskip('tokenizers')
 
 from examples.finetune import __main__ as cli  # pylint: disable=g-import-not-at-top
+from examples.finetune import train  # pylint: disable=g-import-not-at-top
 
 _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__))))
@@ -233,3 +235,44 @@ def test_checkpoint_and_resume(workspace, capsys):
   args[args.index('--output-dir') + 1] = str(missing)
   assert 'no checkpoint' in _error_of(args + ['--resume'], capsys)
   assert not missing.exists()
+
+
+def _memory_error(workspace, output_dir, **overrides) -> str:
+  config = train.RunConfig(
+      model=workspace['model'], task='text', train_file=workspace['train'],
+      test_file=workspace['test'], label_words='neg=bad,pos=good',
+      template='{text}. It was', steps=3, seq_len=24, eval_size=6,
+      eval_batch_size=4, output_dir=str(output_dir), progress=False,
+      **overrides)
+  with pytest.raises(train.FinetuneError) as error:
+    train.run(config, log=lambda _: None)
+  assert not output_dir.exists(), 'nothing may be written on error'
+  message = str(error.value)
+  assert '\n' not in message
+  return message
+
+
+def test_foreseeable_out_of_memory_is_refused(workspace):
+  output_dir = workspace['root'] / 'never-oom'
+  message = _memory_error(workspace, output_dir, optimizer='adamw',
+                          batch_size=2, memory_limit_gb=1e-6)
+  match = re.fullmatch(
+      r'--optimizer adamw at --batch-size 2 x --seq-len 24 needs about '
+      r'(\S+) GB \(predicted\), the device has 1e-06 GB; try '
+      r'--optimizer taco', message)
+  assert match, message
+  # A limit that holds batch 2 but not batch 4: the advice names batch 2.
+  needed_gb = float(match.group(1)) * 1.001
+  message = _memory_error(workspace, output_dir, optimizer='adamw',
+                          batch_size=4, memory_limit_gb=needed_gb)
+  assert 'try --batch-size 2 or --optimizer taco' in message, message
+  message = _memory_error(workspace, output_dir, optimizer='taco',
+                          taco_step='optax', remat=False, batch_size=2,
+                          memory_limit_gb=1e-6)
+  assert message.endswith('try --remat on or --taco-step auto'), message
+
+
+def test_memory_limit_must_be_positive(workspace):
+  output_dir = workspace['root'] / 'never-limit'
+  message = _memory_error(workspace, output_dir, memory_limit_gb=0.0)
+  assert message == '--memory-limit-gb must be positive'

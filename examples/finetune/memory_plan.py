@@ -1,0 +1,195 @@
+"""Predicted peak training memory of a ``DecoderLM``, before anything compiles.
+
+Parameter and optimizer-state sizes are exact (shapes of the model's
+parameters, and ``jax.eval_shape`` of an optimizer's ``init``); the rest is a
+formula whose terms were checked against XLA's compiled memory analysis of
+the same step on small models (``benchmarks/planner.py --validate``).
+
+Formula (bytes; b = parameter dtype size, B batch, T sequence, d width,
+L layers, V vocabulary):
+
+* weights ``P * b``; optimizer state exact;
+* saved layer inputs (remat per layer) ``L * B * T * d * b``;
+* head phase: float32 logits and their gradient ``2 * B * T * V * 4``;
+* one layer's backward: its gradients ``P_layer * b`` plus its recomputed
+  activations ``B * T * (4 d + 3 ffn) * b + 2 * B * heads * T^2 * 4``, plus,
+  with scanned layers, a copy of that layer's weights ``P_layer * b`` (XLA
+  materialises the ``dynamic_slice`` of the stacked weights that feeds the
+  matmuls; seen in the CPU buffer assignment, in the forward pass too);
+* the layerwise step keeps the dense gradients of the matrices the embedding
+  reads (token and position tables) until the end and updates an untied LM
+  head right after the head's backward; the plain step keeps every
+  gradient.
+
+The formula assumes per-block remat; without it the true peak is higher.
+"""
+
+import math
+from typing import Any, NamedTuple, Optional
+
+from flax import nnx
+import jax
+import jax.numpy as jnp
+import optax
+
+from examples.finetune import config as config_lib
+from examples.finetune import model as model_lib
+import taco_optax
+
+GB = 1e9
+
+
+def tree_bytes(tree) -> int:
+  """Bytes of every array (or ``ShapeDtypeStruct``) leaf of ``tree``."""
+  return sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
+             for x in jax.tree.leaves(tree))
+
+
+def model_params(model) -> tuple[Any, Any]:
+  """``(outer, layers)`` parameter states of a live or abstract model."""
+  state = nnx.state(model, nnx.Param)
+  outer = {k: v for k, v in state.items() if k != 'layers'}
+  return outer, state['layers']
+
+
+def abstract_params(config, dtype):
+  """``(outer, layers)`` abstract parameter states of a scanned DecoderLM."""
+  return model_params(nnx.eval_shape(lambda: model_lib.DecoderLM(
+      config, dtype=dtype, param_dtype=dtype, scan_layers=True,
+      rngs=nnx.Rngs(0))))
+
+
+class Terms(NamedTuple):
+  """The formula's terms (bytes) for one model, batch and sequence length.
+
+  Attributes:
+    weights: every parameter.
+    saved_inputs: each layer's input, kept for the backward pass.
+    head_phase: float32 logits and their gradient.
+    layer_activations: one layer's recomputed activations.
+    slice_copy: one layer's weights copied out of the stack (scanned layers).
+    layer_phase: one layer's backward (gradients, activations, slice copy).
+    outer_matrix_grads: gradients of the matrices outside the layers.
+    embed_matrix_grads: gradients of the tables the embedding reads.
+  """
+  weights: int
+  saved_inputs: int
+  head_phase: int
+  layer_activations: int
+  slice_copy: int
+  layer_phase: int
+  outer_matrix_grads: int
+  embed_matrix_grads: int
+
+
+def terms(config: config_lib.ModelConfig, params, *, batch: int, seq: int,
+          itemsize: int, scan_layers: bool) -> Terms:
+  """The formula's terms for ``params = (outer, layers)``."""
+  outer, layers = params
+  d, ffn = config.hidden_size, config.intermediate_size
+  layer_bytes = tree_bytes(layers) // config.num_layers
+  layer_activations = (batch * seq * (4 * d + 3 * ffn) * itemsize
+                       + 2 * batch * config.num_heads * seq * seq * 4)
+  slice_copy = layer_bytes if scan_layers else 0
+  return Terms(
+      weights=tree_bytes(params),
+      saved_inputs=config.num_layers * batch * seq * d * itemsize,
+      head_phase=2 * batch * seq * config.vocab_size * 4,
+      layer_activations=layer_activations,
+      slice_copy=slice_copy,
+      layer_phase=layer_bytes + layer_activations + slice_copy,
+      outer_matrix_grads=sum(tree_bytes(x) for x in jax.tree.leaves(outer)
+                             if len(x.shape) >= 2),
+      embed_matrix_grads=sum(tree_bytes(outer[name])
+                             for name in ('embed', 'positions')
+                             if name in outer))
+
+
+def layerwise_peak(plan_terms: Terms, state_bytes: int) -> int:
+  """Peak of ``taco_optax.layerwise_train_step``: one block's gradients."""
+  t = plan_terms
+  return (t.weights + state_bytes + t.saved_inputs
+          + max(t.head_phase + t.outer_matrix_grads,
+                t.layer_phase + t.embed_matrix_grads))
+
+
+def plain_peak(plan_terms: Terms, state_bytes: int) -> int:
+  """Peak of ``value_and_grad -> tx.update``: every gradient at once."""
+  t = plan_terms
+  return (t.weights + state_bytes + t.saved_inputs + t.weights
+          + max(t.head_phase, t.layer_activations + t.slice_copy))
+
+
+def plan(hf_config, *, batch, seq, dtype=jnp.bfloat16, scan_layers=True):
+  """Predicted peak bytes of TACO and AdamW for a Hugging Face config.
+
+  Args:
+    hf_config: a ``config.json`` as a dict.
+    batch: sequences per step.
+    seq: tokens per sequence.
+    dtype: parameter (and compute) dtype.
+    scan_layers: stacked layers (``lax.scan``) or unrolled ones.
+
+  Returns:
+    A dict of the model ``config``, the bytes of ``weights``, ``taco_state``,
+    ``adamw_state``, ``saved_inputs``, ``head_phase``, ``layer_phase``,
+    ``outer_grads``, and ``peaks``: predicted peak bytes per method.
+  """
+  config = config_lib.ModelConfig.from_hf_config(hf_config)
+  params = abstract_params(config, dtype)
+  itemsize = jnp.dtype(dtype).itemsize
+  plan_terms = terms(config, params, batch=batch, seq=seq, itemsize=itemsize,
+                     scan_layers=scan_layers)
+  taco = taco_optax.taco(
+      3e-5, weight_dimension_numbers=model_lib.taco_dimension_numbers,
+      update_scale=model_lib.taco_update_scale)
+  taco_state = tree_bytes(jax.eval_shape(taco.init, params))
+  adamw_state = tree_bytes(jax.eval_shape(optax.adamw(1e-5).init, params))
+  adamw_state_f32 = 8 * plan_terms.weights // itemsize
+  return {
+      'config': config, 'weights': plan_terms.weights,
+      'taco_state': taco_state, 'adamw_state': adamw_state,
+      'saved_inputs': plan_terms.saved_inputs,
+      'head_phase': plan_terms.head_phase,
+      'layer_phase': plan_terms.layer_phase,
+      'outer_grads': plan_terms.embed_matrix_grads,
+      'peaks': {
+          'taco layerwise': layerwise_peak(plan_terms, taco_state),
+          'taco plain': plain_peak(plan_terms, taco_state),
+          'adamw plain': plain_peak(plan_terms, adamw_state),
+          'adamw plain, f32 moments': plain_peak(plan_terms, adamw_state_f32),
+      },
+  }
+
+
+def device_memory_limit() -> Optional[int]:
+  """The default device's memory limit in bytes; ``None`` where the backend
+  reports none (CPU)."""
+  try:
+    stats = jax.devices()[0].memory_stats()
+  except Exception:  # Backends without memory stats raise or return None.
+    return None
+  limit = (stats or {}).get('bytes_limit')
+  return int(limit) if limit else None
+
+
+def model_peak(model, params, state_bytes: int, *, batch: int, seq: int,
+               layerwise: bool) -> int:
+  """Predicted peak bytes of a train step of a live ``DecoderLM``.
+
+  Args:
+    model: the model (its config, compute dtype and layer layout are read).
+    params: its ``(outer, layers)`` parameters (:func:`model_params`).
+    state_bytes: the optimizer state's bytes.
+    batch: sequences per step.
+    seq: tokens per sequence.
+    layerwise: the layer-wise TACO step, else the plain optax step.
+
+  Returns:
+    Predicted peak bytes.
+  """
+  plan_terms = terms(model.config, params, batch=batch, seq=seq,
+                     itemsize=jnp.dtype(model.dtype).itemsize,
+                     scan_layers=model.scan_layers)
+  peak = layerwise_peak if layerwise else plain_peak
+  return peak(plan_terms, state_bytes)
