@@ -7,7 +7,8 @@ allocated) and reads XLA's ``memory_analysis()`` of
 * the forward-only loss,
 * the plain ``value_and_grad -> tx.update -> apply_updates`` step for
   ``optax.adamw`` and ``taco_optax.taco``,
-* the layerwise TACO step (``taco_optax.layerwise_train_step``),
+* the layerwise TACO step (``taco_optax.layerwise_train_step``, on the
+  example's split of the model, ``examples/finetune/layerwise.py``),
 
 with stacked (``lax.scan``) and unrolled layers, params and state donated.
 Peak = arguments + outputs - aliased + temporaries. The table splits it as in
@@ -37,10 +38,12 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from benchmarks import layered_decoder
 from examples.finetune import config as config_lib
+from examples.finetune import data as data_lib
+from examples.finetune import layerwise
+from examples.finetune import losses as losses_lib
 from examples.finetune import model as model_lib
-from taco_optax import _train_step
+import taco_optax
 
 # SmolLM2-135M (Hugging Face config.json, Llama architecture).
 SMOLLM2_135M = {
@@ -83,7 +86,13 @@ def abstract_decoder(hf_config, *, dtype, scan_layers, num_layers=None):
   model = nnx.eval_shape(lambda: model_lib.DecoderLM(
       config, dtype=dtype, param_dtype=dtype, remat='block',
       scan_layers=scan_layers, rngs=nnx.Rngs(0)))
-  return config, layered_decoder.layered_decoder(model)
+  return config, layerwise.layered_model(model, losses_lib.batch_loss)
+
+
+def token_batch(input_ids, attention_mask):
+  """A batch whose loss is the next-token NLL of every real token."""
+  return data_lib.Batch(input_ids, attention_mask,
+                        loss_mask=attention_mask.astype(jnp.float32))
 
 
 def measure(hf_config, *, dtype, scan_layers, batch, seq, num_layers=None,
@@ -93,9 +102,10 @@ def measure(hf_config, *, dtype, scan_layers, batch, seq, num_layers=None,
                                      scan_layers=scan_layers,
                                      num_layers=num_layers)
   params = decoder.params
-  tokens = (jax.ShapeDtypeStruct((batch, seq), jnp.int32),
-            jax.ShapeDtypeStruct((batch, seq), jnp.bool_))
-  train = _train_step.layerwise_train_step(
+  tokens = jax.eval_shape(token_batch,
+                          jax.ShapeDtypeStruct((batch, seq), jnp.int32),
+                          jax.ShapeDtypeStruct((batch, seq), jnp.bool_))
+  train = taco_optax.layerwise_train_step(
       decoder.loss, 3e-5,
       weight_dimension_numbers=model_lib.taco_dimension_numbers,
       update_scale=model_lib.taco_update_scale)
@@ -145,13 +155,13 @@ def execute(path, *, dtype, scan_layers, batch, seq, num_layers, steps,
   model = model_lib.DecoderLM(config, dtype=dtype, param_dtype=dtype,
                               remat='block', scan_layers=scan_layers,
                               rngs=nnx.Rngs(0))
-  decoder = layered_decoder.layered_decoder(model)
+  decoder = layerwise.layered_model(model, losses_lib.batch_loss)
   params = decoder.params
   del model
   tokens = jax.random.randint(jax.random.key(1), (batch, seq), 0,
                               config.vocab_size)
-  batch_data = (tokens, jnp.ones((batch, seq), bool))
-  train = _train_step.layerwise_train_step(
+  batch_data = token_batch(tokens, jnp.ones((batch, seq), bool))
+  train = taco_optax.layerwise_train_step(
       decoder.loss, 3e-5,
       weight_dimension_numbers=model_lib.taco_dimension_numbers,
       update_scale=model_lib.taco_update_scale)
