@@ -406,30 +406,59 @@ def for_nnx_optimizer(tx: optax.GradientTransformation
 
 
 def map_over_shards(local_update: Any, mesh: Any, shards: LeafSharding,
-                    grad: jax.Array, values: jax.Array, indices: jax.Array,
-                    exponents: jax.Array, **hyperparams: Any
+                    *arrays: jax.Array, **hyperparams: Any
                     ) -> tuple[jax.Array, ...]:
-  """Runs ``local_update(grad, values, indices, exponents, ...)`` per device.
+  """Runs ``local_update(*arrays, shards=shards, **hyperparams)`` per device.
 
-  Every array stays where it is: the direction comes out sharded like the
-  gradient and the new state like the old one; the only communication is the
-  candidate all-gather of :func:`merged_column_topk` and the finiteness
-  reduction. Array-valued ``hyperparams`` (from
-  :func:`optax.inject_hyperparams`) enter replicated; Python numbers stay
-  constants, so the arithmetic matches the unsharded path bit for bit.
+  ``arrays`` are one or more parameter-shaped arrays (e.g. the gradient, or
+  the parameter and its gradient) followed by the leaf's ``(values, indices,
+  exponents)``; ``local_update`` returns one parameter-shaped array and the new
+  state. Every array stays where it is: the parameter-shaped result comes out
+  sharded like the parameter and the new state like the old one; the only
+  communication is the candidate all-gather of :func:`merged_column_topk` and
+  the finiteness reduction. Hyper-parameters that are arrays or trees of arrays
+  (from :func:`optax.inject_hyperparams`, a schedule's step count) enter
+  replicated; Python numbers and other objects stay constants, so the
+  arithmetic matches the unsharded path bit for bit.
   """
-  arrays = {k: v for k, v in hyperparams.items() if isinstance(v, jax.Array)}
-  constants = {k: v for k, v in hyperparams.items() if k not in arrays}
+  def is_array_tree(value):
+    leaves = jax.tree.leaves(value)
+    return bool(leaves) and all(isinstance(x, jax.Array) for x in leaves)
+
+  replicated_args = {k: v for k, v in hyperparams.items() if is_array_tree(v)}
+  constants = {k: v for k, v in hyperparams.items()
+               if k not in replicated_args}
   state_specs = (shards.values_spec, shards.values_spec, shards.exponents_spec)
-  specs = (shards.param_spec,) + state_specs
+  in_specs = (shards.param_spec,) * (len(arrays) - 3) + state_specs
+  out_specs = (shards.param_spec,) + state_specs
 
   def per_device(blocks, replicated):
     return local_update(*blocks, shards=shards, **replicated, **constants)
 
   run = jax.shard_map(
       per_device, mesh=mesh,
-      in_specs=(specs, jax.tree.map(lambda _: PartitionSpec(), arrays)),
-      out_specs=specs,
+      in_specs=(in_specs,
+                jax.tree.map(lambda _: PartitionSpec(), replicated_args)),
+      out_specs=out_specs,
       # Results merged by all_gather are equal on every device by construction.
       check_vma=False)
-  return run((grad, values, indices, exponents), arrays)
+  return run(arrays, replicated_args)
+
+
+def first_element(x: jax.Array) -> jax.Array:
+  """``x.ravel()[0]`` as a replicated scalar, whatever ``x``'s sharding.
+
+  On an explicit mesh neither the reshape nor a one-element slice of a sharded
+  axis is allowed; the element lives on the devices first along every mesh
+  axis that splits ``x``, so each device's first element is all-gathered (a
+  few bytes) and the first one kept.
+  """
+  sharding = explicit_sharding(x)
+  if sharding is None:
+    return x.ravel()[0]
+  axes = tuple(a for entry in padded_spec(sharding.spec, x.ndim)
+               for a in entry)
+  take_first = lambda block: jax.lax.all_gather(block.ravel()[0], axes)[0]
+  return jax.shard_map(take_first, mesh=sharding.mesh,
+                       in_specs=sharding.spec, out_specs=PartitionSpec(),
+                       check_vma=False)(x)

@@ -11,6 +11,7 @@ exists. The result equals the plain optax path with :func:`taco` (tested).
 """
 
 import dataclasses
+import functools
 from typing import Any, Callable, NamedTuple, Optional, Union
 
 import jax
@@ -20,6 +21,7 @@ import optax
 
 from taco_optax import _alias
 from taco_optax import _dimension_numbers as dn
+from taco_optax import _sharding
 from taco_optax import _transform
 
 Params = Any
@@ -86,6 +88,7 @@ class _LeafPlan(NamedTuple):
   """How one parameter leaf is updated (all static)."""
   layout: Optional[dn.MatrixLayout]  # None: an AdamW leaf
   scale: float
+  dim_num: Optional[dn.TacoDimensionNumbers] = None  # needed on a mesh
 
 
 # The labels taco() gives its optax.partition branches.
@@ -118,7 +121,8 @@ def _data_dependency(values: jax.Array, after: Any) -> jax.Array:
   front; the input cotangent ``d_out @ W.T`` reads ``W`` without feeding the
   update, so the update is made to depend on it.
   """
-  first = jax.tree.leaves(after)[0].ravel()[0].astype(values.dtype)
+  first = _sharding.first_element(jax.tree.leaves(after)[0])
+  first = first.astype(values.dtype)
   return values + jnp.where(jnp.isfinite(first), first, 0) * 0
 
 
@@ -154,28 +158,74 @@ def _taco_leaf_update(param, grad, values, indices, exponents, plan, mu,
   """One TACO leaf: the history step, then the winners scattered into param.
 
   Same arithmetic as ``scale_by_taco`` -> ``scale_by_learning_rate`` ->
-  ``optax.apply_updates`` on the winners; every other entry is ``p + 0``.
+  ``optax.apply_updates`` on the winners; every other entry is ``p + 0``. A
+  parameter split over an explicit mesh is updated per device in
+  :func:`jax.shard_map`, as ``scale_by_taco`` does (exact merged top-k).
   """
-  chunk = _column_chunk(plan.layout)
-  if chunk is not None:
-    return _chunked_leaf_update(param, grad, values, indices, exponents, plan,
-                                mu, update_topk, lr_tx, lr_state, after, chunk)
-  layout = plan.layout
+  local_update = functools.partial(_local_leaf_update, plan=plan,
+                                   update_topk=update_topk, lr_tx=lr_tx)
+  sharded = (None if plan.dim_num is None
+             else _sharding.leaf_sharding_of(param, plan.dim_num))
+  if sharded is None:
+    return local_update(param, grad, values, indices, exponents, mu=mu,
+                        lr_state=lr_state, after=after)
+  if after is not None:  # the one element _data_dependency reads
+    after = _sharding.first_element(jax.tree.leaves(after)[0])
+  return _sharding.map_over_shards(local_update, *sharded, param, grad,
+                                   values, indices, exponents, mu=mu,
+                                   lr_state=lr_state, after=after)
+
+
+def _winner_positions(winners, rows_length, shards):
+  """Where the winners sit in this device's rows, and the scatter mode.
+
+  Row indices are global; a winner held by another device points past the
+  end of the local rows and its write is dropped.
+  """
+  if shards is None or not shards.gather_axes:  # every device holds whole rows
+    return winners, 'promise_in_bounds'
+  local, held = _sharding.local_rows(winners, shards)
+  return jnp.where(held, local, rows_length), 'drop'
+
+
+def _add_at(x, where, delta, mode):
+  """``x`` with ``delta`` added at ``where``, rounded once to ``x.dtype``."""
+  dropping = mode == 'drop'
+  current = (x.at[where].get(mode='fill', fill_value=0) if dropping
+             else x[where])
+  return x.at[where].set(jnp.asarray(current + delta).astype(x.dtype),
+                         unique_indices=not dropping, mode=mode)
+
+
+def _local_leaf_update(param, grad, values, indices, exponents, *, plan, mu,
+                       update_topk, lr_tx, lr_state, after=None, shards=None):
+  """:func:`_taco_leaf_update` on whole arrays, or on one device's blocks.
+
+  With ``shards`` (inside :func:`jax.shard_map`) the arrays are this device's
+  blocks, ``plan`` still describes the whole leaf and row indices are global.
+  """
+  layout = (plan.layout if shards is None
+            else dn.matrix_layout(param.shape, plan.dim_num))
   keep = values.shape[-2]
+  step_args = dict(mu=mu, k=keep, update_topk=min(update_topk, plan.layout.m),
+                   shards=shards)
+  chunk = _column_chunk(layout)
+  if chunk is not None:
+    return _chunked_leaf_update(param, grad, values, indices, exponents,
+                                layout, plan.scale, step_args, lr_tx,
+                                lr_state, after, chunk)
   rows_of_state = lambda x: jnp.swapaxes(x, -1, -2).reshape(-1, keep)
   step = _transform.column_step(
       layout.to_rows(grad), rows_of_state(values), rows_of_state(indices),
-      exponents.reshape(-1), mu, keep, min(update_topk, layout.m))
+      exponents.reshape(-1), **step_args)
   direction = (step.winner_signs * plan.scale).astype(grad.dtype)
   delta, _ = lr_tx.update(direction, lr_state)
   if after is not None:
     delta = _data_dependency(delta, after)
   rows = layout.to_rows(param)
   row_ids = jnp.arange(rows.shape[0], dtype=jnp.int32)[:, None]
-  current = rows[row_ids, step.winner_indices]
-  rows = rows.at[row_ids, step.winner_indices].set(
-      jnp.asarray(current + delta).astype(param.dtype), unique_indices=True,
-      mode='promise_in_bounds')
+  winners, mode = _winner_positions(step.winner_indices, layout.m, shards)
+  rows = _add_at(rows, (row_ids, winners), delta, mode)
   # The optax path turns a non-finite gradient into an all-NaN update.
   new_param = jnp.where(step.finite, layout.from_rows(rows, param.shape),
                         jnp.nan)
@@ -186,19 +236,20 @@ def _taco_leaf_update(param, grad, values, indices, exponents, plan, mu,
           step.history.exponents.reshape(exponents.shape))
 
 
-def _chunked_leaf_update(param, grad, values, indices, exponents, plan, mu,
-                         update_topk, lr_tx, lr_state, after, chunk):
-  """:func:`_taco_leaf_update` of a 2-D leaf, ``chunk`` columns at a time.
+def _chunked_leaf_update(param, grad, values, indices, exponents, layout,
+                         scale, step_args, lr_tx, lr_state, after, chunk):
+  """:func:`_local_leaf_update` of a 2-D leaf, ``chunk`` columns at a time.
 
   Columns are independent in TACO, so a ``lax.scan`` over column blocks gives
   the same result with block-sized transients; the weight and state are
   updated in place in the carry. Finiteness is judged on the whole leaf, as
   the optax path does.
   """
-  layout = plan.layout
-  keep = values.shape[-2]
+  shards = step_args['shards']
   rows_are_axis0 = layout.transpose == (0, 1)
   finite = jnp.all(jnp.isfinite(grad))
+  if shards is not None:
+    finite = _sharding.all_finite(finite, shards)
 
   def rows(x, start):  # (chunk, m) rows of a param-shaped array
     if rows_are_axis0:
@@ -211,17 +262,15 @@ def _chunked_leaf_update(param, grad, values, indices, exponents, plan, mu,
     columns = lambda x: jax.lax.dynamic_slice_in_dim(x, start, chunk, axis=-1)
     step = _transform.column_step(
         rows(grad, start), columns(values).T, columns(indices).T,
-        columns(exponents), mu, keep, min(update_topk, layout.m))
-    direction = (step.winner_signs * plan.scale).astype(grad.dtype)
+        columns(exponents), **step_args)
+    direction = (step.winner_signs * scale).astype(grad.dtype)
     delta, _ = lr_tx.update(direction, lr_state)
     if after is not None:
       delta = _data_dependency(delta, after)
     row_ids = start + jnp.arange(chunk, dtype=jnp.int32)[:, None]
-    where = ((row_ids, step.winner_indices) if rows_are_axis0
-             else (step.winner_indices, row_ids))
-    param = param.at[where].set(
-        jnp.asarray(param[where] + delta).astype(param.dtype),
-        unique_indices=True, mode='promise_in_bounds')
+    winners, mode = _winner_positions(step.winner_indices, layout.m, shards)
+    where = (row_ids, winners) if rows_are_axis0 else (winners, row_ids)
+    param = _add_at(param, where, delta, mode)
     put = lambda old, new: jax.lax.dynamic_update_slice_in_dim(
         old, jnp.where(finite, new, columns(old)), start, axis=-1)
     return (param, put(values, step.history.values.T),
@@ -244,8 +293,11 @@ def _drop_leading_axis(plan: _LeafPlan, shape: tuple[int, ...]) -> _LeafPlan:
         f'A stacked TACO leaf of shape {shape} must keep its leading (layer) '
         'axis as a batch axis; check weight_dimension_numbers.')
   transpose = tuple(ax - 1 for ax in layout.transpose[1:])
-  return plan._replace(layout=layout._replace(
-      batch_shape=layout.batch_shape[1:], transpose=transpose))
+  _, reduction, output = dn._normalize(shape, plan.dim_num)  # pylint: disable=protected-access
+  dim_num = dn.TacoDimensionNumbers(tuple(ax - 1 for ax in reduction),
+                                    tuple(ax - 1 for ax in output))
+  return _LeafPlan(layout._replace(batch_shape=layout.batch_shape[1:],
+                                   transpose=transpose), plan.scale, dim_num)
 
 
 def layerwise_train_step(
@@ -369,7 +421,7 @@ def layerwise_train_step(
         continue
       layout = dn.matrix_layout(leaf.shape, dim)
       plans.append(_LeafPlan(layout, layout.m / layout.n
-                             if scale is None else scale))
+                             if scale is None else scale, dim))
     return plans
 
   def step(params, opt_state, batch):

@@ -23,6 +23,7 @@ from jax.sharding import PartitionSpec as P
 
 import taco_optax
 from taco_optax import _sharding
+from taco_optax import _train_step
 from taco_optax import TacoDimensionNumbers as Dims
 
 NUM_DEVICES = 8
@@ -199,6 +200,13 @@ def test_state_shardings_stable_across_init_update_and_jit():
         one, expected, is_leaf=lambda x: isinstance(x, dict))
 
 
+def matmul(a, b):
+  """``a @ b``, replicated on a mesh (explicit axes need an output sharding)."""
+  if jax.sharding.get_abstract_mesh().empty:
+    return a @ b
+  return jnp.matmul(a, b, out_sharding=P())
+
+
 @needs_mesh
 def test_taco_alias_train_step_on_mesh_matches_single_device():
   """The full optax path (partition + AdamW) in a jitted train step."""
@@ -212,11 +220,6 @@ def test_taco_alias_train_step_on_mesh_matches_single_device():
             'b2': jnp.zeros((8,))}
   inputs = jax.random.normal(keys[2], (12, 16))
   targets = jax.random.normal(keys[3], (12, 8))
-
-  def matmul(a, b):
-    if jax.sharding.get_abstract_mesh().empty:
-      return a @ b
-    return jnp.matmul(a, b, out_sharding=P())
 
   def loss(p):
     hidden = jnp.tanh(matmul(inputs, p['w1']) + p['b1'])
@@ -425,3 +428,113 @@ def test_nnx_optimizer_state_gets_taco_shardings(explicit):
     assert normalized(P(*variable.get_metadata('out_sharding')),
                       value.ndim) == normalized(spec, value.ndim), name
   assert specs(model.kernel.get_value()) == (('fsdp',), ('tensor',))
+
+
+# The layer-wise train step on a mesh.
+
+WIDTH, HIDDEN, NUM_LAYERS = 32, 64, 2
+# Kernel and bias specs: FSDP splits the reduction (input) axis, TP the output
+# axis, and 'both' mixes them as Megatron does (up: columns over 'fsdp', rows
+# over 'tensor'; down the other way round).
+LAYERWISE_LAYOUTS = {
+    'fsdp': {'w_in': P('fsdp', None), 'w_up': P('fsdp', None),
+             'w_down': P('fsdp', None), 'w_out': P('fsdp', None),
+             'b_up': P()},
+    'tp': {'w_in': P(None, 'tensor'), 'w_up': P(None, 'tensor'),
+           'w_down': P(None, 'tensor'), 'w_out': P(None, 'tensor'),
+           'b_up': P('tensor')},
+    'both': {'w_in': P('fsdp', 'tensor'), 'w_up': P('fsdp', 'tensor'),
+             'w_down': P('tensor', 'fsdp'), 'w_out': P('tensor', 'fsdp'),
+             'b_up': P('tensor')},
+}
+
+
+def _layered_loss(scan_layers):
+  """``x @ w_in -> (h + tanh(h @ w_up + b) @ w_down) x L -> MSE(h @ w_out)``.
+
+  ``w_out`` is not read by the embedding, so the step updates it before the
+  layers (the untied-head path).
+  """
+  return taco_optax.LayeredLoss(
+      embed=lambda outer, x: matmul(x, outer['w_in']),
+      layer=lambda p, h, x: h + matmul(
+          jnp.tanh(matmul(h, p['w_up']) + p['b_up']), p['w_down']),
+      head=lambda outer, h, x: jnp.mean((matmul(h, outer['w_out']) - .5)**2),
+      scan_layers=scan_layers)
+
+
+def _layered_params(scan_layers):
+  keys = iter(jax.random.split(jax.random.key(0), 3 * NUM_LAYERS + 2))
+  normal = lambda shape: jax.random.normal(next(keys), shape) / shape[0]**.5
+  outer = {'w_in': normal((16, WIDTH)), 'w_out': normal((WIDTH, 16))}
+  layers = [{'w_up': normal((WIDTH, HIDDEN)), 'w_down': normal((HIDDEN, WIDTH)),
+             'b_up': 0.1 * jax.random.normal(next(keys), (HIDDEN,))}
+            for _ in range(NUM_LAYERS)]
+  if scan_layers:
+    layers = jax.tree.map(lambda *xs: jnp.stack(xs), *layers)
+  return outer, layers
+
+
+def _layered_dims(params):
+  """Kernels are matrices, behind a leading layer axis when stacked."""
+  rank = 2 if isinstance(params[1], list) else 3
+  layer_dims = lambda x: Dims(rank - 2, rank - 1) if x.ndim == rank else None
+  return (jax.tree.map(lambda _: Dims(), params[0]),
+          jax.tree.map(layer_dims, params[1]))
+
+
+def _place_layered(params, mesh, layout):
+  def put(path, x):
+    spec = LAYERWISE_LAYOUTS[layout][path[-1].key]
+    spec = P(*(None,) * (x.ndim - len(spec)), *spec)  # the layer axis
+    return jax.device_put(x, NamedSharding(mesh, spec))
+  return jax.tree_util.tree_map_with_path(put, params)
+
+
+@needs_mesh
+@pytest.mark.parametrize('scan_layers, update_topk, chunked, layouts', [
+    (False, 1, False, tuple(LAYERWISE_LAYOUTS)),
+    (True, 2, False, tuple(LAYERWISE_LAYOUTS)),
+    (False, 2, True, ('both',))])
+def test_layerwise_step_on_mesh_equals_single_device(
+    monkeypatch, scan_layers, update_topk, chunked, layouts):
+  if chunked:  # every unrolled matrix through the column-block scan
+    monkeypatch.setattr(_train_step, '_CHUNK_ELEMENTS', 64)
+  train = taco_optax.layerwise_train_step(
+      _layered_loss(scan_layers), learning_rate=1e-2, k=4, mu=0.9,
+      update_topk=update_topk, weight_dimension_numbers=_layered_dims,
+      adam_learning_rate=1e-3)
+  inputs = [jax.random.normal(jax.random.key(10 + i), (8, 16))
+            for i in range(3)]
+
+  def run(params):
+    state = train.optimizer.init(params)
+    step = jax.jit(train.step)
+    for x in inputs:
+      params, state, _ = step(params, state, x)
+    return params, state
+
+  start = _layered_params(scan_layers)
+  expected = run(start)
+  is_adam = lambda path: "'b_up'" in jax.tree_util.keystr(path)
+  split = lambda tree: [
+      [x for path, x in jax.tree_util.tree_leaves_with_path(tree)
+       if is_adam(path) == adam] for adam in (False, True)]
+  mesh = make_mesh()
+  for layout in layouts:
+    with jax.set_mesh(mesh):
+      sharded = _place_layered(start, mesh, layout)
+      got = run(sharded)
+      assert specs(got[0]) == specs(sharded), layout
+      assert specs(got[1]) == sharding_specs(
+          _sharding.state_shardings(train.optimizer, sharded), got[1]), layout
+    # TACO weights and state (and the step count) bitwise. The AdamW biases'
+    # gradients are sums over the batch, which the sharded matmuls reorder:
+    # they, and their moments, may differ in the last bits.
+    (got_exact, got_adam), (expected_exact, expected_adam) = (
+        split(got), split(expected))
+    assert_bitwise_equal(got_exact, expected_exact)
+    for a, e in zip(got_adam, expected_adam):
+      np.testing.assert_allclose(a, e, rtol=1e-6, atol=1e-8, err_msg=layout)
+  # The weights did move.
+  assert not np.array_equal(expected[0][0]['w_out'], start[0]['w_out'])
