@@ -7,10 +7,7 @@ file in a fresh process with that flag (the rest of the suite keeps its one
 device).
 """
 
-import os
 import re
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +22,7 @@ import taco_optax
 from taco_optax import _sharding
 from taco_optax import _train_step
 from taco_optax import TacoDimensionNumbers as Dims
+from tests import multidevice
 
 NUM_DEVICES = 8
 has_mesh = jax.device_count() >= NUM_DEVICES
@@ -34,18 +32,8 @@ needs_mesh = pytest.mark.skipif(
 
 @pytest.mark.skipif(has_mesh, reason='the mesh tests run in this process')
 def test_mesh_suite_in_subprocess():
-  env = dict(os.environ)
-  env['XLA_FLAGS'] = (env.get('XLA_FLAGS', '') +
-                      ' --xla_force_host_platform_device_count=8').strip()
-  env['JAX_PLATFORMS'] = 'cpu'
-  result = subprocess.run(
-      [sys.executable, '-m', 'pytest', '-q', '-o', 'addopts=', '-p',
-       'no:cacheprovider',
-       __file__],
-      env=env, capture_output=True, text=True, timeout=900, check=False,
-      cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-  assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
-  assert ' passed' in result.stdout and ' skipped' in result.stdout
+  stdout = multidevice.rerun_with_devices(__file__, NUM_DEVICES)
+  assert ' passed' in stdout and ' skipped' in stdout
 
 
 # The sharding rule itself needs no devices.
