@@ -7,10 +7,14 @@ A/B against another optimizer with one flag: ``--optimizer adamw``.
 """
 
 import argparse
+import contextlib
 import sys
 from typing import Optional, Sequence
 
+import jax
+
 from examples.finetune import optimizers as optimizers_lib
+from examples.finetune import sharding as sharding_lib
 from examples.finetune import tasks as tasks_lib
 from examples.finetune import train as train_lib
 
@@ -88,6 +92,11 @@ def build_parser() -> argparse.ArgumentParser:
       choices=('auto', 'layerwise', 'optax'),
       help='TACO only: the memory-lean layer-wise step (auto: when '
       'taco_optax has it) or the plain optax path')
+  add('--mesh', default=None,
+      help='run on a device mesh, e.g. data=2,fsdp=2,tensor=2 (axes data, '
+      'fsdp, tensor; the sizes must multiply to the device count): '
+      'parameters are split FSDP/tensor-parallel, TACO updates each shard '
+      'exactly')
   add('--output-dir', default=_DEFAULTS.output_dir)
   add('--resume', action='store_true',
       help='continue from OUTPUT_DIR/checkpoint (saved at the end of a run)')
@@ -120,7 +129,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   args = build_parser().parse_args(argv)
   config = config_from_args(args)
   try:
-    results = train_lib.run(config)
+    try:
+      mesh = sharding_lib.make_mesh(args.mesh)
+    except sharding_lib.MeshError as e:
+      raise train_lib.FinetuneError(str(e)) from e
+    with jax.set_mesh(mesh) if mesh else contextlib.nullcontext():
+      results = train_lib.run(config)
   except train_lib.FinetuneError as e:
     # Raised only by the checks that run before anything is written.
     print(f'error: {e}', file=sys.stderr)

@@ -5,6 +5,7 @@ subclassed per family. Kernels are laid out as in Flax, ``x @ W = y``
 (``(in, out)``); the loader transposes PyTorch's ``(out, in)`` weights.
 """
 
+import functools
 import math
 from typing import Any, Callable
 
@@ -12,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from examples.finetune import config as config_lib
 
@@ -114,6 +116,58 @@ def attention_mask(attention_mask_bt: jax.Array, sliding_window: int | None
   if sliding_window is not None:
     visible &= key > query - sliding_window
   return visible[None] & attention_mask_bt[:, None, :]
+
+
+def _explicit_mesh() -> bool:
+  """A mesh with ``Explicit`` axes is set (``--mesh``)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  return not mesh.empty and bool(mesh.explicit_axes)
+
+
+def partitioned_by_xla(call: Callable) -> Callable:
+  """Runs a module's ``__call__(x, ...)`` with the mesh's axes ``Auto``.
+
+  On a mesh with ``Explicit`` axes (``--mesh``) every op needs a sharding rule,
+  and matmuls against FSDP/tensor-parallel kernels or a vocab-split embedding
+  lookup have none; inside this wrapper XLA partitions the module instead. The
+  output is split like ``x`` along its batch axis and whole elsewhere, and the
+  parameters keep their explicit shardings, which TACO reads.
+  """
+  @functools.wraps(call)
+  def wrapped(self, x, *args):
+    if not _explicit_mesh():
+      return call(self, x, *args)
+    graphdef, state = nnx.split(self)
+    batch = jax.typeof(x).sharding.spec[:1]
+    pure = lambda state, x, *args: call(nnx.merge(graphdef, state), x, *args)
+    return jax.sharding.auto_axes(pure, out_sharding=P(*batch))(state, x,
+                                                                 *args)
+  return wrapped
+
+
+class Embed(nnx.Embed):
+  """:class:`nnx.Embed` that also runs on an explicit mesh.
+
+  There the table is gathered whole (as FSDP gathers a weight before use) and
+  the looked-up rows come out split like the token ids; XLA's own
+  partitioning of a lookup into a table split over the vocabulary replicates
+  the result.
+  """
+
+  def __call__(self, inputs: jax.Array, out_sharding=None) -> jax.Array:
+    if out_sharding is not None or not _explicit_mesh():
+      return super().__call__(inputs, out_sharding)
+    (table,) = self.promote_dtype((self.embedding[...],), dtype=self.dtype,
+                                  inexact=False)
+    spec = tuple(jax.typeof(inputs).sharding.spec)
+    spec += (None,) * (inputs.ndim + 1 - len(spec))
+    return jax.sharding.reshard(table, P()).at[inputs].get(
+        out_sharding=P(*spec))
+
+
+class Linear(nnx.Linear):
+  """:class:`nnx.Linear` that also runs on an explicit mesh."""
+  __call__ = partitioned_by_xla(nnx.Linear.__call__)
 
 
 class Attention(nnx.Module):

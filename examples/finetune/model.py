@@ -35,6 +35,7 @@ class Block(nnx.Module):
     self.mlp_norm = layers.norm(config, config.hidden_size, **kwargs)
     self.mlp = layers.MLP(config, **kwargs)
 
+  @layers.partitioned_by_xla
   def __call__(self, x: jax.Array, rotary: tuple[jax.Array, jax.Array],
                mask: jax.Array) -> jax.Array:
     attended = self.attn(self.attn_norm(x), rotary, mask)
@@ -84,9 +85,9 @@ class DecoderLM(nnx.Module):
     self.remat_policy = remat_policy
     self.scan_layers = scan_layers
     kwargs = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-    self.embed = nnx.Embed(config.vocab_size, config.hidden_size, **kwargs)
+    self.embed = layers.Embed(config.vocab_size, config.hidden_size, **kwargs)
     if config.learned_positions:
-      self.positions = nnx.Embed(
+      self.positions = layers.Embed(
           config.max_position_embeddings + config.position_offset,
           config.hidden_size, **kwargs)
     if scan_layers:
@@ -97,7 +98,7 @@ class DecoderLM(nnx.Module):
                               for _ in range(config.num_layers)])
     self.final_norm = layers.norm(config, config.hidden_size, **kwargs)
     if not config.tie_word_embeddings:
-      self.lm_head = nnx.Linear(config.hidden_size, config.vocab_size,
+      self.lm_head = layers.Linear(config.hidden_size, config.vocab_size,
                                 use_bias=False, **kwargs)
 
   def __call__(self, input_ids: jax.Array,

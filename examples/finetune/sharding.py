@@ -1,0 +1,168 @@
+"""``--mesh data=2,fsdp=2,tensor=2``: the example's models on a device mesh.
+
+The mesh has up to three axes: ``data`` (batch only), ``fsdp`` (batch and the
+parameters' input side) and ``tensor`` (the parameters' output side, Megatron
+style). Axes are ``Explicit`` (the default of :func:`jax.make_mesh`), so
+``taco_optax`` reads every parameter's sharding from its type and updates it
+per device with an exact, output-sharded top-k.
+
+Parameter rule, for kernels laid out ``(in, out)``:
+
+* ``q``/``k``/``v``/``qkv``/``gate``/``up``/``fc1``/``lm_head``:
+  ``P('fsdp', 'tensor')`` (column parallel);
+* ``o``/``down``/``fc2``: ``P('tensor', 'fsdp')`` (row parallel);
+* embedding tables ``(vocab, d)``: ``P('tensor', 'fsdp')``, except a token
+  embedding tied to the output head, which stays replicated: the loss picks
+  entries out of the vocabulary axis of the logits, which must then be whole;
+* norm scales and biases: replicated.
+
+A leading scanned-layer axis is never split, and an axis that its mesh axes do
+not divide is left whole.
+"""
+
+import math
+from typing import Any, Optional
+
+from flax import nnx
+import jax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+AXES = ('data', 'fsdp', 'tensor')
+BATCH_AXES = ('data', 'fsdp')
+
+_COLUMN_PARALLEL = frozenset({'q', 'k', 'v', 'qkv', 'gate', 'up', 'fc1',
+                              'lm_head'})
+_ROW_PARALLEL = frozenset({'o', 'down', 'fc2'})
+
+
+class MeshError(ValueError):
+  """A ``--mesh`` value that does not describe this machine's devices."""
+
+
+def parse_mesh(spec: str) -> dict[str, int]:
+  """``'data=2,fsdp=2,tensor=2'`` -> ``{'data': 2, 'fsdp': 2, 'tensor': 2}``.
+
+  Axes left out have size 1.
+
+  Raises:
+    MeshError: on an unknown or repeated axis or a size that is not a
+      positive integer.
+  """
+  sizes = dict.fromkeys(AXES, 1)
+  seen = set()
+  for part in spec.split(','):
+    name, sep, size = part.strip().partition('=')
+    name = name.strip()
+    if not sep or name not in AXES or not size.strip().isdigit():
+      raise MeshError(f'--mesh {spec!r}: expected NAME=SIZE pairs with NAME '
+                      f'in {", ".join(AXES)}, e.g. data=2,fsdp=2,tensor=2')
+    if name in seen:
+      raise MeshError(f'--mesh {spec!r}: axis {name} given twice')
+    if int(size) < 1:
+      raise MeshError(f'--mesh {spec!r}: axis {name} must have size >= 1')
+    seen.add(name)
+    sizes[name] = int(size)
+  return sizes
+
+
+def make_mesh(spec: Optional[str]) -> Optional[jax.sharding.Mesh]:
+  """The mesh a ``--mesh`` value asks for, or None when it is empty.
+
+  Raises:
+    MeshError: if ``spec`` is malformed or its axis sizes do not multiply to
+      ``jax.device_count()``.
+  """
+  if not spec:
+    return None
+  sizes = parse_mesh(spec)
+  shape = tuple(sizes[name] for name in AXES)
+  devices = jax.device_count()
+  if math.prod(shape) != devices:
+    raise MeshError(
+        f'--mesh {spec!r} has {math.prod(shape)} devices but JAX sees '
+        f'{devices} (on CPU, set XLA_FLAGS='
+        f'--xla_force_host_platform_device_count={math.prod(shape)})')
+  return jax.make_mesh(shape, AXES)
+
+
+def _fits(size: int, axes: Any, mesh_shape: dict[str, int]) -> bool:
+  names = (axes,) if isinstance(axes, str) else tuple(axes or ())
+  return size % math.prod(mesh_shape[a] for a in names) == 0
+
+
+def param_spec(names: tuple[str, ...], shape: tuple[int, ...],
+               mesh_shape: dict[str, int], tied_embedding: bool = False) -> P:
+  """The ``PartitionSpec`` of the parameter at state path ``names``.
+
+  Args:
+    names: the parameter's path (``model.path_names``).
+    shape: its shape.
+    mesh_shape: mesh axis name to size.
+    tied_embedding: the token embedding is also the output head.
+  """
+  module = names[-2] if len(names) >= 2 else ''
+  if names[-1] == 'embedding' and tied_embedding and module == 'embed':
+    return P()
+  if names[-1] == 'embedding':
+    trailing = ('tensor', 'fsdp')
+  elif names[-1] == 'kernel' and module in _COLUMN_PARALLEL:
+    trailing = ('fsdp', 'tensor')
+    if module == 'qkv':  # (d, 3, width): the Q/K/V axis stays whole
+      trailing = ('fsdp', None, 'tensor')
+  elif names[-1] == 'kernel' and module in _ROW_PARALLEL:
+    trailing = ('tensor', 'fsdp')
+  else:
+    return P()
+  if len(shape) < len(trailing):
+    return P()
+  entries = (None,) * (len(shape) - len(trailing)) + trailing
+  return P(*(axes if _fits(size, axes, mesh_shape) else None
+             for size, axes in zip(shape, entries)))
+
+
+def current_mesh() -> Optional[jax.sharding.Mesh]:
+  """The mesh set by :func:`jax.set_mesh`, or None."""
+  mesh = jax.sharding.get_mesh()
+  return None if mesh.empty else mesh
+
+
+def place_param(values: jax.Array, names: tuple[str, ...],
+                mesh: Optional[jax.sharding.Mesh],
+                tied_embedding: bool = False) -> jax.Array:
+  """``values`` on the sharding of the parameter at ``names`` (if a mesh)."""
+  if mesh is None:
+    return values
+  mesh_shape = dict(zip(mesh.axis_names, mesh.axis_sizes))
+  spec = param_spec(names, values.shape, mesh_shape, tied_embedding)
+  return jax.device_put(values, NamedSharding(mesh, spec))
+
+
+def shard_model(model: nnx.Module, mesh: jax.sharding.Mesh) -> None:
+  """Places every parameter of ``model`` on its sharding, in place.
+
+  (:func:`loading.load_pretrained` already does so under :func:`jax.set_mesh`;
+  this is for models built otherwise.)
+  """
+  from examples.finetune import model as model_lib  # pylint: disable=g-import-not-at-top
+  params = nnx.state(model, nnx.Param)
+  placed = jax.tree_util.tree_map_with_path(
+      lambda path, x: place_param(x, model_lib.path_names(path), mesh,
+                                  model.config.tie_word_embeddings),
+      nnx.to_pure_dict(params))
+  nnx.replace_by_pure_dict(params, placed)
+  nnx.update(model, params)
+
+
+def shard_batch(batch: Any, mesh: jax.sharding.Mesh) -> Any:
+  """Splits every array of ``batch`` along its first axis over the batch axes.
+
+  Arrays whose first axis the batch axes do not divide stay replicated.
+  """
+  mesh_shape = dict(zip(mesh.axis_names, mesh.axis_sizes))
+
+  def put(x):
+    spec = P(BATCH_AXES) if _fits(x.shape[0], BATCH_AXES, mesh_shape) else P()
+    return jax.device_put(x, NamedSharding(mesh, spec))
+
+  return jax.tree.map(put, batch)

@@ -1,0 +1,135 @@
+"""``--mesh``: the fine-tuning example on a simulated 8-device CPU mesh.
+
+Tests marked ``needs_mesh`` run in a subprocess with 8 host devices (see
+``tests/multidevice.py``); the rest run in the one-device suite.
+"""
+
+import json
+
+from flax import nnx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from examples.finetune import __main__ as cli
+from examples.finetune import data as data_lib
+from examples.finetune import loading
+from examples.finetune import sharding
+from tests import multidevice
+import test_cli  # pylint: disable=g-bad-import-order  (the tiny model writers)
+
+NUM_DEVICES = 8
+MESH = 'data=2,fsdp=2,tensor=2'
+has_mesh = jax.device_count() >= NUM_DEVICES
+needs_mesh = pytest.mark.skipif(
+    not has_mesh, reason='needs 8 devices; see test_mesh_suite_in_subprocess')
+
+
+@pytest.mark.skipif(has_mesh, reason='the mesh tests run in this process')
+def test_mesh_suite_in_subprocess():
+  stdout = multidevice.rerun_with_devices(__file__, NUM_DEVICES)
+  assert ' passed' in stdout and ' skipped' in stdout
+
+
+_MESH_SHAPE = {'data': 2, 'fsdp': 2, 'tensor': 2}
+
+
+@pytest.mark.parametrize('names, shape, tied, spec', [
+    (('layers', '0', 'attn', 'q', 'kernel'), (32, 64), False,
+     P('fsdp', 'tensor')),
+    (('layers', 'mlp', 'down', 'kernel'), (4, 48, 32), False,
+     P(None, 'tensor', 'fsdp')),  # scanned: the layer axis stays whole
+    (('layers', 'attn', 'qkv', 'kernel'), (4, 32, 3, 64), False,
+     P(None, 'fsdp', None, 'tensor')),
+    (('lm_head', 'kernel'), (32, 258), False, P('fsdp', 'tensor')),
+    (('lm_head', 'kernel'), (32, 257), False, P('fsdp', None)),  # odd vocab
+    (('embed', 'embedding'), (258, 32), False, P('tensor', 'fsdp')),
+    (('embed', 'embedding'), (258, 32), True, P()),
+    (('positions', 'embedding'), (130, 32), True, P('tensor', 'fsdp')),
+    (('final_norm', 'scale'), (32,), False, P()),
+    (('layers', '1', 'attn', 'q', 'bias'), (64,), False, P()),
+])
+def test_parameter_sharding_rule(names, shape, tied, spec):
+  assert sharding.param_spec(names, shape, _MESH_SHAPE, tied) == spec
+
+
+@pytest.mark.parametrize('mesh, message', [
+    ('data=3', 'has 3 devices but JAX sees'),
+    ('data=2,data=4', 'given twice'),
+    ('model=8', 'expected NAME=SIZE'),
+    ('data=two', 'expected NAME=SIZE'),
+    ('fsdp=0,data=8', 'size >= 1'),
+])
+def test_bad_mesh_is_a_one_line_error(mesh, message, capsys):
+  assert cli.main(['--mesh', mesh]) == 2
+  err = capsys.readouterr().err.strip()
+  assert err.startswith('error: --mesh') and message in err, err
+  assert len(err.splitlines()) == 1
+
+
+@pytest.fixture(scope='module')
+def workspace(tmp_path_factory):
+  root = tmp_path_factory.mktemp('mesh')
+  model_dir = str(root / 'tiny-llama')
+  test_cli._write_tiny_llama(model_dir, vocab_size=264)  # pylint: disable=protected-access
+  words = ['good', 'bad', 'fine', 'awful', 'great', 'poor']
+  records = [{'text': f'{w} day {i}', 'label': 'pos' if i % 2 else 'neg'}
+             for i, w in enumerate(words * 4)]
+  return {
+      'root': root,
+      'model': model_dir,
+      'train': test_cli._write_jsonl(root / 'train.jsonl', records),  # pylint: disable=protected-access
+      'test': test_cli._write_jsonl(root / 'test.jsonl', records[:4]),  # pylint: disable=protected-access
+  }
+
+
+@needs_mesh
+def test_loaded_model_and_batch_are_split_over_the_mesh(workspace):
+  mesh = sharding.make_mesh(MESH)
+  with jax.set_mesh(mesh):
+    model, _, _ = loading.load_pretrained(workspace['model'],
+                                          dtype=jnp.float32)
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    specs = jax.tree.map(lambda x: x.sharding.spec, params)
+    block = specs['layers'][0]
+    assert block['attn']['q']['kernel'] == P('fsdp', 'tensor')
+    assert block['mlp']['down']['kernel'] == P('tensor', 'fsdp')
+    assert specs['embed']['embedding'] == P('tensor', 'fsdp')
+    assert specs['final_norm']['scale'] == P()
+    batch = sharding.shard_batch(
+        data_lib.Batch(np.zeros((4, 8), np.int32), np.ones((4, 8), bool),
+                       np.ones((4, 8), np.float32)), mesh)
+    assert batch.input_ids.sharding.spec == P(('data', 'fsdp'))
+    # The model runs on the explicit mesh, batch split or not.
+    logits = nnx.jit(lambda m, b: m(b.input_ids, b.attention_mask))(model,
+                                                                    batch)
+    assert logits.shape == (4, 8, 264)
+    assert logits.sharding.spec == P(('data', 'fsdp'), None, None)
+
+
+def _run(workspace, name, *extra):
+  output_dir = workspace['root'] / name
+  args = ['--model', workspace['model'], '--task', 'text',
+          '--train-file', workspace['train'], '--test-file',
+          workspace['test'], '--label-words', 'neg=bad,pos=good',
+          '--template', '{text}. It was', '--steps', '3', '--batch-size', '4',
+          '--seq-len', '24', '--eval-size', '4', '--eval-batch-size', '4',
+          '--output-dir', str(output_dir), '--no-progress', *extra]
+  assert cli.main(args) == 0
+  with open(output_dir / 'results.json') as f:
+    return json.load(f)
+
+
+@needs_mesh
+@pytest.mark.parametrize('extra', [(), ('--scan-layers', 'on'),
+                                   ('--taco-step', 'optax')])
+def test_cli_on_a_mesh_matches_one_device(workspace, extra):
+  expected = _run(workspace, 'one-device-' + '-'.join(extra),
+                  '--no-checkpoint', *extra)
+  got = _run(workspace, 'mesh-' + '-'.join(extra), '--mesh', MESH, *extra)
+  assert len(got['losses']) == 3
+  # Sharded matmuls sum in another order: last-bit differences only.
+  np.testing.assert_allclose(got['losses'], expected['losses'], rtol=1e-5)
+  assert got['optimizer_state_bytes'] == expected['optimizer_state_bytes']
