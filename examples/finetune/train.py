@@ -213,13 +213,18 @@ def _check_memory(config: RunConfig, spec, model, schedule, hints) -> None:
   """Refuses a run whose predicted peak exceeds the device's memory.
 
   The limit is ``config.memory_limit_gb``, else the device's own
-  (``bytes_limit``; CPUs report none, so nothing is checked there). The
-  prediction is :mod:`memory_plan`'s, with this optimizer's exact state size.
+  (``bytes_limit``; CPUs report none, so nothing is checked there), times the
+  devices of an active mesh (the plan is unsharded: a run over this is sure
+  not to fit). The prediction is :mod:`memory_plan`'s, with this optimizer's
+  exact state size.
   """
   limit = (memory_plan.device_memory_limit() if config.memory_limit_gb is None
            else config.memory_limit_gb * memory_plan.GB)
   if limit is None:
     return
+  mesh = jax.sharding.get_abstract_mesh()
+  devices = 1 if mesh.empty else mesh.size
+  limit *= devices
   params = memory_plan.model_params(model)
   tx = spec.build(schedule, hints)
   state_bytes = memory_plan.tree_bytes(
@@ -241,10 +246,11 @@ def _check_memory(config: RunConfig, spec, model, schedule, hints) -> None:
     advice.append('--taco-step auto')
   advice = ' or '.join(advice) or 'a device with more memory'
   gb = lambda n: f'{n / memory_plan.GB:.3g} GB'
+  holder = 'device has' if devices == 1 else f'{devices} devices have'
   raise FinetuneError(
       f'--optimizer {config.optimizer} at --batch-size {config.batch_size} '
       f'x --seq-len {config.seq_len} needs about {gb(peak)} (predicted), the '
-      f'device has {gb(limit)}; try {advice}')
+      f'{holder} {gb(limit)}; try {advice}')
 
 
 def run(config: RunConfig, log: Callable[[str], None] = print) -> dict:
