@@ -21,6 +21,7 @@ from jax.sharding import PartitionSpec as P
 import taco_optax
 from taco_optax import _sharding
 from taco_optax import _train_step
+from taco_optax._dimension_numbers import matrix_layout
 from taco_optax import TacoDimensionNumbers as Dims
 from tests import multidevice
 
@@ -526,3 +527,29 @@ def test_layerwise_step_on_mesh_equals_single_device(
       np.testing.assert_allclose(a, e, rtol=1e-6, atol=1e-8, err_msg=layout)
   # The weights did move.
   assert not np.array_equal(expected[0][0]['w_out'], start[0]['w_out'])
+
+
+@needs_mesh
+def test_layerwise_leaf_update_gathers_candidates_not_the_gradient():
+  n, m, k, tensor = 256, 1024, 16, 8
+  mesh = jax.make_mesh((1, tensor), ('fsdp', 'tensor'))
+  tx = taco_optax.taco(1e-3, k=k)
+  dims = Dims()
+  plan = _train_step._LeafPlan(matrix_layout((n, m), dims), m / n, dims)  # pylint: disable=protected-access
+  lr_tx = optax.scale_by_learning_rate(1e-3)
+  update = lambda p, g, state, lr: _train_step._taco_leaf_update(  # pylint: disable=protected-access
+      p, g, *state, plan, 0.95, 1, lr_tx, lr)
+  with jax.set_mesh(mesh):
+    weight = jax.ShapeDtypeStruct((n, m), jnp.float32,
+                                  sharding=NamedSharding(mesh,
+                                                         P(None, 'tensor')))
+    state = jax.eval_shape(tx.init, {'w': weight})
+    taco_state, lr_state = state.inner_states['taco'].inner_state
+    leaf_state = tuple(field['w'] for field in taco_state)
+    hlo = jax.jit(update).lower(weight, weight, leaf_state,
+                                lr_state).compile().as_text()
+  found = collectives(hlo)
+  # k candidates of each of the `tensor` shards per column (f32 values and
+  # s32 indices), and the finiteness flag; the weight is updated in place.
+  assert gathered_bytes(hlo) == n * k * tensor * (4 + 4), found
+  assert sorted(b for op, b in found if op != 'all-gather') == [4], found
