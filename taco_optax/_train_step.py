@@ -197,6 +197,13 @@ def _add_at(x, where, delta, mode):
                          unique_indices=not dropping, mode=mode)
 
 
+def _winner_delta(step, scale, dtype, lr_tx, lr_state, after):
+  """What each winner adds to its weight: ``-lr * scale * sign``."""
+  direction = (step.winner_signs * scale).astype(dtype)
+  delta, _ = lr_tx.update(direction, lr_state)
+  return delta if after is None else _data_dependency(delta, after)
+
+
 def _local_leaf_update(param, grad, values, indices, exponents, *, plan, mu,
                        update_topk, lr_tx, lr_state, after=None, shards=None):
   """:func:`_taco_leaf_update` on whole arrays, or on one device's blocks.
@@ -218,10 +225,7 @@ def _local_leaf_update(param, grad, values, indices, exponents, *, plan, mu,
   step = _transform.column_step(
       layout.to_rows(grad), rows_of_state(values), rows_of_state(indices),
       exponents.reshape(-1), **step_args)
-  direction = (step.winner_signs * plan.scale).astype(grad.dtype)
-  delta, _ = lr_tx.update(direction, lr_state)
-  if after is not None:
-    delta = _data_dependency(delta, after)
+  delta = _winner_delta(step, plan.scale, grad.dtype, lr_tx, lr_state, after)
   rows = layout.to_rows(param)
   row_ids = jnp.arange(rows.shape[0], dtype=jnp.int32)[:, None]
   winners, mode = _winner_positions(step.winner_indices, layout.m, shards)
@@ -263,10 +267,7 @@ def _chunked_leaf_update(param, grad, values, indices, exponents, layout,
     step = _transform.column_step(
         rows(grad, start), columns(values).T, columns(indices).T,
         columns(exponents), **step_args)
-    direction = (step.winner_signs * scale).astype(grad.dtype)
-    delta, _ = lr_tx.update(direction, lr_state)
-    if after is not None:
-      delta = _data_dependency(delta, after)
+    delta = _winner_delta(step, scale, grad.dtype, lr_tx, lr_state, after)
     row_ids = start + jnp.arange(chunk, dtype=jnp.int32)[:, None]
     winners, mode = _winner_positions(step.winner_indices, layout.m, shards)
     where = (row_ids, winners) if rows_are_axis0 else (winners, row_ids)

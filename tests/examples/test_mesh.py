@@ -18,7 +18,8 @@ from examples.finetune import data as data_lib
 from examples.finetune import loading
 from examples.finetune import sharding
 from tests import multidevice
-import test_cli  # pylint: disable=g-bad-import-order  (the tiny model writers)
+import test_cli  # pylint: disable=g-bad-import-order  (the tiny model, data)
+from test_cli import workspace  # pylint: disable=unused-import,g-bad-import-order
 
 NUM_DEVICES = 8
 MESH = 'data=2,fsdp=2,tensor=2'
@@ -69,22 +70,6 @@ def test_bad_mesh_is_a_one_line_error(mesh, message, capsys):
   assert len(err.splitlines()) == 1
 
 
-@pytest.fixture(scope='module')
-def workspace(tmp_path_factory):
-  root = tmp_path_factory.mktemp('mesh')
-  model_dir = str(root / 'tiny-llama')
-  test_cli._write_tiny_llama(model_dir, vocab_size=264)  # pylint: disable=protected-access
-  words = ['good', 'bad', 'fine', 'awful', 'great', 'poor']
-  records = [{'text': f'{w} day {i}', 'label': 'pos' if i % 2 else 'neg'}
-             for i, w in enumerate(words * 4)]
-  return {
-      'root': root,
-      'model': model_dir,
-      'train': test_cli._write_jsonl(root / 'train.jsonl', records),  # pylint: disable=protected-access
-      'test': test_cli._write_jsonl(root / 'test.jsonl', records[:4]),  # pylint: disable=protected-access
-  }
-
-
 @needs_mesh
 def test_loaded_model_and_batch_are_split_over_the_mesh(workspace):
   mesh = sharding.make_mesh(MESH)
@@ -111,13 +96,7 @@ def test_loaded_model_and_batch_are_split_over_the_mesh(workspace):
 
 def _run(workspace, name, *extra):
   output_dir = workspace['root'] / name
-  args = ['--model', workspace['model'], '--task', 'text',
-          '--train-file', workspace['train'], '--test-file',
-          workspace['test'], '--label-words', 'neg=bad,pos=good',
-          '--template', '{text}. It was', '--steps', '3', '--batch-size', '4',
-          '--seq-len', '24', '--eval-size', '4', '--eval-batch-size', '4',
-          '--output-dir', str(output_dir), '--no-progress', *extra]
-  assert cli.main(args) == 0
+  assert cli.main(test_cli._text_args(workspace, output_dir, *extra)) == 0  # pylint: disable=protected-access
   with open(output_dir / 'results.json') as f:
     return json.load(f)
 
