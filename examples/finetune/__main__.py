@@ -92,6 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
       choices=('auto', 'layerwise', 'optax'),
       help='TACO only: the memory-lean layer-wise step (auto: when '
       'taco_optax has it) or the plain optax path')
+  add('--memory-limit-gb', type=float, default=None,
+      help='refuse a run whose predicted peak memory exceeds this many GB '
+      '(default: the device\'s own limit; CPUs report none)')
   add('--mesh', default=None,
       help='run on a device mesh, e.g. data=2,fsdp=2,tensor=2 (axes data, '
       'fsdp, tensor; the sizes must multiply to the device count): '
@@ -119,6 +122,7 @@ def config_from_args(args: argparse.Namespace) -> train_lib.RunConfig:
       label_words=args.label_words, template=args.template,
       max_new_tokens=args.max_new_tokens, taco_k=args.taco_k,
       taco_mu=args.taco_mu, taco_step=args.taco_step,
+      memory_limit_gb=args.memory_limit_gb,
       objective=args.objective,
       output_dir=args.output_dir,
       resume=args.resume, save_checkpoint=not args.no_checkpoint,
