@@ -26,6 +26,7 @@ from examples.finetune import losses as losses_lib
 from examples.finetune import memory_plan
 from examples.finetune import optimizers as optimizers_lib
 from examples.finetune import report as report_lib
+from examples.finetune import sharding as sharding_lib
 from examples.finetune import tasks as tasks_lib
 from examples.finetune import trainers as trainers_lib
 
@@ -335,7 +336,13 @@ def run(config: RunConfig, log: Callable[[str], None] = print) -> dict:
                                    stop_ids)
   log(f'held-out {metric} before: {before[metric]:.4f}')
 
-  first = next(batches)
+  mesh = sharding_lib.current_mesh()
+  place = (lambda b: sharding_lib.shard_batch(b, mesh)) if mesh else (
+      lambda b: b)
+  if mesh:
+    log(f'mesh {dict(mesh.shape)}: parameters sharded by '
+        'examples/finetune/sharding.py, batch over data x fsdp')
+  first = place(next(batches))
   compile_start = time.perf_counter()
   compiled = trainer.compile(first)
   compile_seconds = time.perf_counter() - compile_start
@@ -363,7 +370,7 @@ def run(config: RunConfig, log: Callable[[str], None] = print) -> dict:
         evals.append({'step': step, **scores})
         progress.print(f'step {step}: held-out {metric} {scores[metric]:.4f}')
       if step < config.steps:
-        batch = next(batches)
+        batch = place(next(batches))
   finally:
     progress.close()
 
@@ -396,6 +403,7 @@ def run(config: RunConfig, log: Callable[[str], None] = print) -> dict:
       'compile_seconds': compile_seconds,
       'wall_seconds': time.perf_counter() - wall_start,
       'step_path': step_path,
+      'mesh': dict(mesh.shape) if mesh else None,
       'objective': objective,
       'resumed_from_step': start_step,
       'backend': jax.default_backend(),

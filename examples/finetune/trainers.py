@@ -67,7 +67,8 @@ class NnxTrainer:
 
   def __init__(self, model, tx, needs_loss: bool):
     self.model = model
-    self.optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    self.optimizer = nnx.Optimizer(
+        model, taco_optax.for_nnx_optimizer(tx), wrt=nnx.Param)
     self._step = make_train_step(needs_loss)
 
   def compile(self, batch):
