@@ -38,6 +38,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from benchmarks import planner
 from examples.finetune import config as config_lib
 from examples.finetune import data as data_lib
 from examples.finetune import layerwise
@@ -46,15 +47,7 @@ from examples.finetune import model as model_lib
 import taco_optax
 
 # SmolLM2-135M (Hugging Face config.json, Llama architecture).
-SMOLLM2_135M = {
-    'architectures': ['LlamaForCausalLM'], 'model_type': 'llama',
-    'vocab_size': 49152, 'hidden_size': 576, 'intermediate_size': 1536,
-    'num_hidden_layers': 30, 'num_attention_heads': 9,
-    'num_key_value_heads': 3, 'head_dim': 64,
-    'max_position_embeddings': 8192, 'rms_norm_eps': 1e-5,
-    'rope_theta': 100000.0, 'tie_word_embeddings': True,
-    'hidden_act': 'silu', 'bos_token_id': 0, 'eos_token_id': 0,
-}
+SMOLLM2_135M = planner.PRESETS['smollm2-135m']
 
 
 def tree_bytes(tree):

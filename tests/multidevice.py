@@ -12,14 +12,15 @@ import sys
 _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def rerun_with_devices(test_file: str, num_devices: int, timeout: int = 900
-                       ) -> str:
+def rerun_with_devices(test_file: str, num_devices: int, timeout: int = 900,
+                       select: str = '') -> str:
   """Runs pytest on ``test_file`` with ``num_devices`` CPU devices.
 
   Args:
     test_file: path of the test file.
     num_devices: simulated CPU devices.
     timeout: seconds.
+    select: a pytest ``-k`` expression (empty: every test).
 
   Returns:
     pytest's stdout; fails the calling test unless every test passed or was
@@ -32,7 +33,7 @@ def rerun_with_devices(test_file: str, num_devices: int, timeout: int = 900
   env['JAX_PLATFORMS'] = 'cpu'
   result = subprocess.run(
       [sys.executable, '-m', 'pytest', '-q', '-o', 'addopts=', '-p',
-       'no:cacheprovider', test_file],
+       'no:cacheprovider', test_file] + (['-k', select] if select else []),
       env=env, capture_output=True, text=True, timeout=timeout, check=False,
       cwd=_REPO_ROOT)
   assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]

@@ -7,8 +7,6 @@ and otherwise ``test_sharded_suite_in_subprocess`` reruns it in a fresh process.
 
 import json
 import os
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +19,8 @@ from jax.sharding import PartitionSpec as P
 import taco_optax
 from examples.finetune import checkpoint
 from taco_optax import _sharding
+from tests import multidevice
+from tests.bitwise import assert_bitwise_equal
 
 has_mesh = jax.device_count() >= 8
 needs_mesh = pytest.mark.skipif(
@@ -31,19 +31,8 @@ METADATA = {'model': 'tiny-mlp', 'k': 4, 'learning_rate': 0.01}
 
 @pytest.mark.skipif(has_mesh, reason='the mesh tests run in this process')
 def test_sharded_suite_in_subprocess():
-  env = dict(os.environ)
-  env['XLA_FLAGS'] = (env.get('XLA_FLAGS', '') +
-                      ' --xla_force_host_platform_device_count=8').strip()
-  env['JAX_PLATFORMS'] = 'cpu'
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  result = subprocess.run(
-      [sys.executable, '-m', 'pytest', '-q', '-o', 'addopts=', '-p',
-       'no:cacheprovider',
-       __file__, '-k', 'sharded'],
-      env=env, capture_output=True, text=True, timeout=600, check=False,
-      cwd=root)
-  assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
-  assert ' passed' in result.stdout
+  stdout = multidevice.rerun_with_devices(__file__, 8, select='sharded')
+  assert ' passed' in stdout
 
 
 # A tiny model trained with taco_optax.taco, with a deterministic data order
@@ -117,14 +106,6 @@ def abstract_of(tree):
       tree)
 
 
-def assert_bitwise_equal(actual, expected):
-  actual_leaves, actual_def = jax.tree.flatten(actual)
-  expected_leaves, expected_def = jax.tree.flatten(expected)
-  assert actual_def == expected_def
-  for a, e in zip(actual_leaves, expected_leaves):
-    a, e = np.asarray(a), np.asarray(e)
-    assert (a.dtype, a.shape) == (e.dtype, e.shape)
-    assert a.tobytes() == e.tobytes()
 
 
 def float8_leaves(tree):

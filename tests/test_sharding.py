@@ -24,6 +24,7 @@ from taco_optax import _train_step
 from taco_optax._dimension_numbers import matrix_layout
 from taco_optax import TacoDimensionNumbers as Dims
 from tests import multidevice
+from tests.bitwise import assert_bitwise_equal
 
 NUM_DEVICES = 8
 has_mesh = jax.device_count() >= NUM_DEVICES
@@ -107,14 +108,6 @@ def tied_gradients(step, names):
           for i, name in enumerate(names)}
 
 
-def assert_bitwise_equal(actual, expected):
-  actual_leaves, actual_def = jax.tree.flatten(actual)
-  expected_leaves, expected_def = jax.tree.flatten(expected)
-  assert actual_def == expected_def
-  for a, e in zip(actual_leaves, expected_leaves):
-    a, e = np.asarray(a), np.asarray(e)
-    assert a.dtype == e.dtype and a.shape == e.shape
-    assert a.tobytes() == e.tobytes()
 
 
 def normalized(spec, ndim):
