@@ -16,12 +16,11 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 import taco_optax
 from taco_optax import _dimension_numbers
-from taco_optax import _train_step
+from taco_optax import _leaf_update
 
 # name: (vocab, hidden, layers, ffn, q heads * head dim, kv heads * head dim)
 SHAPES = {
@@ -96,7 +95,7 @@ def time_scatter_apply(params, grads, repeats, lr=1e-4):
   """TACO as the layerwise step applies it: winners scattered into params.
 
   The same state update as ``scale_by_taco`` but no dense update tensor and
-  no ``apply_updates`` pass (``_train_step._taco_leaf_update`` per matrix).
+  no ``apply_updates`` pass (``_leaf_update.taco_leaf_update`` per matrix).
   """
   tx = taco_optax.taco(lr)
   state = tx.init(params)
@@ -110,8 +109,8 @@ def time_scatter_apply(params, grads, repeats, lr=1e-4):
     for name in matrices:
       layout = _dimension_numbers.matrix_layout(
           params[name].shape, taco_optax.TacoDimensionNumbers())
-      plan = _train_step._LeafPlan(layout, layout.m / layout.n)  # pylint: disable=protected-access
-      params[name], *new = _train_step._taco_leaf_update(  # pylint: disable=protected-access
+      plan = _leaf_update.LeafPlan(layout, layout.m / layout.n)  # pylint: disable=protected-access
+      params[name], *new = _leaf_update.taco_leaf_update(  # pylint: disable=protected-access
           params[name], grads[name], *(f[name] for f in fields), plan, 0.95,
           1, lr_tx, lr_state)
       for f, value in zip(fields, new):

@@ -3,7 +3,6 @@
 from typing import Any, Optional, Union
 
 import jax
-import jax.numpy as jnp
 import optax
 
 from taco_optax import _dimension_numbers as dn

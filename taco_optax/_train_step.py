@@ -11,7 +11,6 @@ exists. The result equals the plain optax path with :func:`taco` (tested).
 """
 
 import dataclasses
-import functools
 from typing import Any, Callable, NamedTuple, Optional, Union
 
 import jax
@@ -21,7 +20,7 @@ import optax
 
 from taco_optax import _alias
 from taco_optax import _dimension_numbers as dn
-from taco_optax import _sharding
+from taco_optax import _leaf_update
 from taco_optax import _transform
 
 Params = Any
@@ -84,13 +83,6 @@ class LayerwiseTrainStep(NamedTuple):
                  tuple[tuple[Params, Params], Any, jax.Array]]
 
 
-class _LeafPlan(NamedTuple):
-  """How one parameter leaf is updated (all static)."""
-  layout: Optional[dn.MatrixLayout]  # None: an AdamW leaf
-  scale: float
-  dim_num: Optional[dn.TacoDimensionNumbers] = None  # needed on a mesh
-
-
 # The labels taco() gives its optax.partition branches.
 _TACO, _ADAM = _alias._TACO, _alias._ADAM  # pylint: disable=protected-access
 
@@ -111,39 +103,6 @@ def _flatten(tree: Any) -> list[Any]:
   return jax.tree.leaves(tree, is_leaf=_is_masked)
 
 
-def _data_dependency(values: jax.Array, after: Any) -> jax.Array:
-  """``values + 0`` computed from ``after``: orders ``after`` first.
-
-  A true data edge, which XLA neither drops nor lets CSE merge away (an
-  ``optimization_barrier`` is lowered to a control edge on CPU and does not
-  survive). E.g. XLA updates a donated weight in place only if every other
-  read of it is an ancestor of the update, or else copies the weight up
-  front; the input cotangent ``d_out @ W.T`` reads ``W`` without feeding the
-  update, so the update is made to depend on it.
-  """
-  first = _sharding.first_element(jax.tree.leaves(after)[0])
-  first = first.astype(values.dtype)
-  return values + jnp.where(jnp.isfinite(first), first, 0) * 0
-
-
-# A matrix whose column step would hold more float32 elements than this is
-# processed a block of columns at a time (the column step's transients, e.g.
-# the float32 candidates and their magnitudes, are each gradient-sized).
-_CHUNK_ELEMENTS = 2**20
-
-
-def _column_chunk(layout: dn.MatrixLayout) -> Optional[int]:
-  """Columns per block for a chunked update, or None for one pass."""
-  if layout.batch_shape or layout.n * layout.m <= 2 * _CHUNK_ELEMENTS:
-    return None
-  if layout.transpose not in ((0, 1), (1, 0)):
-    return None
-  target = max(1, _CHUNK_ELEMENTS // layout.m)
-  chunk = max(c for c in range(1, min(target, layout.n) + 1)
-              if layout.n % c == 0)
-  return chunk if chunk < layout.n else None
-
-
 def _used_inputs(fn: Callable[[Any], Any], tree: Any) -> list[bool]:
   """Which leaves of ``tree`` the traced ``fn(tree)`` reads at all."""
   jaxpr = jax.make_jaxpr(fn)(tree).jaxpr
@@ -151,154 +110,6 @@ def _used_inputs(fn: Callable[[Any], Any], tree: Any) -> list[bool]:
           if isinstance(v, jax_core.Var)}
   read |= {v for v in jaxpr.outvars if isinstance(v, jax_core.Var)}
   return [v in read for v in jaxpr.invars]
-
-
-def _taco_leaf_update(param, grad, values, indices, exponents, plan, mu,
-                      update_topk, lr_tx, lr_state, after=None):
-  """One TACO leaf: the history step, then the winners scattered into param.
-
-  Same arithmetic as ``scale_by_taco`` -> ``scale_by_learning_rate`` ->
-  ``optax.apply_updates`` on the winners; every other entry is ``p + 0``. A
-  parameter split over an explicit mesh is updated per device in
-  :func:`jax.shard_map`, as ``scale_by_taco`` does (exact merged top-k).
-  """
-  local_update = functools.partial(_local_leaf_update, plan=plan,
-                                   update_topk=update_topk, lr_tx=lr_tx)
-  sharded = (None if plan.dim_num is None
-             else _sharding.leaf_sharding_of(param, plan.dim_num))
-  if sharded is None:
-    return local_update(param, grad, values, indices, exponents, mu=mu,
-                        lr_state=lr_state, after=after)
-  if after is not None:  # the one element _data_dependency reads
-    after = _sharding.first_element(jax.tree.leaves(after)[0])
-  return _sharding.map_over_shards(local_update, *sharded, param, grad,
-                                   values, indices, exponents, mu=mu,
-                                   lr_state=lr_state, after=after)
-
-
-def _winner_positions(winners, rows_length, shards):
-  """Where the winners sit in this device's rows, and the scatter mode.
-
-  Row indices are global; a winner held by another device points past the
-  end of the local rows and its write is dropped.
-  """
-  if shards is None or not shards.gather_axes:  # every device holds whole rows
-    return winners, 'promise_in_bounds'
-  local, held = _sharding.local_rows(winners, shards)
-  return jnp.where(held, local, rows_length), 'drop'
-
-
-def _add_at(x, where, delta, mode):
-  """``x`` with ``delta`` added at ``where``, rounded once to ``x.dtype``."""
-  dropping = mode == 'drop'
-  current = (x.at[where].get(mode='fill', fill_value=0) if dropping
-             else x[where])
-  return x.at[where].set(jnp.asarray(current + delta).astype(x.dtype),
-                         unique_indices=not dropping, mode=mode)
-
-
-def _winner_delta(step, scale, dtype, lr_tx, lr_state, after):
-  """What each winner adds to its weight: ``-lr * scale * sign``."""
-  direction = (step.winner_signs * scale).astype(dtype)
-  delta, _ = lr_tx.update(direction, lr_state)
-  return delta if after is None else _data_dependency(delta, after)
-
-
-def _local_leaf_update(param, grad, values, indices, exponents, *, plan, mu,
-                       update_topk, lr_tx, lr_state, after=None, shards=None):
-  """:func:`_taco_leaf_update` on whole arrays, or on one device's blocks.
-
-  With ``shards`` (inside :func:`jax.shard_map`) the arrays are this device's
-  blocks, ``plan`` still describes the whole leaf and row indices are global.
-  """
-  layout = (plan.layout if shards is None
-            else dn.matrix_layout(param.shape, plan.dim_num))
-  keep = values.shape[-2]
-  step_args = dict(mu=mu, k=keep, update_topk=min(update_topk, plan.layout.m),
-                   shards=shards)
-  chunk = _column_chunk(layout)
-  if chunk is not None:
-    return _chunked_leaf_update(param, grad, values, indices, exponents,
-                                layout, plan.scale, step_args, lr_tx,
-                                lr_state, after, chunk)
-  rows_of_state = lambda x: jnp.swapaxes(x, -1, -2).reshape(-1, keep)
-  step = _transform.column_step(
-      layout.to_rows(grad), rows_of_state(values), rows_of_state(indices),
-      exponents.reshape(-1), **step_args)
-  delta = _winner_delta(step, plan.scale, grad.dtype, lr_tx, lr_state, after)
-  rows = layout.to_rows(param)
-  row_ids = jnp.arange(rows.shape[0], dtype=jnp.int32)[:, None]
-  winners, mode = _winner_positions(step.winner_indices, layout.m, shards)
-  rows = _add_at(rows, (row_ids, winners), delta, mode)
-  # The optax path turns a non-finite gradient into an all-NaN update.
-  new_param = jnp.where(step.finite, layout.from_rows(rows, param.shape),
-                        jnp.nan)
-  state_of_rows = lambda x: jnp.swapaxes(
-      x.reshape(layout.batch_shape + (layout.n, keep)), -1, -2)
-  return (new_param, state_of_rows(step.history.values),
-          state_of_rows(step.history_indices),
-          step.history.exponents.reshape(exponents.shape))
-
-
-def _chunked_leaf_update(param, grad, values, indices, exponents, layout,
-                         scale, step_args, lr_tx, lr_state, after, chunk):
-  """:func:`_local_leaf_update` of a 2-D leaf, ``chunk`` columns at a time.
-
-  Columns are independent in TACO, so a ``lax.scan`` over column blocks gives
-  the same result with block-sized transients; the weight and state are
-  updated in place in the carry. Finiteness is judged on the whole leaf, as
-  the optax path does.
-  """
-  shards = step_args['shards']
-  rows_are_axis0 = layout.transpose == (0, 1)
-  finite = jnp.all(jnp.isfinite(grad))
-  if shards is not None:
-    finite = _sharding.all_finite(finite, shards)
-
-  def rows(x, start):  # (chunk, m) rows of a param-shaped array
-    if rows_are_axis0:
-      return jax.lax.dynamic_slice_in_dim(x, start, chunk, axis=0)
-    return jax.lax.dynamic_slice_in_dim(x, start, chunk, axis=1).T
-
-  def body(carry, block):
-    param, values, indices, exponents = carry
-    start = block * chunk
-    columns = lambda x: jax.lax.dynamic_slice_in_dim(x, start, chunk, axis=-1)
-    step = _transform.column_step(
-        rows(grad, start), columns(values).T, columns(indices).T,
-        columns(exponents), **step_args)
-    delta = _winner_delta(step, scale, grad.dtype, lr_tx, lr_state, after)
-    row_ids = start + jnp.arange(chunk, dtype=jnp.int32)[:, None]
-    winners, mode = _winner_positions(step.winner_indices, layout.m, shards)
-    where = (row_ids, winners) if rows_are_axis0 else (winners, row_ids)
-    param = _add_at(param, where, delta, mode)
-    put = lambda old, new: jax.lax.dynamic_update_slice_in_dim(
-        old, jnp.where(finite, new, columns(old)), start, axis=-1)
-    return (param, put(values, step.history.values.T),
-            put(indices, step.history_indices.T),
-            put(exponents, step.history.exponents)), None
-
-  (param, values, indices, exponents), _ = jax.lax.scan(
-      body, (param, values, indices, exponents),
-      jnp.arange(layout.n // chunk, dtype=jnp.int32))
-  return jnp.where(finite, param, jnp.nan), values, indices, exponents
-
-
-def _drop_leading_axis(plan: _LeafPlan, shape: tuple[int, ...]) -> _LeafPlan:
-  """The plan of one slice ``x[l]`` of a stacked leaf."""
-  if plan.layout is None:
-    return plan
-  layout = plan.layout
-  if not layout.batch_shape or layout.transpose[0] != 0:
-    raise ValueError(
-        f'A stacked TACO leaf of shape {shape} must keep its leading (layer) '
-        'axis as a batch axis; check weight_dimension_numbers.')
-  transpose = tuple(ax - 1 for ax in layout.transpose[1:])
-  _, reduction, output = dn._normalize(shape, plan.dim_num)  # pylint: disable=protected-access
-  dim_num = dn.TacoDimensionNumbers(tuple(ax - 1 for ax in reduction),
-                                    tuple(ax - 1 for ax in output))
-  return _LeafPlan(layout._replace(batch_shape=layout.batch_shape[1:],
-                                   transpose=transpose), plan.scale, dim_num)
 
 
 def layerwise_train_step(
@@ -410,7 +221,7 @@ def layerwise_train_step(
       adam_b1, adam_b2, adam_eps, adam_eps_root, adam_weight_decay)
   update_topk = 1 if update_topk is None else update_topk
 
-  def leaf_plans(params) -> list[_LeafPlan]:
+  def leaf_plans(params) -> list[_leaf_update.LeafPlan]:
     leaves = jax.tree.leaves(params)
     dims = dn.leaf_dimension_numbers(
         _default_dimension_numbers(weight_dimension_numbers), params)
@@ -418,10 +229,10 @@ def layerwise_train_step(
     plans = []
     for leaf, dim, scale in zip(leaves, dims, scales):
       if dim is None:
-        plans.append(_LeafPlan(None, 0.0))
+        plans.append(_leaf_update.LeafPlan(None, 0.0))
         continue
       layout = dn.matrix_layout(leaf.shape, dim)
-      plans.append(_LeafPlan(layout, layout.m / layout.n
+      plans.append(_leaf_update.LeafPlan(layout, layout.m / layout.n
                              if scale is None else scale, dim))
     return plans
 
@@ -433,7 +244,7 @@ def layerwise_train_step(
     state_leaves = [_flatten(s) for s in taco_state]  # values, indices, exps
 
     def taco_update(param, grad, index, plan, after=None):
-      return _taco_leaf_update(
+      return _leaf_update.taco_leaf_update(
           param, grad, *(s[index] for s in state_leaves), plan, mu,
           update_topk, lr_tx, lr_state, after)
 
@@ -468,7 +279,8 @@ def layerwise_train_step(
       for s, u in zip(new_state, updated):
         s[i] = u
       d_hidden = jax.tree.map(
-          lambda x, i=i: _data_dependency(x, new_outer_leaves[i]), d_hidden)
+          lambda x, i=i: _leaf_update.data_dependency(x, new_outer_leaves[i]),
+          d_hidden)
 
     layer_leaves, layer_def = jax.tree.flatten(layers)
     layer_plans = plans[num_outer:]
@@ -479,7 +291,8 @@ def layerwise_train_step(
       d_hidden, new_layer_leaves, layer_grads = _scanned_backward(
           run_layer, layer_leaves, layer_def, layer_plans, layer_inputs,
           d_hidden, [s[num_outer:] for s in state_leaves],
-          lambda *a: _taco_leaf_update(*a, mu, update_topk, lr_tx, lr_state),
+          lambda *a: _leaf_update.taco_leaf_update(*a, mu, update_topk, lr_tx,
+                                                   lr_state),
           new_state, num_outer)
     else:
       d_hidden = _unrolled_backward(
@@ -543,8 +356,8 @@ def _unrolled_backward(run_layer, layers, layer_def, layer_plans,
     # recomputation with the forward pass, which would keep every layer's
     # activations alive (measured: +1 layer of weights' worth per layer).
     layer_params = layers[l]
-    layer_input = jax.tree.map(lambda x: _data_dependency(x, d_hidden),
-                               layer_inputs[l])
+    layer_input = jax.tree.map(
+        lambda x: _leaf_update.data_dependency(x, d_hidden), layer_inputs[l])
     _, layer_vjp = jax.vjp(run_layer, layer_params, layer_input)
     grads, d_hidden = layer_vjp(d_hidden)
     updated_leaves = []
@@ -564,9 +377,9 @@ def _unrolled_backward(run_layer, layers, layer_def, layer_plans,
     # The next layer's backward waits for this layer's update, so XLA cannot
     # postpone the updates (keeping every gradient alive) to the end.
     if updated_leaves:
+      first_updated = new_layer_leaves[updated_leaves[0]]
       d_hidden = jax.tree.map(
-          lambda x: _data_dependency(x, new_layer_leaves[updated_leaves[0]]),
-          d_hidden)
+          lambda x: _leaf_update.data_dependency(x, first_updated), d_hidden)
   return d_hidden
 
 
@@ -574,7 +387,7 @@ def _scanned_backward(run_layer, layer_leaves, layer_def, layer_plans,
                       layer_inputs, d_hidden, layer_state, leaf_update,
                       new_state, num_outer):
   """Backward ``lax.scan`` over stacked layers; weights updated in the carry."""
-  slice_plans = [_drop_leading_axis(p, x.shape)
+  slice_plans = [_leaf_update.drop_leading_axis(p, x.shape)
                  for p, x in zip(layer_plans, layer_leaves)]
   taco_ids = [i for i, p in enumerate(layer_plans) if p.layout is not None]
   adam_ids = [i for i, p in enumerate(layer_plans) if p.layout is None]

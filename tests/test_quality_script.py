@@ -9,7 +9,6 @@ as a loss.
 import dataclasses
 import importlib.util
 import json
-import os
 
 import pytest
 

@@ -7,7 +7,6 @@ import chex
 import jax
 import jax.numpy as jnp
 import optax
-import pytest
 
 README = pathlib.Path(__file__).resolve().parents[1] / 'README.md'
 

@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 import taco_optax
 from taco_optax import _sharding
-from taco_optax import _train_step
+from taco_optax import _leaf_update
 from taco_optax._dimension_numbers import matrix_layout
 from taco_optax import TacoDimensionNumbers as Dims
 from tests import multidevice
@@ -481,7 +481,7 @@ def _place_layered(params, mesh, layout):
 def test_layerwise_step_on_mesh_equals_single_device(
     monkeypatch, scan_layers, update_topk, chunked, layouts):
   if chunked:  # every unrolled matrix through the column-block scan
-    monkeypatch.setattr(_train_step, '_CHUNK_ELEMENTS', 64)
+    monkeypatch.setattr(_leaf_update, 'CHUNK_ELEMENTS', 64)
   train = taco_optax.layerwise_train_step(
       _layered_loss(scan_layers), learning_rate=1e-2, k=4, mu=0.9,
       update_topk=update_topk, weight_dimension_numbers=_layered_dims,
@@ -528,9 +528,9 @@ def test_layerwise_leaf_update_gathers_candidates_not_the_gradient():
   mesh = jax.make_mesh((1, tensor), ('fsdp', 'tensor'))
   tx = taco_optax.taco(1e-3, k=k)
   dims = Dims()
-  plan = _train_step._LeafPlan(matrix_layout((n, m), dims), m / n, dims)  # pylint: disable=protected-access
+  plan = _leaf_update.LeafPlan(matrix_layout((n, m), dims), m / n, dims)  # pylint: disable=protected-access
   lr_tx = optax.scale_by_learning_rate(1e-3)
-  update = lambda p, g, state, lr: _train_step._taco_leaf_update(  # pylint: disable=protected-access
+  update = lambda p, g, state, lr: _leaf_update.taco_leaf_update(  # pylint: disable=protected-access
       p, g, *state, plan, 0.95, 1, lr_tx, lr)
   with jax.set_mesh(mesh):
     weight = jax.ShapeDtypeStruct((n, m), jnp.float32,

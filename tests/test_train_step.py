@@ -7,6 +7,7 @@ import numpy as np
 import optax
 import pytest
 
+from taco_optax import _leaf_update
 from taco_optax import _train_step
 from taco_optax._dimension_numbers import leaf_dimension_numbers
 from taco_optax._dimension_numbers import matrix_layout
@@ -207,7 +208,7 @@ def _transposed_embedding_dims(params):
 def test_column_chunked_update_equals_plain_optax_path(monkeypatch, dims):
   # Force every matrix through the column-block scan (2-, 4- or 8-column
   # blocks here); non-finite handling stays per leaf.
-  monkeypatch.setattr(_train_step, '_CHUNK_ELEMENTS', 48)
+  monkeypatch.setattr(_leaf_update, 'CHUNK_ELEMENTS', 48)
   loss = LayeredLoss(_embed, _layer, _head, scan_layers=False)
   train = layerwise_train_step(loss, 1e-2, mu=0.9, k=3,
                                weight_dimension_numbers=dims,
@@ -215,7 +216,7 @@ def test_column_chunked_update_equals_plain_optax_path(monkeypatch, dims):
   params = _params(False, jnp.float32)
   for layout in [matrix_layout(x.shape, d) for x, d in zip(
       jax.tree.leaves(params), leaf_dimension_numbers(dims, params)) if d]:
-    assert _train_step._column_chunk(layout) is not None, layout
+    assert _leaf_update.column_chunk(layout) is not None, layout
   plain = jax.jit(_plain_step(loss, train.optimizer))
   fused = jax.jit(train.step)
   expected, got = (params, train.optimizer.init(params)), None
