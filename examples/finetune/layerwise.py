@@ -5,38 +5,29 @@ backward pass one block at a time and writes each column's winners into the
 weights as soon as that block's gradient exists. It needs the loss as three
 pure functions over ``(outer, layers)`` parameters; this module builds them
 from a live model, using the model's own submodules, so the loss equals
-``train.completion_loss`` (tested).
+``losses.completion_loss`` (tested).
 """
 
 from typing import Any, Callable, NamedTuple
 
 from flax import nnx
-import jax
 import jax.numpy as jnp
 
 from examples.finetune import layers as layers_lib
-
-try:  # The layer-wise step is optional: older taco_optax lacks it.
-  from taco_optax import _train_step as layerwise_lib  # pylint: disable=g-import-not-at-top
-except ImportError:  # pragma: no cover
-  layerwise_lib = None
-
-
-def available() -> bool:
-  return layerwise_lib is not None
+import taco_optax
 
 
 class LayeredModel(NamedTuple):
   """A model as a ``LayeredLoss`` plus its parameters.
 
   Attributes:
-    loss: the ``taco_optax`` ``LayeredLoss``.
+    loss: the model's loss as a ``taco_optax.LayeredLoss``.
     params: ``(outer, layers)`` pure parameter trees; ``layers`` is a list of
       per-block trees, or one tree with a leading layer axis when the model
       scans its layers.
     write_back: ``write_back(params)`` puts parameters into the live model.
   """
-  loss: Any
+  loss: taco_optax.LayeredLoss
   params: tuple[Any, Any]
   write_back: Callable[[tuple[Any, Any]], None]
 
@@ -64,8 +55,6 @@ def layered_model(model, loss_of_logits: Callable) -> LayeredModel:
   Returns:
     A :class:`LayeredModel`.
   """
-  if layerwise_lib is None:
-    raise RuntimeError('this taco_optax has no layer-wise train step')
   config = model.config
   outer_modules = _outer_modules(model)
   outer_defs = {name: nnx.split(module)[0]
@@ -117,7 +106,7 @@ def layered_model(model, loss_of_logits: Callable) -> LayeredModel:
       for block, block_params in zip(model.layers, layer_params):
         nnx.update(block, block_params)
 
-  loss = layerwise_lib.LayeredLoss(embed=embed, layer=layer, head=head,
-                                   scan_layers=model.scan_layers,
-                                   remat=model.remat is not None)
+  loss = taco_optax.LayeredLoss(embed=embed, layer=layer, head=head,
+                                scan_layers=model.scan_layers,
+                                remat=model.remat is not None)
   return LayeredModel(loss, (outer, layers), write_back)

@@ -9,13 +9,10 @@ import pytest
 from examples.finetune import config as config_lib
 from examples.finetune import data
 from examples.finetune import layerwise
+from examples.finetune import losses
 from examples.finetune import model as model_lib
 from examples.finetune import optimizers
-from examples.finetune import losses
 from examples.finetune import trainers
-
-pytestmark = pytest.mark.skipif(not layerwise.available(),
-                                reason='taco_optax has no layer-wise step')
 
 
 def _batch(vocab_size, seed=0):
