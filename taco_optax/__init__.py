@@ -2,8 +2,8 @@
 
 from taco_optax._alias import taco
 from taco_optax._dimension_numbers import TacoDimensionNumbers
-from taco_optax._sharding import for_nnx_optimizer
-from taco_optax._sharding import state_shardings
+from taco_optax._state_shardings import for_nnx_optimizer
+from taco_optax._state_shardings import state_shardings
 from taco_optax._train_step import LayeredLoss
 from taco_optax._train_step import layerwise_train_step
 from taco_optax._train_step import LayerwiseTrainStep

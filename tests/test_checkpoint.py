@@ -18,7 +18,6 @@ from jax.sharding import PartitionSpec as P
 
 import taco_optax
 from examples.finetune import checkpoint
-from taco_optax import _sharding
 from tests import multidevice
 from tests.bitwise import assert_bitwise_equal
 
@@ -218,7 +217,7 @@ def test_sharded_round_trip_is_bit_exact(tmp_path):
   with jax.set_mesh(mesh):
     params = {n: jax.device_put(x, NamedSharding(mesh, layouts[n]))
               for n, x in state['params'].items()}
-    shardings = _sharding.state_shardings(tx, params)
+    shardings = taco_optax.state_shardings(tx, params)
     opt_state = jax.device_put(state['opt_state'], shardings)
     sharded = dict(state, params=params, opt_state=opt_state)
     checkpoint.save(tmp_path, 3, sharded, METADATA)

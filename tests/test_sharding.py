@@ -156,7 +156,7 @@ def test_state_shardings_stable_across_init_update_and_jit():
   with jax.set_mesh(mesh):
     params = place({n: jnp.ones(LAYOUTS[n][0]) for n in names}, mesh)
     eager_state = tx.init(params)
-    expected = sharding_specs(_sharding.state_shardings(tx, params),
+    expected = sharding_specs(taco_optax.state_shardings(tx, params),
                               eager_state)
     shards = {n: _sharding.leaf_sharding(LAYOUTS[n][0], LAYOUTS[n][1],
                                          dims[n], {'fsdp': 2, 'tensor': 4})
@@ -228,7 +228,7 @@ def test_taco_alias_train_step_on_mesh_matches_single_device():
     assert specs(got_params) == {n: normalized(layouts[n], x.ndim)
                                  for n, x in params.items()}
     assert specs(got_state) == sharding_specs(
-        _sharding.state_shardings(tx, sharded), got_state)
+        taco_optax.state_shardings(tx, sharded), got_state)
   # Sharded matmuls sum in another order, so gradients may differ in the last
   # bit; TACO's winners, and hence the signs it applies, must not.
   chex_close = lambda a, b: np.testing.assert_allclose(
@@ -248,7 +248,7 @@ def test_auto_mesh_uses_state_shardings_for_init():
   dims = {name: LAYOUTS[name][2] for name in names}
   tx = taco_optax.scale_by_taco(k=4, weight_dimension_numbers=dims)
   params = place({n: jnp.ones(LAYOUTS[n][0]) for n in names}, mesh)
-  shardings = _sharding.state_shardings(tx, params)
+  shardings = taco_optax.state_shardings(tx, params)
   state = jax.jit(tx.init, out_shardings=shardings)(params)
   assert specs(state) == sharding_specs(shardings, state)
   assert specs(state.values['both']) == ((), ('fsdp',))
@@ -346,7 +346,7 @@ def test_communication_volume_against_gathering_the_gradient(capsys):
   auto_grad = jax.ShapeDtypeStruct(
       (n, m), jnp.float32,
       sharding=NamedSharding(auto_mesh, P(None, 'tensor')))
-  auto_shardings = _sharding.state_shardings(tx, {'w': auto_grad})
+  auto_shardings = taco_optax.state_shardings(tx, {'w': auto_grad})
   auto_state = jax.tree.map(
       lambda sh, x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
       auto_shardings, jax.eval_shape(tx.init, {'w': auto_grad}))
@@ -388,7 +388,7 @@ def test_nnx_optimizer_state_gets_taco_shardings(explicit):
     # rank-1 exponents and fails to place them.
     with pytest.raises(Exception):
       nnx.Optimizer(model, tx, wrt=nnx.Param)
-    optimizer = nnx.Optimizer(model, _sharding.for_nnx_optimizer(tx),
+    optimizer = nnx.Optimizer(model, taco_optax.for_nnx_optimizer(tx),
                               wrt=nnx.Param)
 
     @nnx.jit
@@ -509,7 +509,7 @@ def test_layerwise_step_on_mesh_equals_single_device(
       got = run(sharded)
       assert specs(got[0]) == specs(sharded), layout
       assert specs(got[1]) == sharding_specs(
-          _sharding.state_shardings(train.optimizer, sharded), got[1]), layout
+          taco_optax.state_shardings(train.optimizer, sharded), got[1]), layout
     # TACO weights and state (and the step count) bitwise. The AdamW biases'
     # gradients are sums over the batch, which the sharded matmuls reorder:
     # they, and their moments, may differ in the last bits.
