@@ -21,7 +21,7 @@ overhead = (peak_train - peak_forward) / weight bytes, for scanned layers
 The CPU backend may compute bf16 matmuls in f32, inflating temporaries, so
 run with ``--dtype float32`` as well.
 
-  python benchmarks/memory.py [--dtype bfloat16|float32] [--batch 4]
+  python -m benchmarks.memory [--dtype bfloat16|float32] [--batch 4]
       [--seq 64] [--layers N]
 
 With ``--execute PATH`` (on a GPU; one path per process, since the device's

@@ -15,9 +15,9 @@ and state sizes are exact; the rest was checked against XLA's compiled memory
 analysis of the same step on small models (``--validate`` repeats that
 check).
 
-  python benchmarks/planner.py --preset opt-30b --batch 4 --seq 128
-  python benchmarks/planner.py --config path/to/config.json --gpu-gb 80
-  python benchmarks/planner.py --validate
+  python -m benchmarks.planner --preset opt-30b --batch 4 --seq 128
+  python -m benchmarks.planner --config path/to/config.json --gpu-gb 80
+  python -m benchmarks.planner --validate
 """
 
 import argparse

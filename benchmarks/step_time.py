@@ -7,7 +7,7 @@ update), and one read of the gradient tree (the memory-bound floor). Prints a
 table and, on its last line,
 ``taco_over_adamw=<ratio> taco_over_read=<ratio> taco_scatter_over_adamw=...``.
 
-  python benchmarks/step_time.py [--model llama-125m|llama-350m|smollm2-135m]
+  python -m benchmarks.step_time [--model llama-125m|llama-350m|smollm2-135m]
       [--dtype bfloat16|float32] [--repeats 3]
 """
 

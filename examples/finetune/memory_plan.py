@@ -3,7 +3,7 @@
 Parameter and optimizer-state sizes are exact (shapes of the model's
 parameters, and ``jax.eval_shape`` of an optimizer's ``init``); the rest is a
 formula whose terms were checked against XLA's compiled memory analysis of
-the same step on small models (``benchmarks/planner.py --validate``).
+the same step on small models (``python -m benchmarks.planner --validate``).
 
 Formula (bytes; b = parameter dtype size, B batch, T sequence, d width,
 L layers, V vocabulary):
