@@ -1,18 +1,22 @@
 #!/usr/bin/env bash
-# GPU run of the taco_optax benchmarks (about 10 minutes on one H100/H200).
+# GPU run of the taco_optax benchmarks, bounded to about 8 minutes on one
+# H100/H200 (each step has its own timeout; a failed step does not stop the
+# rest).
 #
 #   OUT=results_dir PYTHON=python3 bash benchmarks/gpu.sh
 #
 # Writes under $OUT (default ./gpu_results): env.txt (date, device, versions),
-# step_time.txt, memory_compiled.txt, memory_measured.jsonl (one JSON line per
-# path and layout: device peak_bytes_in_use and tokens/s, each path in its own
-# process because the peak only grows), planner.txt. Needs jax with CUDA,
-# flax and optax in $PYTHON; run from the repository root.
+# memory_measured.jsonl (one JSON line per path: device peak_bytes_in_use and
+# tokens/s of the full train step, each path in its own process because the
+# peak only grows), step_time.txt (update-only times), memory_compiled.txt
+# (XLA's compiled analysis on the GPU backend). Needs jax with CUDA, flax and
+# optax in $PYTHON; run from the repository root.
 set -uo pipefail
 OUT=${OUT:-gpu_results}
 PY=${PYTHON:-python3}
 mkdir -p "$OUT"
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
+export PYTHONUNBUFFERED=1
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
 
 {
@@ -29,23 +33,19 @@ run() {  # run <seconds> <log> <command...>: bounded, never stops the script
   timeout "$limit" "$@" 2>&1 | grep -v -i warning | tee -a "$log"
 }
 
-# 1. Update-only step time (about 2 minutes).
-for model in llama-125m llama-350m; do
-  run 150 "$OUT/step_time.txt" "$PY" benchmarks/step_time.py --model "$model" --repeats 10
+# 1. Peak device memory and tokens/s of the whole train step, SmolLM2-135M
+#    shapes, bf16, batch 4 x 256, layers scanned (about 3 minutes).
+for path in forward "taco layerwise" taco adamw; do
+  echo "== memory --execute $path" | tee -a "$OUT/memory_measured.log"
+  timeout 90 "$PY" -m benchmarks.memory --execute "$path" --dtype bfloat16 \
+    --batch 4 --seq 256 --steps 10 > "$OUT/memory_one.txt" 2>> "$OUT/memory_measured.log"
+  tail -1 "$OUT/memory_one.txt" | tee -a "$OUT/memory_measured.jsonl"
 done
+rm -f "$OUT/memory_one.txt"
 
-# 2. Memory: compiled analysis on the GPU backend, bf16 (about 2 minutes).
-run 240 "$OUT/memory_compiled.txt" "$PY" benchmarks/memory.py --dtype bfloat16
+# 2. Update-only step time on a Llama-125M tree, bf16 (about 2 minutes).
+run 150 "$OUT/step_time.txt" "$PY" -m benchmarks.step_time --model llama-125m --repeats 10
 
-# 3. Memory and speed measured on the device (about 4 minutes).
-for layout in "" "--unrolled"; do
-  for path in forward adamw taco "taco layerwise"; do
-    timeout 120 "$PY" benchmarks/memory.py --execute "$path" $layout \
-      --dtype bfloat16 --batch 4 --seq 256 --steps 10 2>/dev/null \
-      | tail -1 | tee -a "$OUT/memory_measured.jsonl"
-  done
-done
-
-# 4. Planner against the paper's Table 5 (seconds).
-run 120 "$OUT/planner.txt" "$PY" benchmarks/planner.py --batch 4 --seq 128 --gpu-gb 80
+# 3. Compiled memory analysis on the GPU backend, bf16, scanned (about 1 minute).
+run 100 "$OUT/memory_compiled.txt" "$PY" -m benchmarks.memory --dtype bfloat16 --skip-unrolled
 echo "results in $OUT"
