@@ -38,3 +38,34 @@ def rerun_with_devices(test_file: str, num_devices: int, timeout: int = 900,
       cwd=_REPO_ROOT)
   assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
   return result.stdout
+
+
+def has_devices(num_devices: int) -> bool:
+  """Whether this process already has ``num_devices`` devices."""
+  import jax  # pylint: disable=g-import-not-at-top
+  return jax.device_count() >= num_devices
+
+
+def needs_devices(num_devices: int):
+  """Skips a test in a process with fewer devices (the rerun runs it)."""
+  import pytest  # pylint: disable=g-import-not-at-top
+  return pytest.mark.skipif(
+      not has_devices(num_devices),
+      reason=f'needs {num_devices} devices; runs in the subprocess rerun')
+
+
+def subprocess_suite(test_file: str, num_devices: int, select: str = ''):
+  """A test that reruns ``test_file`` on ``num_devices`` simulated devices.
+
+  Assign it to a ``test_...`` name in the test file; it is skipped in the
+  rerun itself, where the device-dependent tests run in-process.
+  """
+  import pytest  # pylint: disable=g-import-not-at-top
+
+  @pytest.mark.skipif(has_devices(num_devices),
+                      reason='the multi-device tests run in this process')
+  def test_suite_in_subprocess():
+    stdout = rerun_with_devices(test_file, num_devices, select=select)
+    assert ' passed' in stdout
+
+  return test_suite_in_subprocess

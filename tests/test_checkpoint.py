@@ -21,17 +21,13 @@ from examples.finetune import checkpoint
 from tests import multidevice
 from tests.bitwise import assert_bitwise_equal
 
-has_mesh = jax.device_count() >= 8
-needs_mesh = pytest.mark.skipif(
-    not has_mesh, reason='needs 8 devices; see test_sharded_suite_in_subprocess')
+needs_mesh = multidevice.needs_devices(8)
 
 METADATA = {'model': 'tiny-mlp', 'k': 4, 'learning_rate': 0.01}
 
 
-@pytest.mark.skipif(has_mesh, reason='the mesh tests run in this process')
-def test_sharded_suite_in_subprocess():
-  stdout = multidevice.rerun_with_devices(__file__, 8, select='sharded')
-  assert ' passed' in stdout
+test_sharded_suite_in_subprocess = multidevice.subprocess_suite(
+    __file__, 8, select='sharded')
 
 
 # A tiny model trained with taco_optax.taco, with a deterministic data order

@@ -27,15 +27,9 @@ from tests import multidevice
 from tests.bitwise import assert_bitwise_equal
 
 NUM_DEVICES = 8
-has_mesh = jax.device_count() >= NUM_DEVICES
-needs_mesh = pytest.mark.skipif(
-    not has_mesh, reason='needs 8 devices; see test_mesh_suite_in_subprocess')
-
-
-@pytest.mark.skipif(has_mesh, reason='the mesh tests run in this process')
-def test_mesh_suite_in_subprocess():
-  stdout = multidevice.rerun_with_devices(__file__, NUM_DEVICES)
-  assert ' passed' in stdout and ' skipped' in stdout
+needs_mesh = multidevice.needs_devices(NUM_DEVICES)
+test_mesh_suite_in_subprocess = multidevice.subprocess_suite(__file__,
+                                                             NUM_DEVICES)
 
 
 # The sharding rule itself needs no devices.
