@@ -7,6 +7,7 @@ and otherwise ``test_sharded_suite_in_subprocess`` reruns it in a fresh process.
 
 import json
 import os
+import signal
 
 import jax
 import jax.numpy as jnp
@@ -187,7 +188,8 @@ def test_checkpoint_of_another_run_is_refused(tmp_path):
   tx = make_optimizer()
   state = initial_state(tx)
   checkpoint.save(tmp_path, 5, state, METADATA)
-  with pytest.raises(checkpoint.CheckpointError, match="k: checkpoint has 4"):
+  with pytest.raises(checkpoint.CheckpointError,
+                     match='checkpoint has k 4, this run k 8'):
     checkpoint.restore_latest(tmp_path, abstract_of(state),
                               dict(METADATA, k=8))
   with pytest.raises(checkpoint.CheckpointError, match='model'):
@@ -201,6 +203,59 @@ def test_checkpoint_of_another_run_is_refused(tmp_path):
                                         w2=jnp.zeros((16, 5))))
   with pytest.raises(checkpoint.CheckpointError, match=r"\['w2'\]"):
     checkpoint.restore_latest(tmp_path, abstract_of(other_model), METADATA)
+
+
+def test_changed_settings_name_each_setting():
+  stored = {'--taco-k': 16, '--lr': 1e-4, '--remat': True, '--seed': 0}
+  assert checkpoint.changed_settings(stored, dict(stored)) == []
+  assert checkpoint.changed_settings(
+      stored, {'--taco-k': 8, '--lr': 1e-4, '--remat': False,
+               '--mesh': 'data=2'}) == [
+                   'checkpoint has --taco-k 16, this run --taco-k 8',
+                   'checkpoint has --remat on, this run --remat off',
+                   'checkpoint has --mesh <missing>, this run --mesh data=2']
+
+
+def test_latest_reads_settings_and_history_without_the_arrays(tmp_path):
+  tx = make_optimizer()
+  state = initial_state(tx)
+  history = {'losses': [0.1, 1 / 3], 'before': {'accuracy': 0.5}}
+  path = checkpoint.save(tmp_path, 2, state, METADATA, history=history)
+  found = checkpoint.latest(tmp_path)
+  assert (found.path, found.step) == (path, 2)
+  assert found.metadata == METADATA and found.history == history
+  assert_bitwise_equal(checkpoint.restore(found, abstract_of(state)), state)
+  # Without an abstract tree the same arrays come back, in plain containers.
+  as_saved = checkpoint.restore(found)
+  assert_bitwise_equal(
+      sorted(np.asarray(x).tobytes() for x in jax.tree.leaves(as_saved)),
+      sorted(np.asarray(x).tobytes() for x in jax.tree.leaves(state)))
+
+
+def test_save_keeps_the_newest_and_drops_an_abandoned_trajectory(tmp_path):
+  tx = make_optimizer()
+  state = initial_state(tx)
+  for step in (1, 2, 3):
+    checkpoint.save(tmp_path, step, state, METADATA, keep=2)
+  assert checkpoint.complete_steps(tmp_path) == [2, 3]
+  os.makedirs(tmp_path / 'step_00000009.partial')  # a crash mid-save
+  # A fresh run in the same folder saves step 1: steps 2 and 3 belong to the
+  # run it replaces, and would otherwise be resumed from.
+  checkpoint.save(tmp_path, 1, state, METADATA, keep=2)
+  assert checkpoint.complete_steps(tmp_path) == [1]
+  assert sorted(os.listdir(tmp_path)) == ['step_00000001']
+
+
+def test_stop_request_catches_a_signal_and_restores_handlers():
+  before = {n: signal.getsignal(n) for n in (signal.SIGINT, signal.SIGTERM)}
+  with checkpoint.StopRequest() as stop:
+    assert stop.signal_number is None
+    os.kill(os.getpid(), signal.SIGTERM)
+    assert stop.signal_number == signal.SIGTERM
+    assert (stop.exit_code, stop.name) == (143, 'SIGTERM')
+    # A second signal gets the default handling (here: pytest's SIGINT).
+    assert signal.getsignal(signal.SIGINT) is before[signal.SIGINT]
+  assert {n: signal.getsignal(n) for n in before} == before
 
 
 @needs_mesh

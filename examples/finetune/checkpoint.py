@@ -3,22 +3,26 @@
 A checkpoint is one directory per step::
 
   <directory>/step_00000100/
-    state/           params, optimizer state, data position, RNG (orbax)
-    checkpoint.json  step, run metadata (model, k, ...), the tree's layout
+    state/           params, optimizer state (orbax)
+    checkpoint.json  step, the run's settings, its history, the tree's layout
     manifest.json    SHA-256 of every other file, written last
 
 A save is written to ``step_XXXXXXXX.partial`` and renamed into place only
 when complete, so an interrupted save leaves no ``step_*`` directory and
-:func:`restore_latest` uses the latest complete one. A complete checkpoint
-whose bytes changed, or that belongs to another run (other model, other
-``k``, other tree layout), is refused with a :class:`CheckpointError` rather
-than restored.
+:func:`latest` finds the newest complete one. A complete checkpoint whose
+bytes changed is refused with a :class:`CheckpointError`, and so is one whose
+tree layout (paths, shapes, dtypes) is not this run's; settings that differ
+are listed by :func:`changed_settings`, one phrase per setting, for the
+caller to refuse or accept.
 
 Arrays are written by orbax/tensorstore in their own dtypes (float8 history
 values included) and restored byte for byte, with the shardings of the
-abstract state passed to :func:`restore_latest`. Typed PRNG keys cannot be
-written: store ``jax.random.key_data(key)`` and rebuild the key with
+abstract state passed to :func:`restore`. Typed PRNG keys cannot be written:
+store ``jax.random.key_data(key)`` and rebuild the key with
 ``jax.random.wrap_key_data``.
+
+:class:`StopRequest` turns SIGINT/SIGTERM into a request to stop at the next
+step boundary, so that a run can save and exit instead of dying mid-step.
 """
 
 import hashlib
@@ -26,19 +30,40 @@ import json
 import os
 import re
 import shutil
-from typing import Any, Mapping, Optional
+import signal
+import sys
+import threading
+import time
+from typing import Any, Mapping, NamedTuple, Optional
 
 import jax
 import orbax.checkpoint as ocp
 
 _STEP_DIR = re.compile(r'^step_(\d{8,})$')
 _PARTIAL = '.partial'
-_FORMAT = 1
+_FORMAT = 2
 _STATE, _INFO, _MANIFEST = 'state', 'checkpoint.json', 'manifest.json'
 
 
 class CheckpointError(ValueError):
   """A checkpoint is corrupt or does not match the run restoring it."""
+
+
+class Checkpoint(NamedTuple):
+  """A complete, verified checkpoint (its arrays not yet read).
+
+  Attributes:
+    path: its directory.
+    step: the number of steps done when it was saved.
+    metadata: the run's settings, as given to :func:`save`.
+    history: what the run had recorded so far (losses, evaluations, ...).
+    layout: ``[path, shape, dtype]`` of every saved array.
+  """
+  path: str
+  step: int
+  metadata: dict[str, Any]
+  history: dict[str, Any]
+  layout: list[list[Any]]
 
 
 def _step_dir(directory: str, step: int) -> str:
@@ -97,18 +122,38 @@ def _sync_processes(name: str):
     multihost_utils.sync_global_devices(name)
 
 
+def _prune(directory: str, step: int, keep: Optional[int]):
+  """Drops leftovers of interrupted saves, checkpoints after ``step`` (an
+  abandoned trajectory: a fresh run in the same folder) and, if ``keep`` is
+  set, all but the newest ``keep``."""
+  for name in os.listdir(directory):
+    if name.endswith(_PARTIAL) and _STEP_DIR.match(name[:-len(_PARTIAL)]):
+      shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
+  steps = complete_steps(directory)
+  stale = [s for s in steps if s > step]
+  if keep is not None:
+    stale += [s for s in steps if s <= step][:-keep]
+  for old in stale:
+    shutil.rmtree(_step_dir(directory, old))
+
+
 def save(directory: str, step: int, state_tree: Any,
-         metadata: Mapping[str, Any], *, keep: Optional[int] = None) -> str:
-  """Writes ``state_tree`` as the checkpoint of ``step``.
+         metadata: Mapping[str, Any], *,
+         history: Optional[Mapping[str, Any]] = None,
+         keep: Optional[int] = None) -> str:
+  """Writes ``state_tree`` as the checkpoint of ``step``, atomically.
 
   Args:
     directory: folder holding the run's checkpoints (created if needed).
     step: the number of steps done; a later save of the same step replaces
-      the earlier one.
+      the earlier one, and checkpoints of later steps are deleted (they
+      belong to a trajectory this one abandoned).
     state_tree: a pytree of arrays (sharded or not): params, optimizer state,
-      data position, RNG key data, ... Everything a resume needs.
-    metadata: JSON-serialisable facts about the run that a resume must match
-      (model name, ``k``, learning rate, ...).
+      RNG key data, ... Everything a resume needs.
+    metadata: JSON-serialisable settings of the run that a resume compares
+      with its own (model, ``k``, learning rate, ...).
+    history: JSON-serialisable record of the run so far (losses, ...),
+      handed back by :func:`latest` and not compared.
     keep: if set, delete all but the newest ``keep`` complete checkpoints.
 
   Returns:
@@ -131,6 +176,7 @@ def save(directory: str, step: int, state_tree: Any,
         'format': _FORMAT,
         'step': int(step),
         'metadata': _json_normalized(dict(metadata)),
+        'history': _json_normalized(dict(history or {})),
         'tree': _tree_layout(state_tree),
     })
     _write_json(os.path.join(partial, _MANIFEST), _file_digests(partial))
@@ -141,9 +187,7 @@ def save(directory: str, step: int, state_tree: Any,
       shutil.rmtree(replaced)
     else:
       os.replace(partial, final)
-    if keep is not None:
-      for old in complete_steps(directory)[:-keep]:
-        shutil.rmtree(_step_dir(directory, old))
+    _prune(directory, step, keep)
   _sync_processes('taco_checkpoint_done')
   return final
 
@@ -168,17 +212,53 @@ def _verify_files(path: str):
         + '. Delete it to resume from an earlier checkpoint.')
 
 
-def _check_metadata(path: str, stored: Mapping[str, Any],
-                    expected: Mapping[str, Any]):
-  expected = _json_normalized(dict(expected))
-  different = [
-      f'{key}: checkpoint has {stored.get(key, "<missing>")!r}, this run '
-      f'has {value!r}'
-      for key, value in sorted(expected.items()) if stored.get(key) != value]
-  if different:
-    raise CheckpointError(
-        f'Checkpoint {path} belongs to another run: ' + '; '.join(different)
-        + '.')
+def latest(directory: str) -> Optional[Checkpoint]:
+  """The newest complete checkpoint in ``directory``, its files verified.
+
+  Reads only its JSON (settings, history, layout) and hashes its files; the
+  arrays are read by :func:`restore`. Interrupted saves are ignored.
+
+  Returns:
+    The :class:`Checkpoint`, or ``None`` if there is none.
+
+  Raises:
+    CheckpointError: its files do not match its manifest, or it was written
+      in another format.
+  """
+  directory = os.path.abspath(directory)
+  steps = complete_steps(directory)
+  if not steps:
+    return None
+  path = _step_dir(directory, steps[-1])
+  _verify_files(path)
+  with open(os.path.join(path, _INFO)) as f:
+    info = json.load(f)
+  if info.get('format') != _FORMAT:
+    raise CheckpointError(f'Checkpoint {path} has format '
+                          f'{info.get("format")!r}; expected {_FORMAT}.')
+  return Checkpoint(path, info['step'], info['metadata'], info['history'],
+                    info['tree'])
+
+
+def _shown(value: Any) -> str:
+  if isinstance(value, bool):
+    return 'on' if value else 'off'
+  if value is None:
+    return 'unset'
+  return str(value)
+
+
+def changed_settings(stored: Mapping[str, Any],
+                     current: Mapping[str, Any]) -> list[str]:
+  """One phrase per setting of ``current`` that ``stored`` has otherwise.
+
+  Keys are shown as they are, so name them as the user knows them, e.g.
+  ``'--taco-k'`` gives ``'checkpoint has --taco-k 16, this run --taco-k 8'``.
+  """
+  current = _json_normalized(dict(current))
+  return [f'checkpoint has {key} {_shown(stored.get(key, "<missing>"))}, '
+          f'this run {key} {_shown(value)}'
+          for key, value in current.items() if stored.get(key) != value]
 
 
 def _check_layout(path: str, stored: list[list[Any]], abstract_state: Any):
@@ -215,46 +295,115 @@ def _as_abstract(x: Any) -> Any:
                               sharding=getattr(x, 'sharding', None))
 
 
-def restore_latest(directory: str, abstract_state: Any,
-                   expected_metadata: Mapping[str, Any]
-                   ) -> Optional[tuple[int, Any, dict[str, Any]]]:
-  """Restores the newest complete checkpoint in ``directory``.
+def restore(checkpoint: Checkpoint, abstract_state: Any = None) -> Any:
+  """Reads the arrays of ``checkpoint``.
 
   Args:
-    directory: the folder given to :func:`save`.
-    abstract_state: a tree like the saved ``state_tree`` of arrays or
+    checkpoint: from :func:`latest`.
+    abstract_state: a tree like the saved one of arrays or
       :class:`jax.ShapeDtypeStruct`; their shardings (if any) place the
-      restored arrays, e.g. from ``taco_optax.state_shardings``.
-    expected_metadata: every key must equal the saved metadata's value.
-
-  Returns:
-    ``(step, state, metadata)``, or ``None`` if there is no complete
-    checkpoint (interrupted saves are ignored).
+      restored arrays, e.g. from ``taco_optax.state_shardings``. ``None``
+      reads the tree as saved, on the default device.
 
   Raises:
-    CheckpointError: the newest checkpoint is corrupt, or its metadata or
-      tree layout (paths, shapes, dtypes) differs from this run's.
+    CheckpointError: the tree layout differs from ``abstract_state``'s, or
+      orbax cannot read it.
   """
-  directory = os.path.abspath(directory)
-  steps = complete_steps(directory)
-  if not steps:
-    return None
-  path = _step_dir(directory, steps[-1])
-  _verify_files(path)
-  with open(os.path.join(path, _INFO)) as f:
-    info = json.load(f)
-  if info.get('format') != _FORMAT:
-    raise CheckpointError(f'Checkpoint {path} has format '
-                          f'{info.get("format")!r}; expected {_FORMAT}.')
-  _check_metadata(path, info['metadata'], expected_metadata)
-  _check_layout(path, info['tree'], abstract_state)
+  target = None
+  if abstract_state is not None:
+    _check_layout(checkpoint.path, checkpoint.layout, abstract_state)
+    target = jax.tree.map(_as_abstract, abstract_state)
   checkpointer = ocp.StandardCheckpointer()
   try:
-    state = checkpointer.restore(os.path.join(path, _STATE),
-                                 jax.tree.map(_as_abstract, abstract_state))
+    return checkpointer.restore(os.path.join(checkpoint.path, _STATE), target)
   except Exception as error:  # pylint: disable=broad-except
-    raise CheckpointError(f'Checkpoint {path} could not be read: '
+    raise CheckpointError(f'Checkpoint {checkpoint.path} could not be read: '
                           f'{error}') from error
   finally:
     checkpointer.close()
-  return info['step'], state, info['metadata']
+
+
+def restore_latest(directory: str, abstract_state: Any,
+                   expected_metadata: Mapping[str, Any]
+                   ) -> Optional[tuple[int, Any, dict[str, Any]]]:
+  """Restores the newest complete checkpoint, refusing another run's.
+
+  Returns:
+    ``(step, state, metadata)``, or ``None`` if there is no complete
+    checkpoint.
+
+  Raises:
+    CheckpointError: the newest checkpoint is corrupt, a key of
+      ``expected_metadata`` has another value in it, or its tree layout
+      differs from ``abstract_state``'s.
+  """
+  checkpoint = latest(directory)
+  if checkpoint is None:
+    return None
+  different = changed_settings(checkpoint.metadata, expected_metadata)
+  if different:
+    raise CheckpointError(f'Checkpoint {checkpoint.path} belongs to another '
+                          f'run: {"; ".join(different)}.')
+  return (checkpoint.step, restore(checkpoint, abstract_state),
+          checkpoint.metadata)
+
+
+# Stopping at a step boundary.
+
+# Tests set this to a step number: after that step the run waits (up to a
+# minute) for the signal the test then sends, so the signal lands at a known
+# step however fast the steps are.
+PAUSE_AFTER_STEP_ENV = 'TACO_FINETUNE_TEST_PAUSE_AFTER_STEP'
+
+
+class StopRequest:
+  """SIGINT and SIGTERM, caught, as a request to stop after the current step.
+
+  Used as a context manager around a training loop (in the main thread; in
+  any other thread it does nothing). The first signal is recorded in
+  :attr:`signal_number` and the default handlers come back, so a second
+  Ctrl-C stops at once; leaving the context restores the handlers.
+  """
+  _SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+  def __init__(self):
+    self.signal_number: Optional[int] = None
+    self._previous = {}
+
+  def _handle(self, number, frame):
+    del frame
+    self.signal_number = number
+    for number_, handler in self._previous.items():
+      signal.signal(number_, handler)
+
+  def __enter__(self) -> 'StopRequest':
+    if threading.current_thread() is threading.main_thread():
+      self._previous = {n: signal.getsignal(n) for n in self._SIGNALS}
+      for number in self._SIGNALS:
+        signal.signal(number, self._handle)
+    return self
+
+  def __exit__(self, *exc_info):
+    for number, handler in self._previous.items():
+      signal.signal(number, handler)
+    self._previous = {}
+
+  @property
+  def exit_code(self) -> int:
+    """The shell's code for death by the signal: 130 for SIGINT."""
+    return 128 + int(self.signal_number or 0)
+
+  @property
+  def name(self) -> str:
+    return signal.Signals(self.signal_number).name
+
+  def pause_for_test(self, step: int) -> None:
+    """Waits for a signal after the step that ``PAUSE_AFTER_STEP_ENV`` names.
+    """
+    if os.environ.get(PAUSE_AFTER_STEP_ENV) != str(step):
+      return
+    print(f'paused after step {step} for a test: waiting for a signal',
+          file=sys.stderr, flush=True)
+    deadline = time.monotonic() + 60
+    while self.signal_number is None and time.monotonic() < deadline:
+      time.sleep(0.01)
