@@ -1,0 +1,204 @@
+"""TACO's column step as one fused C++ kernel on CPU, through XLA's FFI.
+
+:func:`cpu_column_step` gives bit for bit the results of
+:func:`taco_optax._column_step.reference_column_step` on XLA:CPU, in one pass
+over each gradient row, with rows split across XLA's CPU threads: the merge
+``mu M + (1 - mu) G``, the top-k (ties to the lowest row), the FP8 encode and
+the winners. XLA's own ``lax.top_k`` on CPU sorts an index array per row on
+one thread, which made the step the slowest part of training.
+
+The source (``csrc/column_step.cc``) ships with the package and is compiled
+at first use against the installed jaxlib's FFI headers, so the handler always
+matches the runtime's FFI version. The library is cached per user in
+``$TACO_OPTAX_CACHE_DIR``, else ``$XDG_CACHE_HOME/taco_optax``, else
+``~/.cache/taco_optax``, under a name keyed by the source, jaxlib, compiler
+and machine. Without a working C++ compiler :func:`availability` says why and
+callers use the reference; nothing fails at import or install time.
+"""
+
+import ctypes
+import hashlib
+import os
+import pathlib
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from typing import Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from taco_optax import _column_step
+
+TARGET_NAME = 'taco_optax_column_step'
+_SOURCE = pathlib.Path(__file__).parent / 'csrc' / 'column_step.cc'
+_SYMBOL = 'TacoColumnStep'
+# No -march=native: the cache may be shared by machines with other CPUs.
+# -ffp-contract=off: the reference rounds each product and sum separately.
+_FLAGS = ('-O3', '-shared', '-fPIC', '-std=c++17', '-ffp-contract=off')
+_BUILD_TIMEOUT_S = 600
+
+_GRAD_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+_INDEX_DTYPES = (jnp.dtype(jnp.int32), jnp.dtype(jnp.int16))
+
+_lock = threading.Lock()
+_status = None  # (available, reason) once tried in this process
+
+
+def cache_dir() -> pathlib.Path:
+  """Where compiled kernels are kept (see the module docstring)."""
+  if os.environ.get('TACO_OPTAX_CACHE_DIR'):
+    return pathlib.Path(os.environ['TACO_OPTAX_CACHE_DIR'])
+  if os.environ.get('XDG_CACHE_HOME'):
+    return pathlib.Path(os.environ['XDG_CACHE_HOME']) / 'taco_optax'
+  return pathlib.Path.home() / '.cache' / 'taco_optax'
+
+
+def _compiler() -> tuple[str, str]:
+  """The C++ compiler to use and its version line."""
+  compiler = (os.environ.get('CXX') or shutil.which('g++')
+              or shutil.which('c++') or shutil.which('clang++'))
+  if not compiler:
+    raise RuntimeError('no C++ compiler found (g++, c++, clang++ or $CXX)')
+  version = subprocess.run([compiler, '--version'], capture_output=True,
+                           text=True, timeout=60, check=True).stdout
+  return compiler, version.strip().splitlines()[0] if version.strip() else ''
+
+
+def _build() -> pathlib.Path:
+  """Compiles the kernel into the cache unless an identical build is there."""
+  import jaxlib  # pylint: disable=g-import-not-at-top
+  source = _SOURCE.read_bytes()
+  compiler, version = _compiler()
+  key = hashlib.sha256(b'\0'.join([
+      source, jaxlib.__version__.encode(), compiler.encode(), version.encode(),
+      ' '.join(_FLAGS).encode(), platform.machine().encode()])).hexdigest()
+  directory = cache_dir()
+  library = directory / f'taco_column_step_{key[:20]}.so'
+  if library.exists():
+    return library
+  directory.mkdir(parents=True, exist_ok=True)
+  # Build under a private name, then rename: concurrent processes never see
+  # (or load) a half-written library.
+  handle, partial = tempfile.mkstemp(dir=directory, suffix='.so.partial')
+  os.close(handle)
+  try:
+    command = [compiler, *_FLAGS, f'-I{jax.ffi.include_dir()}', str(_SOURCE),
+               '-o', partial]
+    result = subprocess.run(command, capture_output=True, text=True,
+                            timeout=_BUILD_TIMEOUT_S, check=False)
+    if result.returncode != 0:
+      tail = ' '.join(result.stderr.strip().splitlines()[-3:])
+      raise RuntimeError(f'{os.path.basename(compiler)} failed: {tail}')
+    os.replace(partial, library)
+  finally:
+    if os.path.exists(partial):
+      os.remove(partial)
+  return library
+
+
+def _load(library: pathlib.Path) -> None:
+  handler = getattr(ctypes.CDLL(str(library)), _SYMBOL)
+  jax.ffi.register_ffi_target(TARGET_NAME, jax.ffi.pycapsule(handler),
+                              platform='cpu')
+
+
+def availability() -> tuple[bool, str]:
+  """Whether the CPU kernel can run, building and loading it on first call.
+
+  Tried once per process; never raises.
+
+  Returns:
+    ``(available, reason)``: the library's path when available, else why not.
+  """
+  global _status
+  with _lock:
+    if _status is None:
+      try:
+        library = _build()
+        _load(library)
+        _status = (True, f'built in {library}')
+      except Exception as error:  # pylint: disable=broad-except
+        _status = (False, f'{type(error).__name__}: {error}')
+    return _status
+
+
+def supports(grad_rows: jax.Array, values: jax.Array, indices: jax.Array,
+             update_topk: int = 1) -> bool:
+  """Whether the kernel handles these dtypes and shapes (not availability).
+
+  Args:
+    grad_rows: ``(N, m)`` float32 or bfloat16 gradient rows.
+    values: ``(N, k)`` float8_e4m3fn history values.
+    indices: ``(N, k)`` int32 or int16 history indices.
+    update_topk: winners per row.
+
+  Returns:
+    True when :func:`cpu_column_step` accepts them.
+  """
+  if grad_rows.ndim != 2 or values.ndim != 2 or indices.shape != values.shape:
+    return False
+  n, m = grad_rows.shape
+  k = values.shape[1]
+  return (jnp.dtype(grad_rows.dtype) in _GRAD_DTYPES
+          and jnp.dtype(values.dtype) == jnp.dtype(jnp.float8_e4m3fn)
+          and jnp.dtype(indices.dtype) in _INDEX_DTYPES
+          and values.shape[0] == n and 1 <= update_topk <= k <= m < 2**31)
+
+
+def cpu_column_step(grad_rows: jax.Array, values: jax.Array,
+                    indices: jax.Array, exponents: jax.Array,
+                    mu: Union[float, jax.Array],
+                    update_topk: int) -> _column_step.ColumnStep:
+  """One TACO step on rows with the fused CPU kernel.
+
+  Same arguments and results as
+  :func:`taco_optax._column_step.reference_column_step` (single device), for
+  the inputs :func:`supports` accepts. Works under ``jax.jit`` and
+  ``jax.vmap`` (batch axes are passed to the kernel, which treats each batch
+  entry as its own leaf: its own ``mu`` and finiteness).
+
+  Args:
+    grad_rows: ``(N, m)`` float32 or bfloat16 gradient, one row per column.
+    values: ``(N, k)`` float8_e4m3fn history values.
+    indices: ``(N, k)`` int32 or int16 history row indices.
+    exponents: ``(N,)`` int8 history scales.
+    mu: EMA decay, a Python float or a 0-d array.
+    update_topk: ``r``, winners per row, ``1 <= r <= k``.
+
+  Returns:
+    A :class:`taco_optax._column_step.ColumnStep`.
+
+  Raises:
+    RuntimeError: if the kernel is not available (see :func:`availability`).
+    ValueError: for inputs :func:`supports` rejects.
+  """
+  available, reason = availability()
+  if not available:
+    raise RuntimeError(f'The TACO CPU kernel is not available: {reason}')
+  if not supports(grad_rows, values, indices, update_topk):
+    raise ValueError(
+        'The TACO CPU kernel takes (N, m) f32/bf16 gradients and (N, k) '
+        'float8_e4m3fn/int32|int16 history with 1 <= update_topk <= k <= m; '
+        f'got {grad_rows.shape} {grad_rows.dtype}, {values.shape} '
+        f'{values.dtype}, {indices.dtype}, update_topk={update_topk}.')
+  n, k = values.shape
+  # The reference's arithmetic: for a Python float, 1 - mu is formed in
+  # float64 and rounded once to float32 (weak typing), not 1.0f - f32(mu).
+  one_minus_mu = jnp.asarray(1 - mu, jnp.float32)
+  mu = jnp.asarray(mu, jnp.float32)
+  results = (
+      jax.ShapeDtypeStruct((n, k), values.dtype),
+      jax.ShapeDtypeStruct((n,), jnp.int8),
+      jax.ShapeDtypeStruct((n, k), indices.dtype),
+      jax.ShapeDtypeStruct((n, update_topk), jnp.int32),
+      jax.ShapeDtypeStruct((n, update_topk), jnp.float32),
+      jax.ShapeDtypeStruct((), jnp.bool_),
+  )
+  call = jax.ffi.ffi_call(TARGET_NAME, results, vmap_method='broadcast_all')
+  outputs = call(grad_rows, values, indices, exponents.astype(jnp.int8), mu,
+                 one_minus_mu, update_topk=np.int64(update_topk))
+  return _column_step.ColumnStep(*outputs)

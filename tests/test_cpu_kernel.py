@@ -1,0 +1,270 @@
+"""The fused CPU kernel gives the reference column step's results bit for bit."""
+
+import functools
+import shutil
+
+import hypothesis
+from hypothesis import strategies as st
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from taco_optax import _column_step
+from taco_optax import _cpu_kernel
+from tests.bitwise import assert_bitwise_equal
+
+_AVAILABLE, _REASON = _cpu_kernel.availability()
+needs_kernel = pytest.mark.skipif(not _AVAILABLE, reason=_REASON)
+_HISTORY_FIELDS = ('values', 'exponents', 'indices', 'finite')
+
+
+def _gradient(rng, shape, kind):
+  """Gradient rows of one hard kind (a numpy float32 array)."""
+  if kind == 'normal':
+    return rng.standard_normal(shape).astype(np.float32)
+  if kind == 'ties':  # few distinct magnitudes, both signs, zeros
+    levels = np.array([0.0, -0.0, 1.5, -1.5, 0.25, -0.25], np.float32)
+    return rng.choice(levels, shape)
+  if kind == 'zero':
+    return np.where(rng.random(shape) < 0.5, 0.0, -0.0).astype(np.float32)
+  if kind == 'constant':
+    return np.full(shape, rng.choice([-3.0, 2.0**-20, 7e20]), np.float32)
+  if kind == 'subnormal':  # below, at and just above float32's normal range
+    scale = rng.choice([1e-45, 1e-40, 1.2e-38, 1e-36])
+    return (rng.standard_normal(shape) * scale).astype(np.float32)
+  if kind == 'wide':  # 1e-30 .. 1e30 within one row
+    exponents = rng.uniform(-30, 30, shape)
+    return (rng.choice([-1.0, 1.0], shape) * 10.0**exponents).astype(np.float32)
+  raise ValueError(kind)
+
+
+def _history(rng, n, m, k, index_dtype):
+  """A valid stored history: distinct in-range indices, finite FP8 values."""
+  indices = np.stack([rng.permutation(m)[:k] for _ in range(n)])
+  values = np.clip(rng.standard_normal((n, k)) * 100, -448, 448)
+  values[rng.random((n, k)) < 0.2] = 0.0
+  exponents = rng.integers(-126, 120, n)
+  return (jnp.asarray(values.astype(ml_dtypes.float8_e4m3fn)),
+          jnp.asarray(indices.astype(index_dtype)),
+          jnp.asarray(exponents.astype(np.int8)))
+
+
+@functools.lru_cache(maxsize=None)
+def _jitted(step, update_topk, mu):
+  """``step`` under jit; ``mu=None`` means mu is a traced argument."""
+  if mu is None:
+    return jax.jit(lambda *args: step(*args[:4], args[4], update_topk))
+  return jax.jit(lambda *args: step(*args, mu, update_topk))
+
+
+def _check(grads, values, indices, exponents, mu, update_topk):
+  """Asserts kernel == reference (all outputs, or the history if not finite)."""
+  static_mu = mu if isinstance(mu, float) else None
+  args = (grads, values, indices, exponents)
+  if static_mu is None:
+    args += (mu,)
+  expected = _jitted(_column_step.reference_column_step, update_topk,
+                     static_mu)(*args)
+  actual = _jitted(_cpu_kernel.cpu_column_step, update_topk, static_mu)(*args)
+  fields = _column_step.ColumnStep._fields
+  if not bool(expected.finite):
+    fields = _HISTORY_FIELDS
+  for field in fields:
+    assert_bitwise_equal(getattr(actual, field), getattr(expected, field))
+  return expected
+
+
+def test_kernel_builds_and_runs():
+  # Fails (not skips) when a compiler exists but the kernel silently fell back.
+  if shutil.which('g++') is None:
+    pytest.skip('no g++ on this machine: the reference runs instead')
+  assert _AVAILABLE, _REASON
+  grads = jnp.ones((4, 32), jnp.float32)
+  values, indices, exponents = _history(np.random.default_rng(0), 4, 32, 16,
+                                        np.int32)
+  compiled = jax.jit(_cpu_kernel.cpu_column_step, static_argnums=5).lower(
+      grads, values, indices, exponents, 0.95, 1).compile()
+  assert _cpu_kernel.TARGET_NAME in compiled.as_text()
+
+
+@needs_kernel
+@hypothesis.given(
+    seed=st.integers(0, 2**32 - 1),
+    kind=st.sampled_from(['normal', 'ties', 'zero', 'constant', 'subnormal',
+                          'wide']),
+    n=st.sampled_from([1, 3, 40]),
+    m=st.sampled_from([1, 2, 3, 17, 33, 257, 600]),
+    k_choice=st.sampled_from([1, 2, 16, 'm']),
+    update_topk=st.sampled_from([1, 2]),
+    grad_dtype=st.sampled_from([jnp.float32, jnp.bfloat16]),
+    index_dtype=st.sampled_from([np.int32, np.int16]),
+    mu=st.sampled_from([0.95, 0.0, 0.5, 0.999, 'array']),
+    steps=st.integers(1, 3),
+)
+def test_matches_reference(seed, kind, n, m, k_choice, update_topk, grad_dtype,
+                           index_dtype, mu, steps):
+  k = min(m if k_choice == 'm' else k_choice, m)
+  update_topk = min(update_topk, k)
+  if mu == 'array':
+    mu = jnp.asarray(np.random.default_rng(seed).uniform(0, 1), jnp.float32)
+  rng = np.random.default_rng(seed)
+  values, indices, exponents = _history(rng, n, m, k, index_dtype)
+  # Chained steps: later ones start from a history the step itself wrote.
+  for _ in range(steps):
+    grads = jnp.asarray(_gradient(rng, (n, m), kind)).astype(grad_dtype)
+    step = _check(grads, values, indices, exponents, mu, update_topk)
+    values, indices, exponents = step.values, step.indices, step.exponents
+
+
+@needs_kernel
+@pytest.mark.parametrize('bad', [np.nan, np.inf, -np.inf])
+@pytest.mark.parametrize('grad_dtype', [jnp.float32, jnp.bfloat16])
+def test_non_finite_gradient_keeps_history(bad, grad_dtype):
+  rng = np.random.default_rng(1)
+  values, indices, exponents = _history(rng, 8, 64, 16, np.int32)
+  grads = rng.standard_normal((8, 64)).astype(np.float32)
+  grads[5, 17] = bad  # one entry of one row poisons the whole leaf
+  step = jax.jit(_cpu_kernel.cpu_column_step, static_argnums=5)(
+      jnp.asarray(grads).astype(grad_dtype), values, indices, exponents, 0.95,
+      1)
+  assert not bool(step.finite)
+  assert_bitwise_equal((step.values, step.indices, step.exponents),
+                       (values, indices, exponents))
+  _check(jnp.asarray(grads).astype(grad_dtype), values, indices, exponents,
+         0.95, 1)
+
+
+@needs_kernel
+@pytest.mark.parametrize('m,k', [(50_000, 16), (50_000, 1), (4097, 4097)])
+def test_long_rows(m, k):
+  rng = np.random.default_rng(m + k)
+  values, indices, exponents = _history(rng, 1, m, k, np.int32)
+  grads = jnp.asarray(_gradient(rng, (1, m), 'wide'))
+  _check(grads, values, indices, exponents, 0.95, 1)
+  _check(grads, values, indices, exponents, 0.95, min(2, k))
+
+
+def _fp8_sweep_rows(top, multiplier, limit):
+  """Rows of m = k = 1024 whose stored values are the f32 -> FP8 casts of a
+  dense sweep and of all halfway points (and their neighbours).
+
+  Entry 0 of each row, ``top``, fixes the row scale; the others are ``x *
+  multiplier`` for sweep values ``|x| <= limit``.
+  """
+  codes = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn)
+  finite = np.unique(np.abs(codes.astype(np.float32)))
+  finite = finite[np.isfinite(finite)]
+  halfway = (finite[:-1] + finite[1:]) / 2
+  near = np.concatenate([np.nextafter(halfway, 0), halfway,
+                         np.nextafter(halfway, np.inf)])
+  dense = np.arange(0x39000000, 0x43fa0000, 1 << 12,
+                    dtype=np.uint32).view(np.float32)  # 2**-13 .. 500
+  sweep = np.concatenate([near, dense, finite, [464.0, 465.0, 480.0]])
+  sweep = sweep[np.abs(sweep) <= limit]
+  sweep = np.concatenate([sweep, -sweep]).astype(np.float32)
+  rows = -(-sweep.size // 1023)
+  padded = np.zeros(rows * 1023, np.float32)
+  padded[:sweep.size] = sweep * np.float32(multiplier)
+  return np.concatenate([np.full((rows, 1), top, np.float32),
+                         padded.reshape(rows, 1023)], axis=1)
+
+
+@needs_kernel
+@pytest.mark.parametrize('top,multiplier,limit,codes', [
+    # Row scale 2**0: entries are cast as they are (FP8 subnormals included).
+    (255.0, 1.0, 255.0, 200),
+    # Row scale clamped at 2**119: 256 .. 480 after scaling, clipped at 448.
+    (2.0**127, 2.0**119, np.inf, 200),
+    # Gradients at float32's normal limit: those below it are flushed to 0.
+    (255 * 2.0**-126, 2.0**-126, 255.0, 100),
+])
+def test_fp8_encoding_sweep(top, multiplier, limit, codes):
+  grads = jnp.asarray(_fp8_sweep_rows(top, multiplier, limit))
+  n = grads.shape[0]
+  values = jnp.zeros((n, 1024), jnp.float8_e4m3fn)
+  indices = jnp.tile(jnp.arange(1024, dtype=jnp.int32), (n, 1))
+  exponents = jnp.zeros((n,), jnp.int8)
+  step = _check(grads, values, indices, exponents, 0.0, 1)
+  # The sweep really reaches the cast: it produces many distinct codes.
+  assert len(np.unique(np.asarray(step.values).view(np.uint8))) > codes
+
+
+@needs_kernel
+@pytest.mark.parametrize('mu', [0.95, 0.9])
+def test_one_minus_mu_is_rounded_like_the_reference(mu):
+  # For these mu, f32(1 - mu) (float64 first) is not 1.0f - f32(mu).
+  assert np.float32(1 - mu) != np.float32(1) - np.float32(mu)
+  rng = np.random.default_rng(2)
+  values, indices, exponents = _history(rng, 64, 128, 16, np.int32)
+  grads = jnp.asarray(rng.standard_normal((64, 128)).astype(np.float32))
+  _check(grads, values, indices, exponents, mu, 2)
+  _check(grads, values, indices, exponents, jnp.float32(mu), 2)
+
+
+@needs_kernel
+def test_donated_history():
+  rng = np.random.default_rng(3)
+  values, indices, exponents = _history(rng, 32, 300, 16, np.int16)
+  grads = jnp.asarray(rng.standard_normal((32, 300)).astype(np.float32))
+  expected = _column_step.reference_column_step(
+      grads, values, indices, exponents, 0.95, 1)
+  donating = jax.jit(_cpu_kernel.cpu_column_step, static_argnums=5,
+                     donate_argnums=(1, 2, 3))
+  copies = jax.tree.map(jnp.copy, (values, indices, exponents))
+  assert_bitwise_equal(donating(grads, *copies, 0.95, 1), expected)
+
+
+@needs_kernel
+def test_vmap_treats_each_entry_as_a_leaf():
+  rng = np.random.default_rng(4)
+  histories = [_history(rng, 8, 96, 16, np.int32) for _ in range(3)]
+  values, indices, exponents = (jnp.stack(parts) for parts in zip(*histories))
+  grads = rng.standard_normal((3, 8, 96)).astype(np.float32)
+  grads[1, 2, 3] = np.nan  # only entry 1 keeps its history
+  mus = jnp.asarray([0.95, 0.5, 0.0], jnp.float32)
+  batched = lambda step: jax.vmap(step, in_axes=(0, 0, 0, 0, 0, None))
+  expected = batched(_column_step.reference_column_step)(
+      jnp.asarray(grads), values, indices, exponents, mus, 1)
+  actual = jax.jit(batched(_cpu_kernel.cpu_column_step), static_argnums=5)(
+      jnp.asarray(grads), values, indices, exponents, mus, 1)
+  assert_bitwise_equal(actual.finite, expected.finite)
+  assert list(np.asarray(actual.finite)) == [True, False, True]
+  for field in _column_step.ColumnStep._fields:
+    got, want = getattr(actual, field), getattr(expected, field)
+    assert_bitwise_equal(got[::2], want[::2])
+  assert_bitwise_equal(actual.values[1], values[1])
+
+
+def test_supports():
+  grads = jnp.zeros((4, 32), jnp.float32)
+  values = jnp.zeros((4, 16), jnp.float8_e4m3fn)
+  indices = jnp.zeros((4, 16), jnp.int32)
+  assert _cpu_kernel.supports(grads, values, indices)
+  assert _cpu_kernel.supports(grads.astype(jnp.bfloat16), values,
+                              indices.astype(jnp.int16), update_topk=2)
+  assert not _cpu_kernel.supports(grads.astype(jnp.float16), values, indices)
+  assert not _cpu_kernel.supports(grads, values.astype(jnp.float32), indices)
+  assert not _cpu_kernel.supports(grads, values, indices.astype(jnp.int8))
+  assert not _cpu_kernel.supports(grads[:, :8], values, indices)  # k > m
+  assert not _cpu_kernel.supports(grads, values, indices, update_topk=17)
+  assert not _cpu_kernel.supports(grads[None], values[None], indices[None])
+
+
+def test_unavailable_compiler_is_reported_not_raised(monkeypatch, tmp_path):
+  monkeypatch.setattr(_cpu_kernel, '_status', None)
+  monkeypatch.setenv('TACO_OPTAX_CACHE_DIR', str(tmp_path))
+  monkeypatch.setenv('CXX', str(tmp_path / 'no-such-compiler'))
+  available, reason = _cpu_kernel.availability()
+  assert not available
+  assert 'no-such-compiler' in reason
+  assert list(tmp_path.iterdir()) == []  # no partial library left behind
+
+
+def test_cache_dir(monkeypatch, tmp_path):
+  monkeypatch.delenv('TACO_OPTAX_CACHE_DIR', raising=False)
+  monkeypatch.setenv('XDG_CACHE_HOME', str(tmp_path))
+  assert _cpu_kernel.cache_dir() == tmp_path / 'taco_optax'
+  monkeypatch.setenv('TACO_OPTAX_CACHE_DIR', str(tmp_path / 'mine'))
+  assert _cpu_kernel.cache_dir() == tmp_path / 'mine'
