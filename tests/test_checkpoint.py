@@ -104,6 +104,13 @@ def abstract_of(tree):
 
 
 
+def restore_latest(directory, abstract_state, metadata=None):
+  """Resumes as a run does: settings checked, then the arrays read."""
+  run = checkpoint.RunCheckpoints(directory, metadata or METADATA,
+                                  resume=True)
+  return run.start_step, run.restore(abstract_state), run.resumed_from.metadata
+
+
 def float8_leaves(tree):
   return [x for x in jax.tree.leaves(tree)
           if np.asarray(x).dtype == jnp.float8_e4m3fn]
@@ -115,8 +122,7 @@ def test_round_trip_is_bit_exact_including_float8(tmp_path):
   assert float8_leaves(state) and any(
       np.asarray(x).astype(np.float32).any() for x in float8_leaves(state))
   checkpoint.save(tmp_path, 3, state, METADATA)
-  step, restored, metadata = checkpoint.restore_latest(
-      tmp_path, abstract_of(state), METADATA)
+  step, restored, metadata = restore_latest(tmp_path, abstract_of(state))
   assert step == 3 and metadata == METADATA
   assert_bitwise_equal(restored, state)
 
@@ -130,16 +136,18 @@ def test_resume_equals_uninterrupted_run_bitwise(tmp_path):
   # A new process would rebuild the optimizer and the abstract state.
   tx = make_optimizer()
   abstract = jax.eval_shape(lambda: initial_state(tx))
-  restored = checkpoint.restore_latest(tmp_path, abstract, METADATA)
-  assert restored is not None
-  step, state, _ = restored
+  step, state, _ = restore_latest(tmp_path, abstract)
   resumed = train(state, 9 - step, tx)
   assert_bitwise_equal(resumed, uninterrupted)
 
 
-def test_no_checkpoint_gives_none(tmp_path):
-  assert checkpoint.restore_latest(tmp_path / 'absent', {}, METADATA) is None
-  assert checkpoint.restore_latest(tmp_path, {}, METADATA) is None
+def test_no_checkpoint(tmp_path):
+  assert checkpoint.latest(tmp_path / 'absent') is None
+  assert checkpoint.latest(tmp_path) is None
+  with pytest.raises(checkpoint.CheckpointError, match='no checkpoint in'):
+    checkpoint.RunCheckpoints(tmp_path, METADATA, resume=True)
+  fresh = checkpoint.RunCheckpoints(tmp_path, METADATA, resume=False)
+  assert fresh.start_step == 0 and fresh.history == {}
 
 
 def test_interrupted_save_falls_back_to_latest_complete(tmp_path, monkeypatch):
@@ -157,8 +165,7 @@ def test_interrupted_save_falls_back_to_latest_complete(tmp_path, monkeypatch):
   monkeypatch.undo()
   assert os.path.isdir(tmp_path / 'step_00000002.partial')
   assert checkpoint.complete_steps(tmp_path) == [1]
-  step, restored, _ = checkpoint.restore_latest(tmp_path, abstract_of(state),
-                                                METADATA)
+  step, restored, _ = restore_latest(tmp_path, abstract_of(state))
   assert step == 1
   assert_bitwise_equal(restored, state)
   # Saving step 2 again replaces the leftover partial directory.
@@ -181,7 +188,7 @@ def test_corrupt_checkpoint_is_refused(tmp_path):
     f.seek(-1, os.SEEK_CUR)
     f.write(bytes([byte[0] ^ 0xFF]))
   with pytest.raises(checkpoint.CheckpointError, match='corrupt'):
-    checkpoint.restore_latest(tmp_path, abstract_of(state), METADATA)
+    restore_latest(tmp_path, abstract_of(state))
 
 
 def test_checkpoint_of_another_run_is_refused(tmp_path):
@@ -190,19 +197,45 @@ def test_checkpoint_of_another_run_is_refused(tmp_path):
   checkpoint.save(tmp_path, 5, state, METADATA)
   with pytest.raises(checkpoint.CheckpointError,
                      match='checkpoint has k 4, this run k 8'):
-    checkpoint.restore_latest(tmp_path, abstract_of(state),
-                              dict(METADATA, k=8))
-  with pytest.raises(checkpoint.CheckpointError, match='model'):
-    checkpoint.restore_latest(tmp_path, abstract_of(state),
-                              dict(METADATA, model='other'))
+    restore_latest(tmp_path, abstract_of(state), dict(METADATA, k=8))
+  with pytest.raises(checkpoint.CheckpointError,
+                     match='checkpoint has model tiny-mlp, this run model '
+                     'other .pass --resume-allow-changes'):
+    restore_latest(tmp_path, abstract_of(state), dict(METADATA, model='other'))
   # Same metadata, but the state says otherwise: k=8 history, another width.
   other_k = initial_state(make_optimizer(k=8))
   with pytest.raises(checkpoint.CheckpointError, match='does not match'):
-    checkpoint.restore_latest(tmp_path, abstract_of(other_k), METADATA)
+    restore_latest(tmp_path, abstract_of(other_k))
   other_model = dict(state, params=dict(state['params'],
                                         w2=jnp.zeros((16, 5))))
   with pytest.raises(checkpoint.CheckpointError, match=r"\['w2'\]"):
-    checkpoint.restore_latest(tmp_path, abstract_of(other_model), METADATA)
+    restore_latest(tmp_path, abstract_of(other_model))
+
+
+def test_run_checkpoints_accept_other_settings_only_when_asked(tmp_path):
+  state = initial_state(make_optimizer())
+  first = checkpoint.RunCheckpoints(tmp_path, METADATA, resume=False, every=2)
+  assert [first.due(step) for step in (1, 2, 3, 4)] == [False, True] * 2
+  first.save(1, state, {'losses': [1.5]})
+  first.check({'data': 'abc'})  # settings known later are saved as well
+  first.save(2, state, {'losses': [1.5, 1.25]})
+  assert checkpoint.complete_steps(tmp_path) == [1, 2]
+  logged = []
+  resumed = checkpoint.RunCheckpoints(
+      tmp_path, dict(METADATA, learning_rate=0.1), resume=True,
+      allow_changes=True, log=logged.append)
+  assert resumed.start_step == 2
+  assert resumed.history == {'losses': [1.5, 1.25]}
+  assert logged == ['resuming with changed settings: checkpoint has '
+                    'learning_rate 0.01, this run learning_rate 0.1']
+  strict = checkpoint.RunCheckpoints(tmp_path, METADATA, resume=True)
+  with pytest.raises(checkpoint.CheckpointError,
+                     match='^checkpoint has data abc, this run data xyz '):
+    strict.check({'data': 'xyz'})
+  # A fresh run's first save replaces the checkpoints of the run before.
+  fresh = checkpoint.RunCheckpoints(tmp_path, METADATA, resume=False)
+  fresh.save(1, state, {})
+  assert checkpoint.complete_steps(tmp_path) == [1]
 
 
 def test_changed_settings_name_each_setting():
@@ -272,13 +305,11 @@ def test_sharded_round_trip_is_bit_exact(tmp_path):
     opt_state = jax.device_put(state['opt_state'], shardings)
     sharded = dict(state, params=params, opt_state=opt_state)
     checkpoint.save(tmp_path, 3, sharded, METADATA)
-    _, restored, _ = checkpoint.restore_latest(tmp_path, abstract_of(sharded),
-                                               METADATA)
+    _, restored, _ = restore_latest(tmp_path, abstract_of(sharded))
   assert_bitwise_equal(restored, state)
   taco_values = restored['opt_state'].inner_states['taco'].inner_state[0].values
   assert taco_values['w1'].sharding.spec == P(None, 'fsdp')
   assert restored['params']['w2'].sharding.spec == P('tensor', 'fsdp')
   # The same checkpoint restores unsharded (e.g. on one device).
-  _, unsharded, _ = checkpoint.restore_latest(
-      tmp_path, jax.eval_shape(lambda: state), METADATA)
+  _, unsharded, _ = restore_latest(tmp_path, jax.eval_shape(lambda: state))
   assert_bitwise_equal(unsharded, state)

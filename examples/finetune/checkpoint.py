@@ -323,29 +323,80 @@ def restore(checkpoint: Checkpoint, abstract_state: Any = None) -> Any:
     checkpointer.close()
 
 
-def restore_latest(directory: str, abstract_state: Any,
-                   expected_metadata: Mapping[str, Any]
-                   ) -> Optional[tuple[int, Any, dict[str, Any]]]:
-  """Restores the newest complete checkpoint, refusing another run's.
+class RunCheckpoints:
+  """The checkpoints of one training run: what it resumes from, what it saves.
 
-  Returns:
-    ``(step, state, metadata)``, or ``None`` if there is no complete
-    checkpoint.
+  Every checkpoint stores the run's settings (what its trajectory depends
+  on, named as the user knows them, e.g. ``'--taco-k'``) and its history
+  (losses, evaluations, ...), so that a resume can refuse other settings and
+  report the whole run.
+
+  Args:
+    directory: where the run's checkpoints go.
+    settings: the settings known before anything heavy is done; more come
+      through :meth:`check`.
+    resume: continue from the newest checkpoint in ``directory``.
+    allow_changes: on resume, accept (and log) settings that differ instead
+      of refusing them.
+    every: save every ``every`` steps (0: only when :meth:`save` is called
+      otherwise: at the end of a run, when it is stopped).
+    keep: complete checkpoints kept (the newest first).
+    log: where an accepted change of settings is reported.
 
   Raises:
-    CheckpointError: the newest checkpoint is corrupt, a key of
-      ``expected_metadata`` has another value in it, or its tree layout
-      differs from ``abstract_state``'s.
+    CheckpointError: ``resume`` and there is no checkpoint, the newest one
+      is corrupt, or its settings differ and ``allow_changes`` is not set.
   """
-  checkpoint = latest(directory)
-  if checkpoint is None:
-    return None
-  different = changed_settings(checkpoint.metadata, expected_metadata)
-  if different:
-    raise CheckpointError(f'Checkpoint {checkpoint.path} belongs to another '
-                          f'run: {"; ".join(different)}.')
-  return (checkpoint.step, restore(checkpoint, abstract_state),
-          checkpoint.metadata)
+
+  def __init__(self, directory: str, settings: Mapping[str, Any], *,
+               resume: bool, allow_changes: bool = False, every: int = 0,
+               keep: int = 2, log=print):
+    self.directory = os.path.abspath(directory)
+    self.every, self._keep, self._log = every, keep, log
+    self._allow_changes = allow_changes
+    self.resumed_from = latest(self.directory) if resume else None
+    if resume and self.resumed_from is None:
+      raise CheckpointError(f'no checkpoint in {self.directory}')
+    self.history = dict(self.resumed_from.history if resume else {})
+    self._saved_any = False
+    self._settings = {}
+    self.check(settings)
+
+  @property
+  def start_step(self) -> int:
+    return self.resumed_from.step if self.resumed_from else 0
+
+  def check(self, settings: Mapping[str, Any]) -> None:
+    """Adds ``settings``; refuses them if they differ from the resumed run's.
+    """
+    self._settings.update(_json_normalized(dict(settings)))
+    if self.resumed_from is None:
+      return
+    changes = changed_settings(self.resumed_from.metadata, settings)
+    if changes and not self._allow_changes:
+      raise CheckpointError('; '.join(changes) + ' (pass '
+                            '--resume-allow-changes to resume with this '
+                            'run\'s settings)')
+    if changes:
+      self._log('resuming with changed settings: ' + '; '.join(changes))
+
+  def restore(self, abstract_state: Any) -> Any:
+    """The resumed checkpoint's arrays, placed like ``abstract_state``'s."""
+    return restore(self.resumed_from, abstract_state)
+
+  def due(self, step: int) -> bool:
+    """Whether a periodic save falls on ``step``."""
+    return bool(self.every) and step % self.every == 0
+
+  def save(self, step: int, state_tree: Any,
+           history: Mapping[str, Any]) -> str:
+    """Saves ``step``; the first save of a fresh run drops any other run's.
+    """
+    self.history = dict(history)
+    keep = self._keep if self._saved_any or self.resumed_from else 1
+    self._saved_any = True
+    return save(self.directory, step, state_tree, self._settings,
+                history=self.history, keep=keep)
 
 
 # Stopping at a step boundary.
