@@ -40,11 +40,17 @@ def _store(column_values, values_dtype):
 
 
 def step(grad, history, mu, r=1, scale=None, values_dtype=None):
-  """One TACO step. Returns (direction (m, n) float32, new history)."""
+  """One TACO step. Returns (direction (m, n) float32, new history).
+
+  A gradient holding NaN or Inf gives an all-NaN direction and leaves the
+  history as it was (the documented rule).
+  """
   m, n = grad.shape
   values_dtype = values_dtype or history.values.dtype
   k = history.values.shape[0]
   scale = m / n if scale is None else scale
+  if not np.isfinite(grad).all():
+    return np.full((m, n), np.nan, np.float32), history
   mu32 = np.float32(mu)
   direction = np.zeros((m, n), np.float32)
   new = History(np.zeros_like(history.values), np.zeros_like(history.indices),
@@ -73,3 +79,32 @@ def candidates(grad, history, mu):
     dense[history.indices[:, j], j] = (
         history.values[:, j].astype(np.float64) * 2.0 ** history.exponents[j])
   return (1 - mu) * grad.astype(np.float64) + mu * dense
+
+
+def float64_winners(grads, k, mu):
+  """Winner rows of the paper's rule with an exact (float64) sparse history.
+
+  No storage rounding at all: ``M_t = H_k(mu M_{t-1} + (1 - mu) G_t)`` with
+  ``M`` kept as a dense float64 array holding ``k`` nonzeros per column.
+
+  Args:
+    grads: a list of ``(m, n)`` gradients (paper layout).
+    k: entries kept per column.
+    mu: EMA decay.
+
+  Returns:
+    ``(steps, n)`` int array: the row of the largest-magnitude entry of each
+    column of ``M_t`` (ties to the lowest row).
+  """
+  m, n = grads[0].shape
+  history = np.zeros((m, n))
+  columns = np.arange(n)
+  winners = []
+  for grad in grads:
+    merged = mu * history + (1 - mu) * grad.astype(np.float64)
+    order = np.argsort(-np.abs(merged), axis=0, kind='stable')
+    winners.append(order[0])
+    history = np.zeros((m, n))
+    kept = order[:min(k, m)]
+    history[kept, columns] = merged[kept, columns]
+  return np.stack(winners)

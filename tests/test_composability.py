@@ -9,6 +9,7 @@ import optax
 import pytest
 
 import taco_optax
+from tests import bitwise
 
 DN = taco_optax.TacoDimensionNumbers
 
@@ -128,11 +129,9 @@ def test_scanned_layer_axis_equals_per_slice_matrices():
     updates, state = tx.update({'w': g}, state)
     for i in range(3):
       u, slice_states[i] = slice_tx.update({'w': g[i]}, slice_states[i])
-      chex.assert_trees_all_equal(updates['w'][i], u['w'])
-      chex.assert_trees_all_equal(state.indices['w'][i],
-                                  slice_states[i].indices['w'])
-      chex.assert_trees_all_equal(state.exponents['w'][i],
-                                  slice_states[i].exponents['w'])
+      bitwise.assert_bitwise_equal(updates['w'][i], u['w'])
+      bitwise.assert_bitwise_equal([x['w'][i] for x in state],
+                                   [x['w'] for x in slice_states[i]])
 
 
 def test_fused_qkv_equals_three_matrices():
@@ -150,9 +149,9 @@ def test_fused_qkv_equals_three_matrices():
     updates, state = tx.update({'qkv': g}, state)
     separate, separate_state = separate_tx.update(split(g), separate_state)
     for i, name in enumerate('qkv'):
-      chex.assert_trees_all_equal(updates['qkv'][:, i], separate[name])
-      chex.assert_trees_all_equal(state.indices['qkv'][i],
-                                  separate_state.indices[name])
+      bitwise.assert_bitwise_equal(updates['qkv'][:, i], separate[name])
+      bitwise.assert_bitwise_equal([x['qkv'][i] for x in state],
+                                   [x[name] for x in separate_state])
 
 
 def test_transposed_and_multi_axis_dimension_numbers():

@@ -8,6 +8,7 @@ import optax
 import pytest
 
 import taco_optax
+from tests import bitwise
 
 DN = taco_optax.TacoDimensionNumbers
 
@@ -49,11 +50,37 @@ def test_index_dtype_too_small_for_rows():
     tx.init({'w': jnp.zeros((4, 300))})
 
 
-def test_taco_alias_routes_vectors_to_adam_without_error():
-  tx = taco_optax.taco(1e-3)
-  params = {'w': jnp.ones((3, 4)), 'b': jnp.ones((4,)), 's': jnp.ones(())}
-  updates, _ = tx.update(params, tx.init(params), params)
-  chex.assert_trees_all_equal_shapes(updates, params)
+@pytest.mark.parametrize('weight_decay', [0.0, 0.1])
+def test_taco_alias_routes_vectors_to_adam(weight_decay):
+  """Vectors and scalars get exactly optax's Adam(W), matrices TACO."""
+  tx = taco_optax.taco(1e-2, k=2, mu=0.9, adam_learning_rate=3e-3,
+                       adam_b1=0.8, adam_b2=0.99, adam_eps=1e-6,
+                       adam_weight_decay=weight_decay)
+  adam_kwargs = dict(learning_rate=3e-3, b1=0.8, b2=0.99, eps=1e-6)
+  adam = (optax.adamw(weight_decay=weight_decay, **adam_kwargs)
+          if weight_decay else optax.adam(**adam_kwargs))
+  matrix_tx = optax.chain(taco_optax.scale_by_taco(k=2, mu=0.9),
+                          optax.scale_by_learning_rate(1e-2))
+  rng = np.random.default_rng(2)
+  params = {'w': jnp.asarray(rng.standard_normal((3, 4)), jnp.float32),
+            'b': jnp.asarray(rng.standard_normal((4,)), jnp.float32),
+            's': jnp.asarray(rng.standard_normal(()), jnp.float32)}
+  vectors = lambda tree: {'b': tree['b'], 's': tree['s']}
+  state = tx.init(params)
+  adam_state = adam.init(vectors(params))
+  matrix_state = matrix_tx.init({'w': params['w']})
+  for _ in range(3):
+    grads = jax.tree.map(lambda p: jnp.asarray(
+        rng.standard_normal(p.shape), jnp.float32), params)
+    updates, state = jax.jit(tx.update)(grads, state, params)
+    expected, adam_state = jax.jit(adam.update)(
+        vectors(grads), adam_state, vectors(params))
+    expected_w, matrix_state = jax.jit(matrix_tx.update)(
+        {'w': grads['w']}, matrix_state)
+    bitwise.assert_bitwise_equal(vectors(updates), expected)
+    bitwise.assert_bitwise_equal(updates['w'], expected_w['w'])
+    assert (np.asarray(updates['w']) != 0).sum() == 3  # one per column
+    params = optax.apply_updates(params, updates)
 
 
 @pytest.mark.parametrize('bad', [np.nan, np.inf, -np.inf])
