@@ -7,7 +7,6 @@ and otherwise ``test_sharded_suite_in_subprocess`` reruns it in a fresh process.
 
 import json
 import os
-import signal
 
 import jax
 import jax.numpy as jnp
@@ -277,18 +276,6 @@ def test_save_keeps_the_newest_and_drops_an_abandoned_trajectory(tmp_path):
   checkpoint.save(tmp_path, 1, state, METADATA, keep=2)
   assert checkpoint.complete_steps(tmp_path) == [1]
   assert sorted(os.listdir(tmp_path)) == ['step_00000001']
-
-
-def test_stop_request_catches_a_signal_and_restores_handlers():
-  before = {n: signal.getsignal(n) for n in (signal.SIGINT, signal.SIGTERM)}
-  with checkpoint.StopRequest() as stop:
-    assert stop.signal_number is None
-    os.kill(os.getpid(), signal.SIGTERM)
-    assert stop.signal_number == signal.SIGTERM
-    assert (stop.exit_code, stop.name) == (143, 'SIGTERM')
-    # A second signal gets the default handling (here: pytest's SIGINT).
-    assert signal.getsignal(signal.SIGINT) is before[signal.SIGINT]
-  assert {n: signal.getsignal(n) for n in before} == before
 
 
 @needs_mesh

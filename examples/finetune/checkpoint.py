@@ -21,8 +21,8 @@ abstract state passed to :func:`restore`. Typed PRNG keys cannot be written:
 store ``jax.random.key_data(key)`` and rebuild the key with
 ``jax.random.wrap_key_data``.
 
-:class:`StopRequest` turns SIGINT/SIGTERM into a request to stop at the next
-step boundary, so that a run can save and exit instead of dying mid-step.
+:class:`RunCheckpoints` is one training run's use of them: its settings
+stored with every save and compared on resume, its history kept.
 """
 
 import hashlib
@@ -30,10 +30,6 @@ import json
 import os
 import re
 import shutil
-import signal
-import sys
-import threading
-import time
 from typing import Any, Mapping, NamedTuple, Optional
 
 import jax
@@ -244,7 +240,7 @@ def _shown(value: Any) -> str:
   if isinstance(value, bool):
     return 'on' if value else 'off'
   if value is None:
-    return 'unset'
+    return 'default'
   return str(value)
 
 
@@ -398,63 +394,3 @@ class RunCheckpoints:
     return save(self.directory, step, state_tree, self._settings,
                 history=self.history, keep=keep)
 
-
-# Stopping at a step boundary.
-
-# Tests set this to a step number: after that step the run waits (up to a
-# minute) for the signal the test then sends, so the signal lands at a known
-# step however fast the steps are.
-PAUSE_AFTER_STEP_ENV = 'TACO_FINETUNE_TEST_PAUSE_AFTER_STEP'
-
-
-class StopRequest:
-  """SIGINT and SIGTERM, caught, as a request to stop after the current step.
-
-  Used as a context manager around a training loop (in the main thread; in
-  any other thread it does nothing). The first signal is recorded in
-  :attr:`signal_number` and the default handlers come back, so a second
-  Ctrl-C stops at once; leaving the context restores the handlers.
-  """
-  _SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-  def __init__(self):
-    self.signal_number: Optional[int] = None
-    self._previous = {}
-
-  def _handle(self, number, frame):
-    del frame
-    self.signal_number = number
-    for number_, handler in self._previous.items():
-      signal.signal(number_, handler)
-
-  def __enter__(self) -> 'StopRequest':
-    if threading.current_thread() is threading.main_thread():
-      self._previous = {n: signal.getsignal(n) for n in self._SIGNALS}
-      for number in self._SIGNALS:
-        signal.signal(number, self._handle)
-    return self
-
-  def __exit__(self, *exc_info):
-    for number, handler in self._previous.items():
-      signal.signal(number, handler)
-    self._previous = {}
-
-  @property
-  def exit_code(self) -> int:
-    """The shell's code for death by the signal: 130 for SIGINT."""
-    return 128 + int(self.signal_number or 0)
-
-  @property
-  def name(self) -> str:
-    return signal.Signals(self.signal_number).name
-
-  def pause_for_test(self, step: int) -> None:
-    """Waits for a signal after the step that ``PAUSE_AFTER_STEP_ENV`` names.
-    """
-    if os.environ.get(PAUSE_AFTER_STEP_ENV) != str(step):
-      return
-    print(f'paused after step {step} for a test: waiting for a signal',
-          file=sys.stderr, flush=True)
-    deadline = time.monotonic() + 60
-    while self.signal_number is None and time.monotonic() < deadline:
-      time.sleep(0.01)
