@@ -19,8 +19,6 @@ import jax.numpy as jnp
 import optax
 
 import taco_optax
-from taco_optax import _dimension_numbers
-from taco_optax import _leaf_update
 
 # name: (vocab, hidden, layers, ffn, q heads * head dim, kv heads * head dim)
 SHAPES = {
@@ -95,33 +93,24 @@ def time_scatter_apply(params, grads, repeats, lr=1e-4):
   """TACO as the layerwise step applies it: winners scattered into params.
 
   The same state update as ``scale_by_taco`` but no dense update tensor and
-  no ``apply_updates`` pass (``_leaf_update.taco_leaf_update`` per matrix).
+  no ``apply_updates`` pass: ``taco_optax.layerwise_train_step`` on a loss
+  ``sum_i <W_i, G_i>`` whose gradient is exactly the given ``G`` (so the time
+  also holds one read of the weights and gradients for the loss).
   """
-  tx = taco_optax.taco(lr)
-  state = tx.init(params)
-  lr_tx = optax.scale_by_learning_rate(lr)
-  matrices = [k for k, v in params.items() if v.ndim == 2]
-
-  def step(params, state, grads):
-    taco_state, lr_state = state.inner_states['taco'].inner_state
-    params = dict(params)
-    fields = [dict(f) for f in taco_state]
-    for name in matrices:
-      layout = _dimension_numbers.matrix_layout(
-          params[name].shape, taco_optax.TacoDimensionNumbers())
-      plan = _leaf_update.LeafPlan(layout, layout.m / layout.n)  # pylint: disable=protected-access
-      params[name], *new = _leaf_update.taco_leaf_update(  # pylint: disable=protected-access
-          params[name], grads[name], *(f[name] for f in fields), plan, 0.95,
-          1, lr_tx, lr_state)
-      for f, value in zip(fields, new):
-        f[name] = value
-    return params, fields
-
-  step = jax.jit(step, donate_argnums=(0,))
-  carry = [jax.tree.map(jnp.copy, params)]
+  loss = taco_optax.LayeredLoss(
+      embed=lambda outer, batch: jnp.zeros(()),
+      layer=None,
+      head=lambda outer, hidden, batch: sum(
+          jnp.vdot(outer[name], batch[name]).astype(jnp.float32)
+          for name in outer),
+      scan_layers=False)
+  train = taco_optax.layerwise_train_step(loss, lr)
+  state = train.optimizer.init((params, []))
+  step = jax.jit(train.step, donate_argnums=(0, 1))
+  carry = [(jax.tree.map(jnp.copy, params), []), state]
 
   def run():
-    carry[0], _ = step(carry[0], state, grads)
+    carry[0], carry[1], _ = step(carry[0], carry[1], grads)
     return carry[0]
 
   return time_fn(run, (), repeats)

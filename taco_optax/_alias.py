@@ -1,6 +1,7 @@
 """``taco``: TACO on matrices, AdamW on everything else."""
 
-from typing import Any, Optional, Union
+import inspect
+from typing import Any, Callable, NamedTuple, Optional, Union
 
 import jax
 import optax
@@ -8,7 +9,63 @@ import optax
 from taco_optax import _dimension_numbers as dn
 from taco_optax import _transform
 
-_TACO, _ADAM = 'taco', 'adam'
+TACO_LABEL = 'taco'
+ADAM_LABEL = 'adam'
+
+
+class TacoParts(NamedTuple):
+  """The pieces :func:`taco` partitions its parameters between.
+
+  :func:`taco` is ``optax.partition({TACO_LABEL: chain(direction,
+  learning_rate), ADAM_LABEL: adam}, param_labels)``; code that applies the
+  pieces by hand (the layer-wise train step) reads them here instead of
+  rebuilding them.
+
+  Attributes:
+    param_labels: ``params -> labels``, :data:`TACO_LABEL` for TACO matrices
+      and :data:`ADAM_LABEL` for everything else.
+    dimension_numbers: ``params -> tree`` of :class:`TacoDimensionNumbers`
+      (``None`` for non-TACO leaves).
+    direction: :func:`scale_by_taco` as it runs on the TACO leaves.
+    learning_rate: ``optax.scale_by_learning_rate`` of the TACO leaves.
+    adam: the transformation of every other leaf (Adam, or AdamW with
+      ``adam_weight_decay``).
+    mu: the history EMA decay.
+    update_topk: signs per column (``None`` = 1).
+    update_scale: the per-leaf scale override of :func:`scale_by_taco`.
+  """
+  param_labels: Callable[[Any], Any]
+  dimension_numbers: Callable[[Any], Any]
+  direction: optax.GradientTransformation
+  learning_rate: optax.GradientTransformation
+  adam: optax.GradientTransformation
+  mu: Union[float, jax.Array]
+  update_topk: Optional[int]
+  update_scale: _transform.ScaleTree
+
+
+class TacoStates(NamedTuple):
+  """The states of a :func:`taco` optimizer's pieces (see :func:`taco_states`)."""
+  direction: _transform.TacoState
+  learning_rate: Any
+  adam: Any
+
+
+def taco_states(opt_state: Any) -> TacoStates:
+  """The pieces' states inside ``taco(...).init(params)``."""
+  inner = opt_state.inner_states
+  direction, learning_rate = inner[TACO_LABEL].inner_state
+  return TacoStates(direction, learning_rate, inner[ADAM_LABEL].inner_state)
+
+
+def with_taco_states(opt_state: Any, states: TacoStates) -> Any:
+  """``opt_state`` of :func:`taco` with its pieces' states replaced."""
+  inner = opt_state.inner_states
+  return opt_state._replace(inner_states={
+      TACO_LABEL: inner[TACO_LABEL]._replace(
+          inner_state=(states.direction, states.learning_rate)),
+      ADAM_LABEL: inner[ADAM_LABEL]._replace(inner_state=states.adam),
+  })
 
 
 def taco(
@@ -26,7 +83,7 @@ def taco(
     adam_b2: float = 0.999,
     adam_eps: float = 1e-8,
     adam_eps_root: float = 0.0,
-    adam_weight_decay: float = 0.0,
+    adam_weight_decay: Optional[float] = None,
 ) -> optax.GradientTransformation:
   r"""TACO for matrices, AdamW for vectors and scalars.
 
@@ -66,9 +123,11 @@ def taco(
     adam_b2: AdamW second-moment decay.
     adam_eps: AdamW epsilon.
     adam_eps_root: AdamW epsilon inside the square root.
-    adam_weight_decay: AdamW decoupled weight decay. When it is the number
-      ``0`` (the default), plain Adam is used, so ``update`` accepts
-      ``params=None``.
+    adam_weight_decay: AdamW decoupled weight decay. ``None`` (the default)
+      or the number ``0`` means plain Adam, and ``update`` accepts
+      ``params=None``; the state has the same structure either way (also
+      under :func:`optax.inject_hyperparams`, where a number becomes an array
+      and then needs ``params``).
 
   Returns:
     A :class:`optax.GradientTransformation`.
@@ -89,12 +148,46 @@ def taco(
     TACO: Ternary Absolute-max Column-wise One-sparse Optimizer for LLM
     Fine-Tuning, 2026.
   """
+  parts = taco_parts(
+      learning_rate, k, mu, update_topk=update_topk,
+      weight_dimension_numbers=weight_dimension_numbers,
+      update_scale=update_scale, values_dtype=values_dtype,
+      index_dtype=index_dtype, adam_learning_rate=adam_learning_rate,
+      adam_b1=adam_b1, adam_b2=adam_b2, adam_eps=adam_eps,
+      adam_eps_root=adam_eps_root, adam_weight_decay=adam_weight_decay)
+  return optax.partition(
+      transforms={
+          TACO_LABEL: optax.chain(parts.direction, parts.learning_rate),
+          ADAM_LABEL: parts.adam,
+      },
+      param_labels=parts.param_labels,
+  )
+
+
+def taco_parts(*args: Any, **kwargs: Any) -> TacoParts:
+  """The :class:`TacoParts` of ``taco(*args, **kwargs)``.
+
+  Takes exactly the arguments of :func:`taco`.
+
+  Examples:
+    >>> import jax.numpy as jnp, taco_optax
+    >>> parts = taco_optax.taco_parts(1e-3, k=4)
+    >>> parts.param_labels({'w': jnp.ones((4, 3)), 'b': jnp.zeros(3)})
+    {'b': 'adam', 'w': 'taco'}
+  """
+  bound = inspect.signature(taco).bind(*args, **kwargs)
+  bound.apply_defaults()
+  return _parts(**bound.arguments)
+
+
+def _parts(learning_rate, k, mu, update_topk, weight_dimension_numbers,
+           update_scale, values_dtype, index_dtype, adam_learning_rate,
+           adam_b1, adam_b2, adam_eps, adam_eps_root, adam_weight_decay):
+  """:func:`taco_parts` on bound arguments."""
   if adam_learning_rate is None:
     adam_learning_rate = learning_rate
-
   if weight_dimension_numbers is None:
-    weight_dimension_numbers = lambda params: jax.tree.map(
-        lambda x: dn.TacoDimensionNumbers() if x.ndim == 2 else None, params)
+    weight_dimension_numbers = dn.rank2_matrices
 
   def dims_tree(params):
     return dn.resolve(weight_dimension_numbers, params)
@@ -104,8 +197,8 @@ def taco(
 
   def param_labels(params):
     return jax.tree.map(
-        lambda d, sub: jax.tree.map(lambda _: _ADAM if d is None else _TACO,
-                                    sub),
+        lambda d, sub: jax.tree.map(
+            lambda _: ADAM_LABEL if d is None else TACO_LABEL, sub),
         dims_tree(params), params, is_leaf=is_dims_leaf)
 
   def masked_dims(params):
@@ -113,30 +206,35 @@ def taco(
     labels = param_labels(params)
     return jax.tree.map(
         lambda d, sub: jax.tree.map(
-            lambda label: d if label == _TACO else optax.MaskedNode(), sub),
+            lambda label: d if label == TACO_LABEL else optax.MaskedNode(),
+            sub),
         dims_tree(params), labels, is_leaf=is_dims_leaf)
 
-  return optax.partition(
-      transforms={
-          _TACO: optax.chain(
-              _transform.scale_by_taco(
-                  k=k, mu=mu, update_topk=update_topk,
-                  weight_dimension_numbers=masked_dims,
-                  update_scale=update_scale, values_dtype=values_dtype,
-                  index_dtype=index_dtype),
-              optax.scale_by_learning_rate(learning_rate),
-          ),
-          _ADAM: _adam(adam_learning_rate, adam_b1, adam_b2, adam_eps,
-                       adam_eps_root, adam_weight_decay),
-      },
+  return TacoParts(
       param_labels=param_labels,
-  )
+      dimension_numbers=dims_tree,
+      direction=_transform.scale_by_taco(
+          k=k, mu=mu, update_topk=update_topk,
+          weight_dimension_numbers=masked_dims, update_scale=update_scale,
+          values_dtype=values_dtype, index_dtype=index_dtype),
+      learning_rate=optax.scale_by_learning_rate(learning_rate),
+      adam=_adam(adam_learning_rate, adam_b1, adam_b2, adam_eps,
+                 adam_eps_root, adam_weight_decay),
+      mu=mu, update_topk=update_topk, update_scale=update_scale)
 
 
 def _adam(learning_rate, b1, b2, eps, eps_root, weight_decay):
-  """AdamW, or Adam when the decay is a literal zero (then params are optional)."""
-  if isinstance(weight_decay, (int, float)) and weight_decay == 0:
-    return optax.adam(learning_rate=learning_rate, b1=b1, b2=b2, eps=eps,
-                      eps_root=eps_root)
-  return optax.adamw(learning_rate=learning_rate, b1=b1, b2=b2, eps=eps,
-                     eps_root=eps_root, weight_decay=weight_decay)
+  """AdamW, or Adam (no ``params`` needed) for a decay of ``None`` or ``0``.
+
+  Both are ``chain(scale_by_adam, decay, scale_by_learning_rate)`` with the
+  same state structure, so the state does not depend on whether the decay is a
+  Python number or an array (:func:`optax.inject_hyperparams`).
+  """
+  no_decay = weight_decay is None or (
+      isinstance(weight_decay, (int, float)) and weight_decay == 0)
+  return optax.chain(
+      optax.scale_by_adam(b1=b1, b2=b2, eps=eps, eps_root=eps_root),
+      optax.identity() if no_decay else optax.add_decayed_weights(
+          weight_decay),
+      optax.scale_by_learning_rate(learning_rate),
+  )

@@ -46,7 +46,7 @@ def _as_tuple(axes: Axes) -> tuple[int, ...]:
   return (axes,) if isinstance(axes, int) else tuple(axes)
 
 
-def _normalize(shape: tuple[int, ...], dim_nums: TacoDimensionNumbers
+def normalize_axes(shape: tuple[int, ...], dim_nums: TacoDimensionNumbers
                ) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
   """Returns (batch, reduction, output) axes as non-negative ints, validated."""
   ndim = len(shape)
@@ -113,7 +113,7 @@ class MatrixLayout(NamedTuple):
 def matrix_layout(shape: tuple[int, ...],
                   dim_nums: TacoDimensionNumbers) -> MatrixLayout:
   """Validates ``dim_nums`` against ``shape`` and returns the layout."""
-  batch, reduction, output = _normalize(tuple(shape), dim_nums)
+  batch, reduction, output = normalize_axes(tuple(shape), dim_nums)
   sizes = lambda axes: tuple(shape[ax] for ax in axes)
   return MatrixLayout(
       batch_shape=sizes(batch),
@@ -132,6 +132,12 @@ def resolve(weight_dimension_numbers: WeightDimNumOrFn | None, tree: Any
       weight_dimension_numbers):
     return weight_dimension_numbers(tree)
   return weight_dimension_numbers
+
+
+def rank2_matrices(params: Any) -> Any:
+  """:func:`taco`'s default: every rank-2 leaf is a matrix, nothing else."""
+  return jax.tree.map(
+      lambda x: TacoDimensionNumbers() if x.ndim == 2 else None, params)
 
 
 def leaf_dimension_numbers(weight_dimension_numbers: WeightDimNumOrFn | None,

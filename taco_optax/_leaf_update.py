@@ -1,27 +1,21 @@
 """Writing one matrix's TACO winners into its weight, as the gradient appears.
 
-The per-leaf half of the layer-wise train step: the same ``column_step`` as
-``scale_by_taco``, then a scatter of each column's ``<= r`` winners into the
-weight (no dense update), optionally a block of columns at a time, and per
-shard under ``shard_map`` when the weight is split over an explicit mesh.
+The per-leaf half of the layer-wise train step: the same history step as
+``scale_by_taco`` (``_leaf.history_step``), then a scatter of each column's
+``<= r`` winners into the weight (no dense update), optionally a block of
+columns at a time, and per shard under ``shard_map`` when the weight is split
+over an explicit mesh.
 """
 
 import functools
-from typing import Any, NamedTuple, Optional
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
 
 from taco_optax import _dimension_numbers as dn
-from taco_optax import _sharding
-from taco_optax import _transform
-
-
-class LeafPlan(NamedTuple):
-  """How one parameter leaf is updated (all static)."""
-  layout: Optional[dn.MatrixLayout]  # None: an AdamW leaf
-  scale: float
-  dim_num: Optional[dn.TacoDimensionNumbers] = None  # needed on a mesh
+from taco_optax import _leaf
+from taco_optax import _mesh
 
 
 def data_dependency(values: jax.Array, after: Any) -> jax.Array:
@@ -34,7 +28,7 @@ def data_dependency(values: jax.Array, after: Any) -> jax.Array:
   front; the input cotangent ``d_out @ W.T`` reads ``W`` without feeding the
   update, so the update is made to depend on it.
   """
-  first = _sharding.first_element(jax.tree.leaves(after)[0])
+  first = _mesh.first_element(jax.tree.leaves(after)[0])
   first = first.astype(values.dtype)
   return values + jnp.where(jnp.isfinite(first), first, 0) * 0
 
@@ -57,27 +51,28 @@ def column_chunk(layout: dn.MatrixLayout) -> Optional[int]:
   return chunk if chunk < layout.n else None
 
 
-def taco_leaf_update(param, grad, values, indices, exponents, plan, mu,
-                      update_topk, lr_tx, lr_state, after=None):
+def taco_leaf_update(param, grad, values, indices, exponents, *, plan, mu,
+                     lr_tx, lr_state, after=None):
   """One TACO leaf: the history step, then the winners scattered into param.
 
   Same arithmetic as ``scale_by_taco`` -> ``scale_by_learning_rate`` ->
   ``optax.apply_updates`` on the winners; every other entry is ``p + 0``. A
   parameter split over an explicit mesh is updated per device in
   :func:`jax.shard_map`, as ``scale_by_taco`` does (exact merged top-k).
+
+  Returns:
+    ``(param, values, indices, exponents)``, updated.
   """
-  local_update = functools.partial(_local_leaf_update, plan=plan,
-                                   update_topk=update_topk, lr_tx=lr_tx)
-  sharded = (None if plan.dim_num is None
-             else _sharding.leaf_sharding_of(param, plan.dim_num))
+  local_update = functools.partial(_local_leaf_update, lr_tx=lr_tx)
+  sharded = _mesh.leaf_sharding_of(param, plan.dim_num)
   if sharded is None:
-    return local_update(param, grad, values, indices, exponents, mu=mu,
-                        lr_state=lr_state, after=after)
+    return local_update(param, grad, values, indices, exponents, plan=plan,
+                        mu=mu, lr_state=lr_state, after=after)
   if after is not None:  # the one element data_dependency reads
-    after = _sharding.first_element(jax.tree.leaves(after)[0])
-  return _sharding.map_over_shards(local_update, *sharded, param, grad,
-                                   values, indices, exponents, mu=mu,
-                                   lr_state=lr_state, after=after)
+    after = _mesh.first_element(jax.tree.leaves(after)[0])
+  return _mesh.map_over_shards(local_update, *sharded, param, grad,
+                               values, indices, exponents, plan=plan, mu=mu,
+                               lr_state=lr_state, after=after)
 
 
 def _winner_positions(winners, rows_length, shards):
@@ -88,7 +83,7 @@ def _winner_positions(winners, rows_length, shards):
   """
   if shards is None or not shards.gather_axes:  # every device holds whole rows
     return winners, 'promise_in_bounds'
-  local, held = _sharding.local_rows(winners, shards)
+  local, held = _mesh.local_rows(winners, shards)
   return jnp.where(held, local, rows_length), 'drop'
 
 
@@ -109,26 +104,20 @@ def _winner_delta(step, scale, dtype, lr_tx, lr_state, after):
 
 
 def _local_leaf_update(param, grad, values, indices, exponents, *, plan, mu,
-                       update_topk, lr_tx, lr_state, after=None, shards=None):
+                       lr_tx, lr_state, after=None, shards=None):
   """:func:`taco_leaf_update` on whole arrays, or on one device's blocks.
 
   With ``shards`` (inside :func:`jax.shard_map`) the arrays are this device's
   blocks, ``plan`` still describes the whole leaf and row indices are global.
   """
-  layout = (plan.layout if shards is None
-            else dn.matrix_layout(param.shape, plan.dim_num))
-  keep = values.shape[-2]
-  step_args = dict(mu=mu, k=keep, update_topk=min(update_topk, plan.layout.m),
-                   shards=shards)
+  layout = plan.local_layout(param.shape)
   chunk = column_chunk(layout)
   if chunk is not None:
     return _chunked_leaf_update(param, grad, values, indices, exponents,
-                                layout, plan.scale, step_args, lr_tx,
-                                lr_state, after, chunk)
-  rows_of_state = lambda x: jnp.swapaxes(x, -1, -2).reshape(-1, keep)
-  step = _transform.column_step(
-      layout.to_rows(grad), rows_of_state(values), rows_of_state(indices),
-      exponents.reshape(-1), **step_args)
+                                layout, plan, mu, lr_tx, lr_state, after,
+                                shards, chunk)
+  step, state = _leaf.history_step(layout.to_rows(grad), values, indices,
+                                   exponents, plan, mu, shards)
   delta = _winner_delta(step, plan.scale, grad.dtype, lr_tx, lr_state, after)
   rows = layout.to_rows(param)
   row_ids = jnp.arange(rows.shape[0], dtype=jnp.int32)[:, None]
@@ -137,15 +126,11 @@ def _local_leaf_update(param, grad, values, indices, exponents, *, plan, mu,
   # The optax path turns a non-finite gradient into an all-NaN update.
   new_param = jnp.where(step.finite, layout.from_rows(rows, param.shape),
                         jnp.nan)
-  state_of_rows = lambda x: jnp.swapaxes(
-      x.reshape(layout.batch_shape + (layout.n, keep)), -1, -2)
-  return (new_param, state_of_rows(step.history.values),
-          state_of_rows(step.history_indices),
-          step.history.exponents.reshape(exponents.shape))
+  return (new_param,) + state
 
 
 def _chunked_leaf_update(param, grad, values, indices, exponents, layout,
-                         scale, step_args, lr_tx, lr_state, after, chunk):
+                         plan, mu, lr_tx, lr_state, after, shards, chunk):
   """:func:`_local_leaf_update` of a 2-D leaf, ``chunk`` columns at a time.
 
   Columns are independent in TACO, so a ``lax.scan`` over column blocks gives
@@ -153,11 +138,10 @@ def _chunked_leaf_update(param, grad, values, indices, exponents, layout,
   updated in place in the carry. Finiteness is judged on the whole leaf, as
   the optax path does.
   """
-  shards = step_args['shards']
   rows_are_axis0 = layout.transpose == (0, 1)
   finite = jnp.all(jnp.isfinite(grad))
   if shards is not None:
-    finite = _sharding.all_finite(finite, shards)
+    finite = _mesh.all_finite(finite, shards)
 
   def rows(x, start):  # (chunk, m) rows of a param-shaped array
     if rows_are_axis0:
@@ -168,19 +152,19 @@ def _chunked_leaf_update(param, grad, values, indices, exponents, layout,
     param, values, indices, exponents = carry
     start = block * chunk
     columns = lambda x: jax.lax.dynamic_slice_in_dim(x, start, chunk, axis=-1)
-    step = _transform.column_step(
-        rows(grad, start), columns(values).T, columns(indices).T,
-        columns(exponents), **step_args)
-    delta = _winner_delta(step, scale, grad.dtype, lr_tx, lr_state, after)
+    step, new_state = _leaf.history_step(
+        rows(grad, start), columns(values), columns(indices),
+        columns(exponents), plan, mu, shards)
+    delta = _winner_delta(step, plan.scale, grad.dtype, lr_tx, lr_state, after)
     row_ids = start + jnp.arange(chunk, dtype=jnp.int32)[:, None]
     winners, mode = _winner_positions(step.winner_indices, layout.m, shards)
     where = (row_ids, winners) if rows_are_axis0 else (winners, row_ids)
     param = _add_at(param, where, delta, mode)
     put = lambda old, new: jax.lax.dynamic_update_slice_in_dim(
         old, jnp.where(finite, new, columns(old)), start, axis=-1)
-    return (param, put(values, step.history.values.T),
-            put(indices, step.history_indices.T),
-            put(exponents, step.history.exponents)), None
+    return (param,) + tuple(
+        put(old, new) for old, new in zip((values, indices, exponents),
+                                          new_state)), None
 
   (param, values, indices, exponents), _ = jax.lax.scan(
       body, (param, values, indices, exponents),
@@ -188,9 +172,10 @@ def _chunked_leaf_update(param, grad, values, indices, exponents, layout,
   return jnp.where(finite, param, jnp.nan), values, indices, exponents
 
 
-def drop_leading_axis(plan: LeafPlan, shape: tuple[int, ...]) -> LeafPlan:
+def drop_leading_axis(plan: Optional[_leaf.LeafPlan], shape: tuple[int, ...]
+                      ) -> Optional[_leaf.LeafPlan]:
   """The plan of one slice ``x[l]`` of a stacked leaf."""
-  if plan.layout is None:
+  if plan is None:
     return plan
   layout = plan.layout
   if not layout.batch_shape or layout.transpose[0] != 0:
@@ -198,8 +183,10 @@ def drop_leading_axis(plan: LeafPlan, shape: tuple[int, ...]) -> LeafPlan:
         f'A stacked TACO leaf of shape {shape} must keep its leading (layer) '
         'axis as a batch axis; check weight_dimension_numbers.')
   transpose = tuple(ax - 1 for ax in layout.transpose[1:])
-  _, reduction, output = dn._normalize(shape, plan.dim_num)  # pylint: disable=protected-access
+  _, reduction, output = dn.normalize_axes(shape, plan.dim_num)
   dim_num = dn.TacoDimensionNumbers(tuple(ax - 1 for ax in reduction),
                                     tuple(ax - 1 for ax in output))
-  return LeafPlan(layout._replace(batch_shape=layout.batch_shape[1:],
-                                   transpose=transpose), plan.scale, dim_num)
+  return plan._replace(
+      layout=layout._replace(batch_shape=layout.batch_shape[1:],
+                             transpose=transpose),
+      dim_num=dim_num)

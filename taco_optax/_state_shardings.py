@@ -4,8 +4,8 @@ TACO's ``(k, n)`` history has no parameter-shaped counterpart, so
 ``optax.tree_map_params`` cannot place it and :class:`flax.nnx.Optimizer`
 would copy the parameter's spec onto it. :func:`state_shardings` derives every
 state leaf's sharding from the parameters' (by abstract evaluation of
-``init`` on an explicit mesh); :func:`for_nnx_optimizer` relabels the state
-Variables that ``nnx.Optimizer`` builds.
+``init`` on an explicit mesh); ``taco_optax.nnx.for_nnx_optimizer`` uses it to
+relabel the state Variables that ``nnx.Optimizer`` builds.
 """
 
 from typing import Any
@@ -15,7 +15,6 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec
 
-from taco_optax import _sharding
 
 
 def _explicit_abstract(params: Any, mesh: Any) -> Any:
@@ -92,72 +91,3 @@ def state_shardings(tx: optax.GradientTransformation, params: Any) -> Any:
     return NamedSharding(mesh, spec)
 
   return jax.tree.map(on_mesh, abstract_state)
-
-
-def for_nnx_optimizer(tx: optax.GradientTransformation
-                      ) -> optax.GradientTransformation:
-  """``tx`` whose state Variables carry their own shardings in ``nnx``.
-
-  :class:`flax.nnx.Optimizer` copies every parameter's metadata, including its
-  ``out_sharding``, onto each state leaf built from it. That is right for AdamW
-  moments but wrong for TACO's ``(k, n)`` history: with an explicit mesh
-  ``nnx.Optimizer`` then fails to reshard the state, and
-  :func:`flax.nnx.get_partition_spec` returns the parameter's spec. Wrap the
-  optimizer with this function before handing it to ``nnx.Optimizer``; the
-  updates are unchanged.
-
-  Args:
-    tx: any optax transformation, e.g. :func:`taco_optax.taco`.
-
-  Returns:
-    A transformation with the same ``update`` whose ``init`` relabels state
-    Variables with the shardings of :func:`state_shardings`.
-
-  Examples:
-    >>> import optax, taco_optax
-    >>> from flax import nnx
-    >>> model = nnx.Linear(4, 3, rngs=nnx.Rngs(0))
-    >>> optimizer = nnx.Optimizer(
-    ...     model, taco_optax.for_nnx_optimizer(taco_optax.taco(1e-3)),
-    ...     wrt=nnx.Param)
-  """
-  from flax import nnx  # pylint: disable=g-import-not-at-top
-
-  is_variable = lambda x: isinstance(x, nnx.Variable)
-
-  def abstract_param(x):
-    value = x.get_value() if is_variable(x) else x
-    sharding = (_sharding.explicit_sharding(value)
-                or getattr(value, 'sharding', None))
-    names = x.get_metadata('out_sharding', None) if is_variable(x) else None
-    if names is not None and not isinstance(sharding, NamedSharding):
-      mesh = ((x.get_metadata('mesh', None) if is_variable(x) else None)
-              or jax.sharding.get_abstract_mesh())
-      if mesh is not None and not getattr(mesh, 'empty', False):
-        sharding = NamedSharding(mesh, PartitionSpec(*names))
-    if not isinstance(sharding, NamedSharding):
-      return jax.ShapeDtypeStruct(value.shape, value.dtype)
-    return jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=sharding)
-
-  def relabel(leaf, shardings):
-    if not is_variable(leaf) or not shardings:  # e.g. Variable(MaskedNode())
-      return leaf
-    (sharding,) = shardings
-    names = _sharding.padded_spec(sharding.spec, leaf.get_value().ndim)
-    return leaf.replace(leaf.get_value(),
-                        out_sharding=tuple(_sharding.spec_entry(a)
-                                           for a in names))
-
-  def init_fn(params):
-    state = tx.init(params)
-    abstract = jax.tree.map(abstract_param, params, is_leaf=is_variable)
-    if not any(isinstance(getattr(x, 'sharding', None), NamedSharding)
-               for x in jax.tree.leaves(abstract)):
-      return state
-    shardings = iter(jax.tree.leaves(state_shardings(tx, abstract)))
-    leaves, treedef = jax.tree.flatten(state, is_leaf=is_variable)
-    return treedef.unflatten([
-        relabel(x, [next(shardings) for _ in jax.tree.leaves(x)])
-        for x in leaves])
-
-  return optax.GradientTransformation(init_fn, tx.update)

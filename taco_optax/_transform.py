@@ -1,18 +1,18 @@
 """``scale_by_taco``: the TACO direction with a sparse FP8 gradient history."""
 
-import functools
-from typing import Any, Callable, NamedTuple, Optional, Union
+from typing import Any, NamedTuple, Optional, Union
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
+from taco_optax import _codec
 from taco_optax import _dimension_numbers as dn
-from taco_optax import _selection
-from taco_optax import _sharding
+from taco_optax import _leaf
+from taco_optax import _mesh
 
-ScaleTree = Union[float, None, Any, Callable[[Any], Any]]
+ScaleTree = _leaf.ScaleTree
 
 
 class TacoState(NamedTuple):
@@ -36,67 +36,9 @@ class TacoState(NamedTuple):
   exponents: Any
 
 
-class ColumnStep(NamedTuple):
-  """The result of one TACO step on the rows ``(N, m)`` of a parameter."""
-  history: _selection.EncodedRows  # (N, k) values, (N,) exponents
-  history_indices: jax.Array       # (N, k)
-  winner_indices: jax.Array        # (N, r) int32
-  winner_signs: jax.Array          # (N, r) float32 in {-1, 0, +1}
-  finite: jax.Array                # () bool: the gradient was finite
-
-
 def history_size(k: Optional[int], m: int) -> int:
   """Retained entries per column: ``min(k, m)``; ``k=None`` keeps all ``m``."""
   return m if k is None else min(k, m)
-
-
-def column_step(grad_rows: jax.Array, values: jax.Array, indices: jax.Array,
-                exponents: jax.Array, mu: Union[float, jax.Array], k: int,
-                update_topk: int,
-                shards: Optional[_sharding.LeafSharding] = None) -> ColumnStep:
-  """One TACO step on rows: ``M_t = H_k(mu M_{t-1} + (1 - mu) G_t)``.
-
-  Args:
-    grad_rows: ``(N, m)`` gradient, one row per paper column.
-    values: ``(N, k)`` stored history values.
-    indices: ``(N, k)`` their row indices (distinct within a row).
-    exponents: ``(N,)`` their power-of-two scales.
-    mu: EMA decay in ``[0, 1)``.
-    k: history entries to keep per row (``<= m``).
-    update_topk: signs emitted per row (1 for TACO; ``<= m``).
-    shards: set inside :func:`jax.shard_map` when the ``m`` axis is split over
-      devices: ``grad_rows`` is then this device's ``(N, m_local)`` slice and
-      row indices (in and out) are global.
-
-  Returns:
-    A :class:`ColumnStep`. When the gradient is not finite the returned history
-    equals the input history.
-  """
-  grads = grad_rows.astype(jnp.float32)
-  previous = _selection.decode(_selection.EncodedRows(values, exponents))
-  if shards is None:
-    candidates = _selection.scatter_add_rows((1 - mu) * grads, indices,
-                                             mu * previous)
-    top_values, top_indices = _selection.column_topk(
-        candidates, max(k, update_topk))
-  else:
-    candidates = _sharding.add_history((1 - mu) * grads, indices,
-                                       mu * previous, shards)
-    top_values, top_indices = _sharding.merged_column_topk(
-        candidates, max(k, update_topk), shards)
-  # Keep XLA from fusing the selection into its consumers and recomputing it.
-  top_values, top_indices = jax.lax.optimization_barrier(
-      (top_values, top_indices))
-  finite = jnp.all(jnp.isfinite(grads))
-  if shards is not None:
-    finite = _sharding.all_finite(finite, shards)
-  history = _selection.encode(top_values[:, :k], values.dtype)
-  keep = lambda new, old: jnp.where(finite, new, old)
-  history = _selection.EncodedRows(keep(history.values, values),
-                                   keep(history.exponents, exponents))
-  history_indices = keep(top_indices[:, :k].astype(indices.dtype), indices)
-  return ColumnStep(history, history_indices, top_indices[:, :update_topk],
-                    jnp.sign(top_values[:, :update_topk]), finite)
 
 
 def _check_int(name: str, value: Any, minimum: int):
@@ -113,20 +55,6 @@ def _check_int(name: str, value: Any, minimum: int):
 def _check_mu(mu: Any):
   if isinstance(mu, (int, float, np.number)) and not 0 <= mu < 1:
     raise ValueError(f'mu must be in [0, 1), got {mu}.')
-
-
-def _leaf_scales(update_scale: ScaleTree, tree: Any,
-                 num_leaves: int) -> list[Optional[float]]:
-  """Broadcasts ``update_scale`` (a number, tree prefix or callable)."""
-  if update_scale is None or isinstance(update_scale, (int, float)):
-    return [update_scale] * num_leaves
-  scales = update_scale(tree) if callable(update_scale) else update_scale
-  per_leaf = []
-  jax.tree.map(
-      lambda s, sub: per_leaf.extend([s] * len(jax.tree.leaves(sub))),
-      scales, tree,
-      is_leaf=lambda x: x is None or isinstance(x, (int, float, optax.MaskedNode)))
-  return per_leaf
 
 
 def scale_by_taco(
@@ -244,16 +172,14 @@ def scale_by_taco(
   if not jnp.issubdtype(values_dtype, jnp.floating):
     raise ValueError(f'values_dtype must be a float dtype, got {values_dtype}.')
 
-  def layouts(tree):
-    leaves, treedef = jax.tree.flatten(tree)
-    dims = dn.leaf_dimension_numbers(weight_dimension_numbers, tree)
-    found = [None if d is None else dn.matrix_layout(x.shape, d)
-             for x, d in zip(leaves, dims)]
-    return leaves, treedef, found, dims
+  def plans(tree):
+    return _leaf.leaf_plans(tree, weight_dimension_numbers, update_scale,
+                            update_topk)
 
-  def init_leaf(param, layout, dim_num):
-    if layout is None:
+  def init_leaf(param, plan):
+    if plan is None:
       return optax.MaskedNode(), optax.MaskedNode(), optax.MaskedNode()
+    layout = plan.layout
     keep = history_size(k, layout.m)
     if layout.m - 1 > jnp.iinfo(index_dtype).max:
       raise ValueError(
@@ -265,62 +191,35 @@ def scale_by_taco(
         jnp.arange(keep, dtype=index_dtype)[:, None], shape)
     state = (jnp.zeros(shape, values_dtype), indices,
              jnp.zeros(layout.batch_shape + (layout.n,),
-                       _selection.EXPONENT_DTYPE))
-    sharded = _sharding.leaf_sharding_of(param, dim_num)
+                       _codec.EXPONENT_DTYPE))
+    sharded = _mesh.leaf_sharding_of(param, plan.dim_num)
     if sharded is not None:
-      state = _sharding.with_state_sharding(state, *sharded)
+      state = _mesh.with_state_sharding(state, *sharded)
     return state
 
   def init_fn(params):
-    leaves, treedef, found, dims = layouts(params)
-    states = [init_leaf(p, lay, d) for p, lay, d in zip(leaves, found, dims)]
+    leaves, treedef = jax.tree.flatten(params)
+    states = [init_leaf(p, plan) for p, plan in zip(leaves, plans(params))]
     unflatten = lambda i: treedef.unflatten([s[i] for s in states])
     return TacoState(values=unflatten(0), indices=unflatten(1),
                      exponents=unflatten(2))
 
-  def update_leaf(grad, values, indices, exponents, layout, scale,
-                  dim_num=None, shards=None, mu=mu):
-    # With shards (inside shard_map) the arrays are one device's blocks and
-    # `layout` still describes the whole leaf.
-    local = layout if shards is None else dn.matrix_layout(grad.shape, dim_num)
-    keep = values.shape[-2]
-    rows_of_state = lambda x: jnp.swapaxes(x, -1, -2).reshape(-1, keep)
-    step = column_step(
-        local.to_rows(grad), rows_of_state(values), rows_of_state(indices),
-        exponents.reshape(-1), mu, keep, min(update_topk, layout.m), shards)
-    scale = layout.m / layout.n if scale is None else scale
-    winners = step.winner_indices
-    if shards is not None:
-      winners, held = _sharding.local_rows(winners, shards)
-      winners = jnp.where(held, winners, -1)
-    direction = _selection.one_sparse_rows(
-        winners, step.winner_signs * scale, local.m, grad.dtype)
-    direction = jnp.where(step.finite, direction, jnp.nan)
-    state_of_rows = lambda x: jnp.swapaxes(
-        x.reshape(local.batch_shape + (local.n, keep)), -1, -2)
-    return (local.from_rows(direction, grad.shape),
-            state_of_rows(step.history.values),
-            state_of_rows(step.history_indices),
-            step.history.exponents.reshape(exponents.shape))
-
   def update_fn(updates, state, params=None):
     del params
-    leaves, treedef, found, dims = layouts(updates)
-    scales = _leaf_scales(update_scale, updates, len(leaves))
+    leaves, treedef = jax.tree.flatten(updates)
     state_leaves = [treedef.flatten_up_to(s) for s in state]
     out = []
-    for i, (grad, layout) in enumerate(zip(leaves, found)):
+    for i, (grad, plan) in enumerate(zip(leaves, plans(updates))):
       leaf_state = tuple(s[i] for s in state_leaves)
-      if layout is None:
+      if plan is None:
         out.append((grad,) + leaf_state)
-      elif (sharded := _sharding.leaf_sharding_of(grad, dims[i])) is not None:
-        local_update = functools.partial(update_leaf, layout=layout,
-                                         dim_num=dims[i])
-        out.append(_sharding.map_over_shards(local_update, *sharded, grad,
-                                             *leaf_state, scale=scales[i],
-                                             mu=mu))
+        continue
+      sharded = _mesh.leaf_sharding_of(grad, plan.dim_num)
+      if sharded is None:
+        out.append(_leaf.dense_direction(grad, *leaf_state, plan=plan, mu=mu))
       else:
-        out.append(update_leaf(grad, *leaf_state, layout, scales[i]))
+        out.append(_mesh.map_over_shards(_leaf.dense_direction, *sharded,
+                                         grad, *leaf_state, plan=plan, mu=mu))
     unflatten = lambda i: treedef.unflatten([o[i] for o in out])
     return unflatten(0), TacoState(values=unflatten(1), indices=unflatten(2),
                                    exponents=unflatten(3))

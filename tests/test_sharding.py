@@ -19,9 +19,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import taco_optax
-from taco_optax import _sharding
+from taco_optax import _leaf
+from taco_optax import _mesh
 from taco_optax import _leaf_update
-from taco_optax._dimension_numbers import matrix_layout
 from taco_optax import TacoDimensionNumbers as Dims
 from tests import multidevice
 from tests.bitwise import assert_bitwise_equal
@@ -51,7 +51,7 @@ test_mesh_suite_in_subprocess = multidevice.subprocess_suite(__file__,
 def test_state_specs_follow_batch_and_reduction_axes(shape, spec, dims,
                                                      values_spec,
                                                      exponents_spec):
-  shards = _sharding.leaf_sharding(shape, spec, dims,
+  shards = _mesh.leaf_sharding(shape, spec, dims,
                                    {'fsdp': 2, 'tensor': 4})
   assert shards.values_spec == values_spec
   assert shards.exponents_spec == exponents_spec
@@ -60,9 +60,9 @@ def test_state_specs_follow_batch_and_reduction_axes(shape, spec, dims,
 def test_state_specs_reject_unshardable_layouts():
   mesh_shape = {'fsdp': 2, 'tensor': 4}
   with pytest.raises(ValueError, match='not divisible'):
-    _sharding.leaf_sharding((64, 30), P(None, 'tensor'), Dims(), mesh_shape)
+    _mesh.leaf_sharding((64, 30), P(None, 'tensor'), Dims(), mesh_shape)
   with pytest.raises(ValueError, match='first reduction axis'):
-    _sharding.leaf_sharding((4, 8, 16), P(None, 'fsdp', None), Dims((0, 1), 2),
+    _mesh.leaf_sharding((4, 8, 16), P(None, 'fsdp', None), Dims((0, 1), 2),
                             mesh_shape)
 
 
@@ -106,7 +106,7 @@ def tied_gradients(step, names):
 
 def normalized(spec, ndim):
   """``spec`` as mesh axes per array axis: ``P()`` equals ``P(None, None)``."""
-  return _sharding.padded_spec(spec, ndim)
+  return _mesh.padded_spec(spec, ndim)
 
 
 def specs(tree):
@@ -152,7 +152,7 @@ def test_state_shardings_stable_across_init_update_and_jit():
     eager_state = tx.init(params)
     expected = sharding_specs(taco_optax.state_shardings(tx, params),
                               eager_state)
-    shards = {n: _sharding.leaf_sharding(LAYOUTS[n][0], LAYOUTS[n][1],
+    shards = {n: _mesh.leaf_sharding(LAYOUTS[n][0], LAYOUTS[n][1],
                                          dims[n], {'fsdp': 2, 'tensor': 4})
               for n in names}
     assert expected.values == {
@@ -522,17 +522,18 @@ def test_layerwise_leaf_update_gathers_candidates_not_the_gradient():
   mesh = jax.make_mesh((1, tensor), ('fsdp', 'tensor'))
   tx = taco_optax.taco(1e-3, k=k)
   dims = Dims()
-  plan = _leaf_update.LeafPlan(matrix_layout((n, m), dims), m / n, dims)  # pylint: disable=protected-access
+  (plan,) = _leaf.leaf_plans({'w': jnp.zeros((n, m))}, dims, None, 1)
   lr_tx = optax.scale_by_learning_rate(1e-3)
-  update = lambda p, g, state, lr: _leaf_update.taco_leaf_update(  # pylint: disable=protected-access
-      p, g, *state, plan, 0.95, 1, lr_tx, lr)
+  update = lambda p, g, state, lr: _leaf_update.taco_leaf_update(
+      p, g, *state, plan=plan, mu=0.95, lr_tx=lr_tx, lr_state=lr)
   with jax.set_mesh(mesh):
     weight = jax.ShapeDtypeStruct((n, m), jnp.float32,
                                   sharding=NamedSharding(mesh,
                                                          P(None, 'tensor')))
     state = jax.eval_shape(tx.init, {'w': weight})
-    taco_state, lr_state = state.inner_states['taco'].inner_state
-    leaf_state = tuple(field['w'] for field in taco_state)
+    states = taco_optax.taco_states(state)
+    lr_state = states.learning_rate
+    leaf_state = tuple(field['w'] for field in states.direction)
     hlo = jax.jit(update).lower(weight, weight, leaf_state,
                                 lr_state).compile().as_text()
   found = collectives(hlo)

@@ -7,14 +7,15 @@ import numpy as np
 import optax
 import pytest
 
+import taco_optax
 from taco_optax import _leaf_update
-from taco_optax import _train_step
+from taco_optax import _layerwise
 from taco_optax._dimension_numbers import leaf_dimension_numbers
 from taco_optax._dimension_numbers import matrix_layout
 from taco_optax._dimension_numbers import TacoDimensionNumbers
 
-LayeredLoss = _train_step.LayeredLoss
-layerwise_train_step = _train_step.layerwise_train_step
+LayeredLoss = taco_optax.LayeredLoss
+layerwise_train_step = taco_optax.layerwise_train_step
 
 WIDTH, VOCAB, LAYERS = 16, 24, 3
 
@@ -245,7 +246,7 @@ def test_untied_head_is_updated_before_the_layers_and_equals_plain(
   outer = dict(outer, w_head=jax.random.normal(jax.random.key(7),
                                                (WIDTH, VOCAB)) / 4)
   params = (outer, layers)
-  embed_reads = _train_step._used_inputs(lambda o: _embed(o, _tokens(0)),
+  embed_reads = _layerwise._used_inputs(lambda o: _embed(o, _tokens(0)),
                                          outer)
   # Leaves in key order: embedding, final_scale, w_head.
   assert embed_reads == [True, False, False]

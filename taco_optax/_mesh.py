@@ -1,4 +1,4 @@
-"""TACO on a device mesh: state shardings and an exact output-sharded top-k.
+"""TACO on a device mesh: where a leaf's pieces live, and an exact sharded top-k.
 
 A TACO leaf's state is ``batch + (k, n)`` (values, indices) and ``batch +
 (n,)`` (exponents): the output axes are gone, so the state shards like the
@@ -27,7 +27,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec
 
 from taco_optax import _dimension_numbers as dn
-from taco_optax import _selection
+from taco_optax import _column_step
 
 MeshAxes = tuple[str, ...]
 
@@ -123,7 +123,7 @@ def leaf_sharding(shape: Sequence[int], spec: PartitionSpec,
       would not be contiguous blocks per device).
   """
   shape = tuple(shape)
-  batch, reduction, output = dn._normalize(shape, dim_nums)  # pylint: disable=protected-access
+  batch, reduction, output = dn.normalize_axes(shape, dim_nums)
   param_axes = padded_spec(spec, len(shape))
   for ax, axes in enumerate(param_axes):
     split = math.prod(mesh_shape[a] for a in axes)
@@ -201,13 +201,13 @@ def local_rows(global_indices: jax.Array, shards: LeafSharding
 
 def add_history(dense: jax.Array, indices: jax.Array, values: jax.Array,
                 shards: LeafSharding) -> jax.Array:
-  """Sharded :func:`_selection.scatter_add_rows` with global ``indices``.
+  """Sharded :func:`_column_step.scatter_add_rows` with global ``indices``.
 
   Entries held by other devices are dropped rather than added as zeros, so
   ``-0.0`` stays ``-0.0`` exactly as on one device.
   """
   if not shards.gather_axes:  # every device holds whole rows
-    return _selection.scatter_add_rows(dense, indices, values)
+    return _column_step.scatter_add_rows(dense, indices, values)
   local, held = local_rows(indices, shards)
   m_local = dense.shape[-1]
   local = jnp.where(held, local, m_local)  # out of bounds: dropped
@@ -217,7 +217,7 @@ def add_history(dense: jax.Array, indices: jax.Array, values: jax.Array,
 
 def merged_column_topk(candidates: jax.Array, k: int, shards: LeafSharding
                        ) -> tuple[jax.Array, jax.Array]:
-  """Exact :func:`_selection.column_topk` of rows split across devices.
+  """Exact :func:`_column_step.column_topk` of rows split across devices.
 
   Args:
     candidates: ``(N, m_local)`` this device's slice of every row.
@@ -229,8 +229,8 @@ def merged_column_topk(candidates: jax.Array, k: int, shards: LeafSharding
     the single-device result; ``indices`` are global.
   """
   if not shards.gather_axes:  # every device holds whole rows
-    return _selection.column_topk(candidates, k)
-  local_values, local_indices = _selection.column_topk(
+    return _column_step.column_topk(candidates, k)
+  local_values, local_indices = _column_step.column_topk(
       candidates, min(k, candidates.shape[-1]))
   gather = lambda x: jax.lax.all_gather(x, shards.gather_axes, axis=1,
                                         tiled=True)
@@ -247,6 +247,15 @@ def all_finite(finite: jax.Array, shards: LeafSharding) -> jax.Array:
   bad = jax.lax.psum(jnp.logical_not(finite).astype(jnp.int32),
                      shards.leaf_mesh_axes)
   return bad == 0
+
+
+def selection(shards: LeafSharding) -> _column_step.Selection:
+  """The column step's :class:`~_column_step.Selection` inside ``shard_map``."""
+  return _column_step.Selection(
+      add_history=lambda dense, indices, values: add_history(
+          dense, indices, values, shards),
+      topk=lambda candidates, k: merged_column_topk(candidates, k, shards),
+      all_finite=lambda finite: all_finite(finite, shards))
 
 
 # Optimizer-state shardings.
@@ -272,29 +281,26 @@ def map_over_shards(local_update: Any, mesh: Any, shards: LeafSharding,
   state. Every array stays where it is: the parameter-shaped result comes out
   sharded like the parameter and the new state like the old one; the only
   communication is the candidate all-gather of :func:`merged_column_topk` and
-  the finiteness reduction. Hyper-parameters that are arrays or trees of arrays
-  (from :func:`optax.inject_hyperparams`, a schedule's step count) enter
-  replicated; Python numbers and other objects stay constants, so the
+  the finiteness reduction. Array leaves of the hyper-parameters (from
+  :func:`optax.inject_hyperparams`, a schedule's step count, a plan's scale)
+  enter replicated; Python numbers and other objects stay constants, so the
   arithmetic matches the unsharded path bit for bit.
   """
-  def is_array_tree(value):
-    leaves = jax.tree.leaves(value)
-    return bool(leaves) and all(isinstance(x, jax.Array) for x in leaves)
-
-  replicated_args = {k: v for k, v in hyperparams.items() if is_array_tree(v)}
-  constants = {k: v for k, v in hyperparams.items()
-               if k not in replicated_args}
+  leaves, treedef = jax.tree.flatten(hyperparams)
+  is_array = [isinstance(x, jax.Array) for x in leaves]
+  replicated_args = [x for x, a in zip(leaves, is_array) if a]
   state_specs = (shards.values_spec, shards.values_spec, shards.exponents_spec)
   in_specs = (shards.param_spec,) * (len(arrays) - 3) + state_specs
   out_specs = (shards.param_spec,) + state_specs
 
   def per_device(blocks, replicated):
-    return local_update(*blocks, shards=shards, **replicated, **constants)
+    replicated = iter(replicated)
+    values = [next(replicated) if a else x for x, a in zip(leaves, is_array)]
+    return local_update(*blocks, shards=shards, **treedef.unflatten(values))
 
   run = jax.shard_map(
       per_device, mesh=mesh,
-      in_specs=(in_specs,
-                jax.tree.map(lambda _: PartitionSpec(), replicated_args)),
+      in_specs=(in_specs, [PartitionSpec()] * len(replicated_args)),
       out_specs=out_specs,
       # Results merged by all_gather are equal on every device by construction.
       check_vma=False)

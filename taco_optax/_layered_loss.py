@@ -1,0 +1,50 @@
+"""A loss written as ``embed -> layer x L -> head``, for the layer-wise step."""
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+
+Params = Any
+Batch = Any
+Hidden = Any
+
+
+@dataclasses.dataclass(frozen=True)
+class LayeredLoss:
+  """A loss written as ``embed -> layer x L -> head``.
+
+  The parameters are a pair ``(outer, layers)``: ``outer`` holds everything
+  outside the repeated block (embeddings, final norm, LM head); ``layers`` is
+  either one tree whose leaves have a leading layer axis (layers stacked for
+  ``lax.scan`` / ``nnx.scan``) or a list of per-layer trees (unrolled).
+
+  Attributes:
+    embed: ``embed(outer, batch) -> hidden``.
+    layer: ``layer(layer_params, hidden, batch) -> hidden``; ``hidden`` is an
+      array or a pytree of float arrays.
+    head: ``head(outer, hidden, batch) -> loss`` (a scalar).
+    scan_layers: ``True`` if ``layers`` is stacked along a leading axis.
+    remat: recompute each layer in the backward pass (as ``jax.checkpoint``
+      would) in :meth:`__call__`; the layerwise step always does.
+  """
+  embed: Callable[[Params, Batch], Hidden]
+  layer: Callable[[Params, Hidden, Batch], Hidden]
+  head: Callable[[Params, Hidden, Batch], jax.Array]
+  scan_layers: bool = True
+  remat: bool = True
+
+  def __call__(self, params: tuple[Params, Params], batch: Batch) -> jax.Array:
+    """The loss, for the plain ``jax.grad`` + optax path."""
+    outer, layers = params
+    layer = lambda p, h: self.layer(p, h, batch)
+    if self.remat:
+      layer = jax.checkpoint(layer)
+    hidden = self.embed(outer, batch)
+    if self.scan_layers:
+      hidden, _ = jax.lax.scan(lambda h, p: (layer(p, h), None), hidden,
+                               layers)
+    else:
+      for layer_params in layers:
+        hidden = layer(layer_params, hidden)
+    return self.head(outer, hidden, batch)
