@@ -157,7 +157,9 @@ def cpu_column_step(grad_rows: jax.Array, values: jax.Array,
 
   Same arguments and results as
   :func:`taco_optax._column_step.reference_column_step` (single device), for
-  the inputs :func:`supports` accepts. Works under ``jax.jit`` and
+  the inputs :func:`supports` accepts. A Python ``mu`` with ``1 - mu``
+  rounding to 1 (``mu = 0``) runs the reference, whose arithmetic XLA
+  simplifies in that case. Works under ``jax.jit`` and
   ``jax.vmap`` (batch axes are passed to the kernel, which treats each batch
   entry as its own leaf: its own ``mu`` and finiteness).
 
@@ -185,6 +187,11 @@ def cpu_column_step(grad_rows: jax.Array, values: jax.Array,
         'float8_e4m3fn/int32|int16 history with 1 <= update_topk <= k <= m; '
         f'got {grad_rows.shape} {grad_rows.dtype}, {values.shape} '
         f'{values.dtype}, {indices.dtype}, update_topk={update_topk}.')
+  if isinstance(mu, (int, float, np.number)) and np.float32(1 - mu) == 1:
+    # XLA folds the reference's (1 - mu) * g into g for such a constant mu,
+    # so subnormal gradients escape the flush the multiply would apply.
+    return _column_step.reference_column_step(grad_rows, values, indices,
+                                              exponents, mu, update_topk)
   n, k = values.shape
   # The reference's arithmetic: for a Python float, 1 - mu is formed in
   # float64 and rounded once to float32 (weak typing), not 1.0f - f32(mu).

@@ -186,7 +186,9 @@ def test_fp8_encoding_sweep(top, multiplier, limit, codes):
   values = jnp.zeros((n, 1024), jnp.float8_e4m3fn)
   indices = jnp.tile(jnp.arange(1024, dtype=jnp.int32), (n, 1))
   exponents = jnp.zeros((n,), jnp.int8)
-  step = _check(grads, values, indices, exponents, 0.0, 1)
+  # mu = 0 as an array: c = g exactly, through the kernel (a Python 0.0
+  # runs the reference, see test_python_zero_mu).
+  step = _check(grads, values, indices, exponents, jnp.float32(0.0), 1)
   # The sweep really reaches the cast: it produces many distinct codes.
   assert len(np.unique(np.asarray(step.values).view(np.uint8))) > codes
 
@@ -201,6 +203,19 @@ def test_one_minus_mu_is_rounded_like_the_reference(mu):
   grads = jnp.asarray(rng.standard_normal((64, 128)).astype(np.float32))
   _check(grads, values, indices, exponents, mu, 2)
   _check(grads, values, indices, exponents, jnp.float32(mu), 2)
+
+
+@needs_kernel
+def test_python_zero_mu():
+  # XLA folds (1 - 0.0) * g to g, so subnormal gradients survive; the
+  # kernel would flush them, so this case runs the reference.
+  rng = np.random.default_rng(5)
+  values, indices, exponents = _history(rng, 4, 40, 2, np.int32)
+  grads = jnp.asarray(_gradient(rng, (4, 40), 'subnormal'))
+  _check(grads, values, indices, exponents, 0.0, 1)
+  lowered = jax.jit(_cpu_kernel.cpu_column_step, static_argnums=(4, 5)).lower(
+      grads, values, indices, exponents, 0.0, 1)
+  assert _cpu_kernel.TARGET_NAME not in lowered.as_text()
 
 
 @needs_kernel

@@ -22,7 +22,7 @@
 #include <vector>
 
 #if defined(__x86_64__) || defined(__i386__)
-#include <xmmintrin.h>
+#include <immintrin.h>
 #endif
 
 #include "xla/ffi/api/ffi.h"
@@ -33,9 +33,9 @@ namespace {
 
 constexpr uint32_t kAbsMask = 0x7fffffffu;
 constexpr uint32_t kExponentMask = 0x7f800000u;
-// Candidates are screened in blocks: a block whose largest |c| cannot beat
-// the current k-th entry is skipped without looking at its elements.
+// Entries are screened in blocks of 16 (one 16-bit mask), 16 blocks a call.
 constexpr int64_t kBlock = 16;
+constexpr int64_t kChunkBlocks = 16;
 // Rows handed to a thread at a time: about this many gradient entries.
 constexpr int64_t kChunkElements = 1 << 16;
 
@@ -154,147 +154,258 @@ inline int64_t HistoryIndex(const Problem& p, int64_t offset) {
                          : int64_t(static_cast<const int32_t*>(p.indices)[offset]);
 }
 
-// Per-thread scratch, allocated once per thread and call, never per row.
-struct Scratch {
-  explicit Scratch(const Problem& p)
-      : candidates(p.m), block_max((p.m + kBlock - 1) / kBlock),
-        block_order(block_max.size()), survivors(p.m), positions(p.k) {}
-  std::vector<float> candidates;
-  std::vector<uint32_t> block_max;    // largest |c| bits per block
-  std::vector<uint32_t> block_order;  // for the k-th largest block maximum
-  std::vector<uint64_t> survivors;    // (|c| bits << 32) | ~position
-  std::vector<int32_t> positions;     // the selected row positions
-};
-
-// c = (1 - mu) * g for one row, with per-block maxima of |c| bits; returns
-// whether some gradient entry is NaN or infinite.
+// The dense pass screens entries 16 at a time: bit t of a block's mask says
+// that |(1 - mu) * g| of entry t has float bits >= the current bound. Masks
+// are made with SIMD, a chunk of blocks per call; each function also reports
+// whether some g in the chunk is NaN or infinite.
 template <typename G>
-bool ScaleRow(const G* row, int64_t m, float one_minus_mu, float* candidates,
-              uint32_t* block_max) {
+using MaskFunction = bool (*)(const G* row, int64_t blocks, float one_minus_mu,
+                              int32_t bound, uint16_t* masks);
+
+template <typename G>
+bool MasksPortable(const G* row, int64_t blocks, float one_minus_mu,
+                   int32_t bound, uint16_t* masks) {
   uint32_t nonfinite = 0;
-  for (int64_t start = 0; start < m; start += kBlock) {
-    const int64_t size = std::min(kBlock, m - start);
-    uint32_t largest = 0;
-    for (int64_t t = 0; t < size; ++t) {
-      const float g = Load(row + start + t);
+  for (int64_t block = 0; block < blocks; ++block) {
+    uint32_t mask = 0;
+    for (int64_t t = 0; t < kBlock; ++t) {
+      const float g = Load(row + block * kBlock + t);
       nonfinite |= uint32_t((Bits(g) & kExponentMask) == kExponentMask);
-      const float c = one_minus_mu * g;
-      candidates[start + t] = c;
-      const uint32_t key = Bits(c) & kAbsMask;
-      largest = key > largest ? key : largest;
+      const int32_t key = int32_t(Bits(one_minus_mu * g) & kAbsMask);
+      mask |= uint32_t(key >= bound) << t;
     }
-    block_max[start / kBlock] = largest;
+    masks[block] = uint16_t(mask);
   }
   return nonfinite != 0;
 }
 
-// Gathers (|c| bits << 32 | ~position) of the entries >= threshold in blocks
-// whose maximum is >= threshold, without branching per entry; returns how
-// many. Descending order of these keys is lax.top_k's order.
-int64_t Gather(int64_t m, uint32_t threshold, Scratch& s) {
-  uint64_t* survivors = s.survivors.data();
-  int64_t count = 0;
-  for (int64_t block = 0; block * kBlock < m; ++block) {
-    if (s.block_max[block] < threshold) continue;
-    const int64_t end = std::min((block + 1) * kBlock, m);
-    for (int64_t j = block * kBlock; j < end; ++j) {
-      const uint32_t key = Bits(s.candidates[j]) & kAbsMask;
-      survivors[count] = (uint64_t(key) << 32) | (0xffffffffu - uint32_t(j));
-      count += key >= threshold;
-    }
-  }
-  return count;
+#if defined(__x86_64__)
+inline __m128 LoadSse2(const float* p) { return _mm_loadu_ps(p); }
+inline __m128 LoadSse2(const uint16_t* p) {  // 4 bf16 -> f32
+  const __m128i half = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return _mm_castsi128_ps(_mm_unpacklo_epi16(_mm_setzero_si128(), half));
 }
 
-// Positions of the k largest |candidates|, in decreasing order, ties to the
-// lower position. Any T with at least k entries >= T bounds the k-th largest
-// from below, so only entries >= T need sorting. The history gives such a T
-// for free (its k merged entries; in steady state they are near the top);
-// when it leaves too many blocks, the k-th largest block maximum is one too.
-void Select(int64_t m, int64_t k, uint32_t history_bound, Scratch& s) {
-  const int64_t blocks = (m + kBlock - 1) / kBlock;
-  uint32_t threshold = history_bound;
-  if (blocks > 2 * k) {
-    int64_t open = 0;
-    for (int64_t block = 0; block < blocks; ++block) {
-      open += s.block_max[block] >= threshold;
+template <typename G>
+bool MasksSse2(const G* row, int64_t blocks, float one_minus_mu, int32_t bound,
+               uint16_t* masks) {
+  const __m128 scale = _mm_set1_ps(one_minus_mu);
+  const __m128i abs_mask = _mm_set1_epi32(int32_t(kAbsMask));
+  const __m128i exponent_mask = _mm_set1_epi32(int32_t(kExponentMask));
+  const __m128i below = _mm_set1_epi32(bound - 1);  // keys are < 2**31
+  __m128i nonfinite = _mm_setzero_si128();
+  for (int64_t block = 0; block < blocks; ++block) {
+    uint32_t mask = 0;
+    for (int quarter = 0; quarter < 4; ++quarter) {
+      const __m128 g = LoadSse2(row + block * kBlock + quarter * 4);
+      const __m128i bits = _mm_castps_si128(g);
+      nonfinite = _mm_or_si128(nonfinite, _mm_cmpeq_epi32(
+          _mm_and_si128(bits, exponent_mask), exponent_mask));
+      const __m128i key = _mm_and_si128(
+          _mm_castps_si128(_mm_mul_ps(g, scale)), abs_mask);
+      const int hits = _mm_movemask_ps(
+          _mm_castsi128_ps(_mm_cmpgt_epi32(key, below)));
+      mask |= uint32_t(hits) << (4 * quarter);
     }
-    if (open > 2 * k) {
-      std::copy(s.block_max.begin(), s.block_max.end(), s.block_order.begin());
-      std::nth_element(s.block_order.begin(), s.block_order.begin() + (k - 1),
-                       s.block_order.end(), std::greater<uint32_t>());
-      threshold = std::max(threshold, s.block_order[k - 1]);
-    }
+    masks[block] = uint16_t(mask);
   }
-  int64_t count = Gather(m, threshold, s);
-  // Fewer than k only if the history had repeated positions: take everything.
-  if (count < k) count = Gather(m, 0, s);
-  uint64_t* survivors = s.survivors.data();
-  auto larger = std::greater<uint64_t>();
-  if (count > k) {
-    std::nth_element(survivors, survivors + (k - 1), survivors + count, larger);
-  }
-  std::sort(survivors, survivors + k, larger);
-  for (int64_t slot = 0; slot < k; ++slot) {
-    s.positions[slot] = int32_t(0xffffffffu - uint32_t(survivors[slot]));
-  }
+  return _mm_movemask_epi8(nonfinite) != 0;
 }
 
-void StepRow(const Problem& p, int64_t row, Scratch& s) {
+__attribute__((target("avx2"))) inline __m256 LoadAvx2(const float* p) {
+  return _mm256_loadu_ps(p);
+}
+__attribute__((target("avx2"))) inline __m256 LoadAvx2(const uint16_t* p) {
+  const __m128i halves = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(
+      _mm256_slli_epi32(_mm256_cvtepu16_epi32(halves), 16));
+}
+
+template <typename G>
+__attribute__((target("avx2"))) bool MasksAvx2(
+    const G* row, int64_t blocks, float one_minus_mu, int32_t bound,
+    uint16_t* masks) {
+  const __m256 scale = _mm256_set1_ps(one_minus_mu);
+  const __m256i abs_mask = _mm256_set1_epi32(int32_t(kAbsMask));
+  const __m256i exponent_mask = _mm256_set1_epi32(int32_t(kExponentMask));
+  const __m256i below = _mm256_set1_epi32(bound - 1);
+  __m256i nonfinite = _mm256_setzero_si256();
+  for (int64_t block = 0; block < blocks; ++block) {
+    uint32_t mask = 0;
+    for (int half = 0; half < 2; ++half) {
+      const __m256 g = LoadAvx2(row + block * kBlock + half * 8);
+      const __m256i bits = _mm256_castps_si256(g);
+      nonfinite = _mm256_or_si256(nonfinite, _mm256_cmpeq_epi32(
+          _mm256_and_si256(bits, exponent_mask), exponent_mask));
+      const __m256i key = _mm256_and_si256(
+          _mm256_castps_si256(_mm256_mul_ps(g, scale)), abs_mask);
+      const int hits = _mm256_movemask_ps(
+          _mm256_castsi256_ps(_mm256_cmpgt_epi32(key, below)));
+      mask |= uint32_t(hits) << (8 * half);
+    }
+    masks[block] = uint16_t(mask);
+  }
+  return _mm256_movemask_epi8(nonfinite) != 0;
+}
+#endif
+
+// The widest mask function this CPU runs (chosen at run time, so the cached
+// library stays portable across machines sharing it).
+template <typename G>
+MaskFunction<G> ChooseMasks() {
+#if defined(__x86_64__)
+  if (__builtin_cpu_supports("avx2")) return MasksAvx2<G>;
+  return MasksSse2<G>;
+#else
+  return MasksPortable<G>;
+#endif
+}
+
+// An entry's rank key: descending order of (|c| bits, -position) is
+// lax.top_k's order (larger magnitude first, ties to the lower position).
+inline uint64_t RankKey(float c, int64_t position) {
+  return (uint64_t(Bits(c) & kAbsMask) << 32) |
+         (0xffffffffu - uint32_t(position));
+}
+inline int32_t RankPosition(uint64_t key) {
+  return int32_t(0xffffffffu - uint32_t(key));
+}
+
+// Per-thread scratch, allocated once per thread and call, never per row.
+struct Scratch {
+  explicit Scratch(const Problem& p)
+      : slot_of(p.m, -1), merged(p.k),
+        survivors(std::max<int64_t>(2 * p.k, p.k + 64)) {}
+  std::vector<int32_t> slot_of;     // history slot of a row position, or -1
+  std::vector<float> merged;        // (1 - mu) g + mu * history, per slot
+  std::vector<uint64_t> survivors;  // rank keys that may be in the top k
+  uint16_t masks[kChunkBlocks];
+};
+
+// The top-k candidates seen so far: every entry outside `survivors` ranks
+// below `floor`, itself the k-th best once k are held. When the buffer fills
+// it is cut back to its best k, raising the floor.
+class TopK {
+ public:
+  TopK(int64_t k, std::vector<uint64_t>& buffer)
+      : k_(k), capacity_(int64_t(buffer.size())), keys_(buffer.data()) {}
+
+  void Add(uint64_t key) {
+    if (key <= floor_) return;
+    keys_[count_++] = key;
+    if (count_ == capacity_) Shrink();
+  }
+  void Shrink() {
+    std::nth_element(keys_, keys_ + (k_ - 1), keys_ + count_,
+                     std::greater<uint64_t>());
+    count_ = k_;
+    floor_ = keys_[k_ - 1];
+  }
+  // Sets the floor to the smallest key held (valid when they are k distinct
+  // entries: nothing below all of them can be in the top k).
+  void RaiseToHeld() {
+    floor_ = *std::min_element(keys_, keys_ + count_);
+  }
+  // |c| bits an entry needs to possibly rank above the floor.
+  int32_t bound() const { return int32_t(floor_ >> 32); }
+  // Sorts the best k to the front, best first.
+  const uint64_t* Finish() {
+    if (count_ > k_) Shrink();
+    std::sort(keys_, keys_ + count_, std::greater<uint64_t>());
+    return keys_;
+  }
+  int64_t count() const { return count_; }
+
+ private:
+  int64_t k_, capacity_, count_ = 0;
+  uint64_t* keys_;
+  uint64_t floor_ = 0;  // every rank key is > 0
+};
+
+template <typename G>
+void StepRow(const Problem& p, MaskFunction<G> masks_of, int64_t row_index,
+             Scratch& s) {
   const int64_t m = p.m, k = p.k, r = p.r;
-  const int64_t entry = row / p.rows;  // batch entry of this row
-  float* candidates = s.candidates.data();
-  const bool nonfinite =
-      p.grads_bf16
-          ? ScaleRow(static_cast<const uint16_t*>(p.grads) + row * m, m,
-                     p.one_minus_mu[entry], candidates, s.block_max.data())
-          : ScaleRow(static_cast<const float*>(p.grads) + row * m, m,
-                     p.one_minus_mu[entry], candidates, s.block_max.data());
-  if (nonfinite) p.nonfinite[entry].store(true, std::memory_order_relaxed);
+  const int64_t entry = row_index / p.rows;  // batch entry of this row
+  const G* row = static_cast<const G*>(p.grads) + row_index * m;
+  const float one_minus_mu = p.one_minus_mu[entry], mu = p.mu[entry];
+  TopK top(k, s.survivors);
 
-  // Add the decayed history; the block maxima stay upper bounds.
-  uint32_t history_bound = 0xffffffffu;  // smallest merged |c| bits
-  const float mu = p.mu[entry];
-  const float scale = Pow2(p.exponents[row]);
+  // The history's k entries first: c = (1 - mu) g + mu * decoded value.
+  const float scale = Pow2(p.exponents[row_index]);
+  bool distinct = true;
   for (int64_t slot = 0; slot < k; ++slot) {
-    const int64_t j = HistoryIndex(p, row * k + slot);
+    const int64_t j = HistoryIndex(p, row_index * k + slot);
     if (j < 0 || j >= m) {  // never produced; keeps memory safe
-      history_bound = 0;
+      distinct = false;
       continue;
     }
-    const float previous = DecodeE4M3(p.values[row * k + slot]) * scale;
-    candidates[j] = candidates[j] + mu * previous;
-    const uint32_t key = Bits(candidates[j]) & kAbsMask;
-    uint32_t& largest = s.block_max[j / kBlock];
-    largest = key > largest ? key : largest;
-    history_bound = std::min(history_bound, key);
+    distinct = distinct && s.slot_of[j] < 0;
+    s.slot_of[j] = int32_t(slot);
+    const float previous = DecodeE4M3(p.values[row_index * k + slot]) * scale;
+    s.merged[slot] = one_minus_mu * Load(row + j) + mu * previous;
+    top.Add(RankKey(s.merged[slot], j));
   }
+  if (distinct) top.RaiseToHeld();
 
-  Select(m, k, history_bound, s);
+  // One pass over the row; entries under the floor are never looked at.
+  bool nonfinite = false;
+  const int64_t full_blocks = m / kBlock;
+  for (int64_t first = 0; first < full_blocks; first += kChunkBlocks) {
+    const int64_t blocks = std::min(kChunkBlocks, full_blocks - first);
+    nonfinite |= masks_of(row + first * kBlock, blocks, one_minus_mu,
+                          top.bound(), s.masks);
+    for (int64_t block = 0; block < blocks; ++block) {
+      for (uint32_t mask = s.masks[block]; mask != 0; mask &= mask - 1) {
+        const int64_t j = (first + block) * kBlock + __builtin_ctz(mask);
+        if (s.slot_of[j] >= 0) continue;  // already in, merged
+        top.Add(RankKey(one_minus_mu * Load(row + j), j));
+      }
+    }
+  }
+  for (int64_t j = full_blocks * kBlock; j < m; ++j) {
+    const float g = Load(row + j);
+    nonfinite |= (Bits(g) & kExponentMask) == kExponentMask;
+    if (s.slot_of[j] < 0) top.Add(RankKey(one_minus_mu * g, j));
+  }
+  if (nonfinite) p.nonfinite[entry].store(true, std::memory_order_relaxed);
+  // At least k are held: the k history entries, or with a broken history
+  // (floor 0) every position.
+  const uint64_t* best = top.Finish();
+  auto value_at = [&](int32_t j) {
+    return s.slot_of[j] >= 0 ? s.merged[s.slot_of[j]]
+                             : one_minus_mu * Load(row + j);
+  };
 
   // Encode: the largest |value| goes to [2**7, 2**8) (frexp exponent - 8).
-  const uint32_t top = Bits(candidates[s.positions[0]]) & kAbsMask;
+  const uint32_t top_bits = uint32_t(best[0] >> 32);
   const int32_t frexp_exponent =
-      (top == 0 || top >= kExponentMask) ? 0 : int32_t(top >> 23) - 126;
+      (top_bits == 0 || top_bits >= kExponentMask) ? 0
+                                                   : int32_t(top_bits >> 23) - 126;
   const int32_t exponent = std::clamp(frexp_exponent - 8, -126, 119);
   const float inverse_scale = Pow2(-exponent);
-  p.new_exponents[row] = int8_t(exponent);
+  p.new_exponents[row_index] = int8_t(exponent);
   for (int64_t slot = 0; slot < k; ++slot) {
-    const int32_t j = s.positions[slot];
-    const float value = candidates[j];
+    const int32_t j = RankPosition(best[slot]);
+    const float value = value_at(j);
     float scaled = value * inverse_scale;
     scaled = scaled > 448.0f ? 448.0f : (scaled < -448.0f ? -448.0f : scaled);
-    p.new_values[row * k + slot] = EncodeE4M3(scaled);
+    const int64_t out = row_index * k + slot;
+    p.new_values[out] = EncodeE4M3(scaled);
     if (p.indices_int16) {
-      static_cast<int16_t*>(p.new_indices)[row * k + slot] = int16_t(j);
+      static_cast<int16_t*>(p.new_indices)[out] = int16_t(j);
     } else {
-      static_cast<int32_t*>(p.new_indices)[row * k + slot] = j;
+      static_cast<int32_t*>(p.new_indices)[out] = j;
     }
     if (slot < r) {
-      p.winner_indices[row * r + slot] = j;
-      p.winner_signs[row * r + slot] =
+      p.winner_indices[row_index * r + slot] = j;
+      p.winner_signs[row_index * r + slot] =
           value > 0.0f ? 1.0f : (value < 0.0f ? -1.0f : value);
     }
+  }
+  for (int64_t slot = 0; slot < k; ++slot) {
+    const int64_t j = HistoryIndex(p, row_index * k + slot);
+    if (j >= 0 && j < m) s.slot_of[j] = -1;
   }
 }
 
@@ -306,6 +417,8 @@ struct Work {
   int64_t chunk_rows = 1, chunks = 0;
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> finished{0};
+  MaskFunction<float> f32_masks = ChooseMasks<float>();
+  MaskFunction<uint16_t> bf16_masks = ChooseMasks<uint16_t>();
 
   void Run() {
     std::unique_ptr<Scratch> scratch;
@@ -317,7 +430,11 @@ struct Work {
       const int64_t total = problem.batch * problem.rows;
       const int64_t end = std::min(total, (chunk + 1) * chunk_rows);
       for (int64_t row = chunk * chunk_rows; row < end; ++row) {
-        StepRow(problem, row, *scratch);
+        if (problem.grads_bf16) {
+          StepRow(problem, bf16_masks, row, *scratch);
+        } else {
+          StepRow(problem, f32_masks, row, *scratch);
+        }
       }
       finished.fetch_add(1, std::memory_order_acq_rel);
     }
