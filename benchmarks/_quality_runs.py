@@ -22,10 +22,10 @@ import numpy as np
 import optax
 
 from examples.finetune import data as data_lib
-from examples.finetune import model as model_lib
+from examples.finetune import evaluation as evaluation_lib
+from examples.finetune import losses as losses_lib
 from examples.finetune import optimizers as optimizers_lib
-from examples.finetune import train as train_lib
-import taco_optax
+from examples.finetune import trainers as trainers_lib
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +44,11 @@ class Variant:
   taco_update_topk: int = 1
 
   @property
+  def taco(self) -> optimizers_lib.TacoSettings:
+    return optimizers_lib.TacoSettings(self.taco_k, self.taco_mu,
+                                       self.taco_update_topk)
+
+  @property
   def label(self) -> str:
     if self.optimizer != 'taco':
       return self.optimizer
@@ -51,31 +56,11 @@ class Variant:
     return f'taco(k={k},mu={self.taco_mu:g},r={self.taco_update_topk})'
 
 
-def _taco_with_update_topk(variant: Variant, hints):
-  """The registry's TACO (same dimension numbers and scales) with Top-r.
-
-  The registry's ``ModelHints`` carries ``k`` and ``mu`` but not the update
-  Top-r of the paper's ablation; this adds it.
-  """
-  def build(schedule, hints):
-    return taco_optax.taco(
-        schedule, k=variant.taco_k, mu=variant.taco_mu,
-        update_topk=variant.taco_update_topk,
-        weight_dimension_numbers=hints.taco_dimension_numbers,
-        update_scale=hints.taco_update_scale)
-  return build
-
-
 def build_transformation(variant: Variant, hints) -> tuple[Any, bool]:
   """``(inject_hyperparams transformation, needs_loss)`` for a variant."""
   spec = optimizers_lib.get(variant.optimizer)
-  build = spec.build
-  if variant.optimizer == 'taco':
-    hints = dataclasses.replace(hints, taco_k=variant.taco_k,
-                                taco_mu=variant.taco_mu)
-    if variant.taco_update_topk != 1 or variant.taco_k is None:
-      build = _taco_with_update_topk(variant, hints)
-  factory = lambda learning_rate: build(learning_rate, hints)
+  factory = lambda learning_rate: spec.build(learning_rate, hints,
+                                             variant.taco)
   return optax.inject_hyperparams(factory)(learning_rate=0.0), spec.needs_loss
 
 
@@ -95,7 +80,7 @@ class Runner:
   Args:
     model: the ``DecoderLM`` whose current parameters every run starts from.
     train_tokens: tokenised training examples.
-    eval_set: the held-out ``train.EvalSet`` (``None``: no evaluation).
+    eval_set: the held-out ``evaluation.EvalSet`` (``None``: no evaluation).
     tokenizer: the tokenizer (for evaluation).
     batch_size: training batch size.
     seq_len: padded training and evaluation length.
@@ -116,12 +101,11 @@ class Runner:
     self.seq_len = seq_len
     self.pad_id = pad_id
     self.hints = hints
-    self.eval_config = train_lib.RunConfig(
-        seq_len=seq_len, eval_batch_size=eval_batch_size, progress=False)
+    self.eval_batch_size = eval_batch_size
     self._compiled: dict[Variant, CompiledStep] = {}
 
   def loss(self, params, batch):
-    return train_lib.completion_loss(
+    return losses_lib.completion_loss(
         nnx.merge(self.graphdef, params, self.rest), batch)
 
   def model_of(self, params):
@@ -152,15 +136,16 @@ class Runner:
     compiled = jax.jit(step, donate_argnums=(0, 1)).lower(
         params, state, self._first_batch(), jnp.float32(0.0)).compile()
     seconds = time.perf_counter() - start
-    peak, source = train_lib.peak_memory(compiled)
+    peak, source = trainers_lib.peak_memory(compiled)
     self._compiled[variant] = CompiledStep(compiled, transformation, seconds,
                                            peak, source)
     return self._compiled[variant]
 
   def evaluate(self, params) -> float:
     """Held-out accuracy (the task's headline metric)."""
-    scores = train_lib.evaluate(self.model_of(params), self.eval_set,
-                                self.tokenizer, self.eval_config)
+    scores = evaluation_lib.evaluate(
+        self.model_of(params), self.eval_set, self.tokenizer,
+        seq_len=self.seq_len, batch_size=self.eval_batch_size)
     return float(next(iter(scores.values())))
 
   def train(self, variant: Variant, learning_rate: float, seed: int,
@@ -239,19 +224,11 @@ class Runner:
     }
 
 
-def model_hints(model_config, **overrides):
-  """The registry's ``ModelHints`` for an example ``DecoderLM``."""
-  return optimizers_lib.ModelHints(
-      taco_dimension_numbers=model_lib.taco_dimension_numbers,
-      taco_update_scale=model_lib.taco_update_scale,
-      vocab_size=model_config.vocab_size, **overrides)
-
-
 def layerwise_taco_peak(model, batch, hints) -> tuple[Optional[int], str]:
   """Compiled peak memory of the example's layer-wise TACO step."""
   schedule = optimizers_lib.linear_schedule(3e-5, 10, 1)
-  trainer = train_lib.LayerwiseTacoTrainer(model, schedule, hints)
-  return train_lib.peak_memory(trainer.compile(batch))
+  trainer = trainers_lib.LayerwiseTacoTrainer(model, schedule, hints)
+  return trainers_lib.peak_memory(trainer.compile(batch))
 
 
 def mean_std(values: Sequence[float]) -> tuple[float, float]:

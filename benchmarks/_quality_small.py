@@ -18,7 +18,7 @@ import numpy as np
 from examples.finetune import config as config_lib
 from examples.finetune import data as data_lib
 from examples.finetune import model as model_lib
-from examples.finetune import train as train_lib
+from examples.finetune import evaluation as evaluation_lib
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,7 +62,7 @@ def compact_vocabulary(examples: Sequence[data_lib.TokenizedExample],
 
 
 def compact_eval_set(eval_set, vocabulary: CompactVocabulary):
-  return train_lib.EvalSet(
+  return evaluation_lib.EvalSet(
       eval_set.task, eval_set.examples,
       [vocabulary.ids(p) for p in eval_set.prompts],
       [[vocabulary.ids(c) for c in cands] for cands in eval_set.candidates])

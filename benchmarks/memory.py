@@ -38,21 +38,18 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from benchmarks import planner
+from benchmarks import presets
 from examples.finetune import config as config_lib
 from examples.finetune import data as data_lib
 from examples.finetune import layerwise
 from examples.finetune import losses as losses_lib
+from examples.finetune import memory_plan
 from examples.finetune import model as model_lib
+from examples.finetune import optimizers as optimizers_lib
 import taco_optax
 
 # SmolLM2-135M (Hugging Face config.json, Llama architecture).
-SMOLLM2_135M = planner.PRESETS['smollm2-135m']
-
-
-def tree_bytes(tree):
-  return sum(x.size * jnp.dtype(x.dtype).itemsize
-             for x in jax.tree.leaves(tree))
+SMOLLM2_135M = presets.PRESETS['smollm2-135m']
 
 
 def peak_bytes(fn, args, donate=()):
@@ -65,11 +62,23 @@ def peak_bytes(fn, args, donate=()):
 
 
 def plain_step(loss, tx):
+  """``value_and_grad -> tx.update -> apply_updates``: every gradient at once.
+  """
+  value_and_grad = jax.value_and_grad(loss)
+
   def step(params, opt_state, batch):
-    value, grads = jax.value_and_grad(loss)(params, batch)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, value
+    value, grads = value_and_grad(params, batch)
+    updates, new_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), new_state, value
+
   return step
+
+
+def layerwise_taco(decoder, config):
+  """The layer-wise TACO step of ``decoder`` with the paper's settings."""
+  return taco_optax.layerwise_train_step(
+      decoder.loss, 3e-5, **optimizers_lib.taco_kwargs(
+          optimizers_lib.TacoSettings(), optimizers_lib.decoder_hints(config)))
 
 
 def abstract_decoder(hf_config, *, dtype, scan_layers, num_layers=None):
@@ -98,10 +107,7 @@ def measure(hf_config, *, dtype, scan_layers, batch, seq, num_layers=None,
   tokens = jax.eval_shape(token_batch,
                           jax.ShapeDtypeStruct((batch, seq), jnp.int32),
                           jax.ShapeDtypeStruct((batch, seq), jnp.bool_))
-  train = taco_optax.layerwise_train_step(
-      decoder.loss, 3e-5,
-      weight_dimension_numbers=model_lib.taco_dimension_numbers,
-      update_scale=model_lib.taco_update_scale)
+  train = layerwise_taco(decoder, config)
   rows = []
   for path in paths:
     start = time.perf_counter()
@@ -114,9 +120,9 @@ def measure(hf_config, *, dtype, scan_layers, batch, seq, num_layers=None,
       step = train.step if path == 'taco layerwise' else plain_step(
           decoder.loss, tx)
       peak, temp = peak_bytes(step, (params, state, tokens), donate=(0, 1))
-    rows.append((path, peak, tree_bytes(state), temp,
+    rows.append((path, peak, memory_plan.tree_bytes(state), temp,
                  time.perf_counter() - start))
-  return config, tree_bytes(params), rows
+  return config, memory_plan.tree_bytes(params), rows
 
 
 def print_table(title, weights, rows):
@@ -154,10 +160,7 @@ def execute(path, *, dtype, scan_layers, batch, seq, num_layers, steps,
   tokens = jax.random.randint(jax.random.key(1), (batch, seq), 0,
                               config.vocab_size)
   batch_data = token_batch(tokens, jnp.ones((batch, seq), bool))
-  train = taco_optax.layerwise_train_step(
-      decoder.loss, 3e-5,
-      weight_dimension_numbers=model_lib.taco_dimension_numbers,
-      update_scale=model_lib.taco_update_scale)
+  train = layerwise_taco(decoder, config)
   if path == 'forward':
     run = jax.jit(decoder.loss)
     args = (params, batch_data)
@@ -182,8 +185,8 @@ def execute(path, *, dtype, scan_layers, batch, seq, num_layers, steps,
   stats = jax.devices()[0].memory_stats() or {}
   return {'path': path, 'scan_layers': scan_layers, 'dtype': dtype.name,
           'batch': batch, 'seq': seq, 'layers': config.num_layers,
-          'weights_bytes': tree_bytes(params) if path == 'forward'
-                           else tree_bytes(carry[0]),
+          'weights_bytes': memory_plan.tree_bytes(params) if path == 'forward'
+                           else memory_plan.tree_bytes(carry[0]),
           'peak_bytes_in_use': stats.get('peak_bytes_in_use'),
           'step_seconds': seconds, 'tokens_per_second': batch * seq / seconds,
           'loss': float(value), 'device': jax.devices()[0].device_kind}

@@ -1,16 +1,16 @@
 """Predicts the peak training memory of TACO and AdamW for a Hugging Face model.
 
 Give a ``config.json`` (Llama, Mistral, Qwen3, OPT, GPT-NeoX) or a preset and
-a batch size / sequence length; prints the predicted peak of
+a batch size / sequence length; :func:`plan` predicts the peak of
 
 * TACO with the layerwise step (``taco_optax.layerwise_train_step``),
 * TACO with the plain optax step (every dense gradient alive at once),
 * AdamW with the plain optax step (moments in the parameter dtype, as optax
   does by default, and with float32 moments),
 
-and whether each fits on a GPU of ``--gpu-gb`` GB. The estimate is
-``examples/finetune/memory_plan.py``, which the example also uses to refuse
-a run that cannot fit its device; its docstring gives the formula. Parameter
+and the script prints whether each fits on a GPU of ``--gpu-gb`` GB. The
+formula is ``examples/finetune/memory_plan.py``'s, which the example also uses
+to refuse a run that cannot fit its device; its docstring gives it. Parameter
 and state sizes are exact; the rest was checked against XLA's compiled memory
 analysis of the same step on small models (``--validate`` repeats that
 check).
@@ -23,54 +23,72 @@ check).
 import argparse
 import json
 
+from flax import nnx
+import jax
 import jax.numpy as jnp
+import optax
 
+from benchmarks import memory
+from benchmarks import presets
+from examples.finetune import config as config_lib
 from examples.finetune import memory_plan
+from examples.finetune import model as model_lib
+from examples.finetune import optimizers as optimizers_lib
+import taco_optax
 
 GB = memory_plan.GB
 
-# Public Hugging Face config.json values (the keys the planner needs).
-PRESETS = {
-    'opt-13b': {
-        'architectures': ['OPTForCausalLM'], 'model_type': 'opt',
-        'hidden_size': 5120, 'num_hidden_layers': 40,
-        'num_attention_heads': 40, 'ffn_dim': 20480, 'vocab_size': 50272,
-        'max_position_embeddings': 2048, 'word_embed_proj_dim': 5120,
-        'do_layer_norm_before': True, 'activation_function': 'relu',
-        'enable_bias': True, 'layer_norm_elementwise_affine': True,
-        'tie_word_embeddings': True, 'bos_token_id': 2, 'eos_token_id': 2,
-        'pad_token_id': 1,
-    },
-    'opt-30b': {
-        'architectures': ['OPTForCausalLM'], 'model_type': 'opt',
-        'hidden_size': 7168, 'num_hidden_layers': 48,
-        'num_attention_heads': 56, 'ffn_dim': 28672, 'vocab_size': 50272,
-        'max_position_embeddings': 2048, 'word_embed_proj_dim': 7168,
-        'do_layer_norm_before': True, 'activation_function': 'relu',
-        'enable_bias': True, 'layer_norm_elementwise_affine': True,
-        'tie_word_embeddings': True, 'bos_token_id': 2, 'eos_token_id': 2,
-        'pad_token_id': 1,
-    },
-    'qwen3-32b': {
-        'architectures': ['Qwen3ForCausalLM'], 'model_type': 'qwen3',
-        'hidden_size': 5120, 'num_hidden_layers': 64,
-        'num_attention_heads': 64, 'num_key_value_heads': 8, 'head_dim': 128,
-        'intermediate_size': 25600, 'vocab_size': 151936,
-        'max_position_embeddings': 40960, 'rms_norm_eps': 1e-6,
-        'rope_theta': 1000000.0, 'tie_word_embeddings': False,
-        'hidden_act': 'silu', 'attention_bias': False,
-        'bos_token_id': 151643, 'eos_token_id': 151645,
-    },
-    'smollm2-135m': {
-        'architectures': ['LlamaForCausalLM'], 'model_type': 'llama',
-        'vocab_size': 49152, 'hidden_size': 576, 'intermediate_size': 1536,
-        'num_hidden_layers': 30, 'num_attention_heads': 9,
-        'num_key_value_heads': 3, 'head_dim': 64,
-        'max_position_embeddings': 8192, 'rms_norm_eps': 1e-5,
-        'rope_theta': 100000.0, 'tie_word_embeddings': True,
-        'hidden_act': 'silu', 'bos_token_id': 0, 'eos_token_id': 0,
-    },
-}
+
+def abstract_params(config, dtype):
+  """``(outer, layers)`` abstract parameter states of a scanned DecoderLM."""
+  return memory_plan.model_params(nnx.eval_shape(lambda: model_lib.DecoderLM(
+      config, dtype=dtype, param_dtype=dtype, scan_layers=True,
+      rngs=nnx.Rngs(0))))
+
+
+def plan(hf_config, *, batch, seq, dtype=jnp.bfloat16, scan_layers=True):
+  """Predicted peak bytes of TACO and AdamW for a Hugging Face config.
+
+  Args:
+    hf_config: a ``config.json`` as a dict.
+    batch: sequences per step.
+    seq: tokens per sequence.
+    dtype: parameter (and compute) dtype.
+    scan_layers: stacked layers (``lax.scan``) or unrolled ones.
+
+  Returns:
+    A dict of the model ``config``, the bytes of ``weights``, ``taco_state``,
+    ``adamw_state``, ``saved_inputs``, ``head_phase``, ``layer_phase``,
+    ``outer_grads``, and ``peaks``: predicted peak bytes per method.
+  """
+  config = config_lib.ModelConfig.from_hf_config(hf_config)
+  params = abstract_params(config, dtype)
+  itemsize = jnp.dtype(dtype).itemsize
+  plan_terms = memory_plan.terms(config, params, batch=batch, seq=seq,
+                                 itemsize=itemsize, scan_layers=scan_layers)
+  taco = taco_optax.taco(3e-5, **optimizers_lib.taco_kwargs(
+      optimizers_lib.TacoSettings(), optimizers_lib.decoder_hints(config)))
+  taco_state = memory_plan.tree_bytes(jax.eval_shape(taco.init, params))
+  adamw_state = memory_plan.tree_bytes(
+      jax.eval_shape(optax.adamw(1e-5).init, params))
+  adamw_state_f32 = 8 * plan_terms.weights // itemsize
+  return {
+      'config': config, 'weights': plan_terms.weights,
+      'taco_state': taco_state, 'adamw_state': adamw_state,
+      'saved_inputs': plan_terms.saved_inputs,
+      'head_phase': plan_terms.head_phase,
+      'layer_phase': plan_terms.layer_phase,
+      'outer_grads': plan_terms.embed_matrix_grads,
+      'peaks': {
+          'taco layerwise': memory_plan.layerwise_peak(plan_terms,
+                                                       taco_state),
+          'taco plain': memory_plan.plain_peak(plan_terms, taco_state),
+          'adamw plain': memory_plan.plain_peak(plan_terms, adamw_state),
+          'adamw plain, f32 moments': memory_plan.plain_peak(
+              plan_terms, adamw_state_f32),
+      },
+  }
+
 
 # The paper's measured peak memory of TACO on SST-2, in GB (OPT-13B: Figure 4;
 # OPT-30B and Qwen3-32B: Table 5).
@@ -96,19 +114,18 @@ def print_plan(name, result, gpu_gb):
 
 def validate():
   """Formula vs compiled memory analysis on small models (CPU, float32)."""
-  from benchmarks import memory  # pylint: disable=import-outside-toplevel
   print('\nvalidation: formula vs XLA compiled peak (float32, batch 4, seq 64)')
   print(f'  {"model":<22}{"method":<16}{"compiled MB":>12}{"formula MB":>12}'
         f'{"ratio":>7}')
   ratios = []
   for name, layers in (('smollm2-135m', None), ('opt-30b', 2)):
-    hf = dict(PRESETS[name])
+    hf = dict(presets.PRESETS[name])
     if layers:
       hf['num_hidden_layers'] = layers
     _, _, rows = memory.measure(hf, dtype=jnp.float32, scan_layers=True,
                                 batch=4, seq=64,
                                 paths=('forward', 'taco layerwise', 'adamw'))
-    predicted = memory_plan.plan(hf, batch=4, seq=64,
+    predicted = plan(hf, batch=4, seq=64,
                                  dtype=jnp.float32)['peaks']
     for path, peak, *_ in rows[1:]:
       formula = predicted['taco layerwise' if 'taco' in path
@@ -123,7 +140,8 @@ def validate():
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
   parser.add_argument('--config', help='a Hugging Face config.json')
-  parser.add_argument('--preset', choices=sorted(PRESETS), action='append')
+  parser.add_argument('--preset', choices=sorted(presets.PRESETS),
+                      action='append')
   parser.add_argument('--batch', type=int, default=4)
   parser.add_argument('--seq', type=int, default=128)
   parser.add_argument('--dtype', default='bfloat16')
@@ -136,10 +154,10 @@ def main():
     with open(args.config) as f:
       targets.append((args.config, json.load(f)))
   for name in args.preset or ([] if args.config else sorted(PAPER_TABLE5_GB)):
-    targets.append((name, PRESETS[name]))
+    targets.append((name, presets.PRESETS[name]))
   errors = {}
   for name, hf in targets:
-    result = memory_plan.plan(hf, batch=args.batch, seq=args.seq,
+    result = plan(hf, batch=args.batch, seq=args.seq,
                               dtype=dtype)
     print_plan(name, result, args.gpu_gb)
     if name in PAPER_TABLE5_GB:

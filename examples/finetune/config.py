@@ -269,6 +269,28 @@ def _qwen3(hf: _HFConfig) -> ModelConfig:
                      sliding_window=int(window) if window else None)
 
 
+def _multi_head_layer_norm(hf: _HFConfig, *, ffn_key: str,
+                           tied_by_default: bool) -> dict[str, Any]:
+  """Fields shared by OPT and GPT-NeoX: one key/value head per query head,
+  layer norms, a plain biased MLP."""
+  num_heads = int(hf['num_attention_heads'])
+  hidden = int(hf['hidden_size'])
+  return dict(
+      vocab_size=int(hf['vocab_size']),
+      hidden_size=hidden,
+      num_layers=int(hf['num_hidden_layers']),
+      num_heads=num_heads,
+      num_kv_heads=num_heads,
+      head_dim=hidden // num_heads,
+      intermediate_size=int(hf[ffn_key]),
+      max_position_embeddings=int(hf['max_position_embeddings']),
+      tie_word_embeddings=bool(hf.get('tie_word_embeddings',
+                                      tied_by_default)),
+      norm_type='layer',
+      mlp_type='plain',
+      mlp_bias=True)
+
+
 def _opt(hf: _HFConfig) -> ModelConfig:
   hidden = int(hf['hidden_size'])
   unsupported = []
@@ -288,32 +310,18 @@ def _opt(hf: _HFConfig) -> ModelConfig:
   if unsupported:
     raise ValueError('unsupported architecture: OPT with '
                      + ', '.join(unsupported) + '.')
-  num_heads = int(hf['num_attention_heads'])
   return ModelConfig(
       family='opt',
-      vocab_size=int(hf['vocab_size']),
-      hidden_size=hidden,
-      num_layers=int(hf['num_hidden_layers']),
-      num_heads=num_heads,
-      num_kv_heads=num_heads,
-      head_dim=hidden // num_heads,
-      intermediate_size=int(hf['ffn_dim']),
-      max_position_embeddings=int(hf['max_position_embeddings']),
-      tie_word_embeddings=bool(hf.get('tie_word_embeddings', True)),
+      **_multi_head_layer_norm(hf, ffn_key='ffn_dim', tied_by_default=True),
       norm_eps=1e-5,
-      norm_type='layer',
-      mlp_type='plain',
       activation=activation,
       attention_bias=True,
-      mlp_bias=True,
       learned_positions=True,
       position_offset=2,
       **_token_ids(hf))
 
 
 def _gpt_neox(hf: _HFConfig) -> ModelConfig:
-  num_heads = int(hf['num_attention_heads'])
-  hidden = int(hf['hidden_size'])
   activation = {'gelu': 'gelu', 'gelu_new': 'gelu_tanh',
                 'gelu_pytorch_tanh': 'gelu_tanh', 'gelu_fast': 'gelu_tanh',
                 'relu': 'relu', 'silu': 'silu'}.get(hf.get('hidden_act',
@@ -328,22 +336,12 @@ def _gpt_neox(hf: _HFConfig) -> ModelConfig:
   fields = _rope_fields(hf, default_theta=hf.get('rotary_emb_base', 10000.0))
   return ModelConfig(
       family='gpt_neox',
-      vocab_size=int(hf['vocab_size']),
-      hidden_size=hidden,
-      num_layers=int(hf['num_hidden_layers']),
-      num_heads=num_heads,
-      num_kv_heads=num_heads,
-      head_dim=hidden // num_heads,
-      intermediate_size=int(hf['intermediate_size']),
-      max_position_embeddings=int(hf['max_position_embeddings']),
-      tie_word_embeddings=bool(hf.get('tie_word_embeddings', False)),
+      **_multi_head_layer_norm(hf, ffn_key='intermediate_size',
+                               tied_by_default=False),
       partial_rotary_factor=float(partial),
       norm_eps=float(hf.get('layer_norm_eps', 1e-5)),
-      norm_type='layer',
-      mlp_type='plain',
       activation=activation,
       attention_bias=bool(hf.get('attention_bias', True)),
-      mlp_bias=True,
       parallel_residual=bool(hf.get('use_parallel_residual', True)),
       fused_qkv=True,
       **fields, **_token_ids(hf))

@@ -131,7 +131,8 @@ def _generate(model, eval_set, tokenizer, seq_len, batch_size,
   return texts
 
 
-def evaluate(model, eval_set: EvalSet, tokenizer, config,
+def evaluate(model, eval_set: EvalSet, tokenizer, *, seq_len: int,
+             batch_size: int, max_new_tokens: int = 16,
              stop_ids=()) -> dict[str, float]:
   """The task metric(s) of ``model`` on ``eval_set``.
 
@@ -139,8 +140,9 @@ def evaluate(model, eval_set: EvalSet, tokenizer, config,
     model: a :class:`model.DecoderLM`.
     eval_set: the held-out set.
     tokenizer: decodes generated tokens (generative tasks).
-    config: the run's ``train.RunConfig``; ``seq_len``, ``eval_batch_size``
-      and ``max_new_tokens`` are read.
+    seq_len: padded length of every evaluation sequence.
+    batch_size: sequences per forward pass.
+    max_new_tokens: generation length (generative tasks).
     stop_ids: token ids that end a generation.
 
   Returns:
@@ -149,15 +151,14 @@ def evaluate(model, eval_set: EvalSet, tokenizer, config,
   model.eval()
   try:
     if eval_set.task.generative:
-      predictions = _generate(model, eval_set, tokenizer, config.seq_len,
-                              config.eval_batch_size, config.max_new_tokens,
-                              set(stop_ids))
+      predictions = _generate(model, eval_set, tokenizer, seq_len, batch_size,
+                              max_new_tokens, set(stop_ids))
     elif eval_set.single_token:
-      predictions = _predict_single_token(model, eval_set, config.seq_len,
-                                          config.eval_batch_size)
+      predictions = _predict_single_token(model, eval_set, seq_len,
+                                          batch_size)
     else:
-      predictions = _predict_by_likelihood(model, eval_set, config.seq_len,
-                                           config.eval_batch_size)
+      predictions = _predict_by_likelihood(model, eval_set, seq_len,
+                                           batch_size)
   finally:
     model.train()
   return tasks_lib.score(eval_set.task, eval_set.examples, predictions)

@@ -30,11 +30,9 @@ from typing import Any, NamedTuple, Optional
 from flax import nnx
 import jax
 import jax.numpy as jnp
-import optax
 
 from examples.finetune import config as config_lib
 from examples.finetune import model as model_lib
-import taco_optax
 
 GB = 1e9
 
@@ -50,13 +48,6 @@ def model_params(model) -> tuple[Any, Any]:
   state = nnx.state(model, nnx.Param)
   outer = {k: v for k, v in state.items() if k != 'layers'}
   return outer, state['layers']
-
-
-def abstract_params(config, dtype):
-  """``(outer, layers)`` abstract parameter states of a scanned DecoderLM."""
-  return model_params(nnx.eval_shape(lambda: model_lib.DecoderLM(
-      config, dtype=dtype, param_dtype=dtype, scan_layers=True,
-      rngs=nnx.Rngs(0))))
 
 
 class Terms(NamedTuple):
@@ -99,7 +90,7 @@ def terms(config: config_lib.ModelConfig, params, *, batch: int, seq: int,
       slice_copy=slice_copy,
       layer_phase=layer_bytes + layer_activations + slice_copy,
       outer_matrix_grads=sum(tree_bytes(x) for x in jax.tree.leaves(outer)
-                             if len(x.shape) >= 2),
+                             if model_lib.is_matrix(x)),
       embed_matrix_grads=sum(tree_bytes(outer[name])
                              for name in ('embed', 'positions')
                              if name in outer))
@@ -118,48 +109,6 @@ def plain_peak(plan_terms: Terms, state_bytes: int) -> int:
   t = plan_terms
   return (t.weights + state_bytes + t.saved_inputs + t.weights
           + max(t.head_phase, t.layer_activations + t.slice_copy))
-
-
-def plan(hf_config, *, batch, seq, dtype=jnp.bfloat16, scan_layers=True):
-  """Predicted peak bytes of TACO and AdamW for a Hugging Face config.
-
-  Args:
-    hf_config: a ``config.json`` as a dict.
-    batch: sequences per step.
-    seq: tokens per sequence.
-    dtype: parameter (and compute) dtype.
-    scan_layers: stacked layers (``lax.scan``) or unrolled ones.
-
-  Returns:
-    A dict of the model ``config``, the bytes of ``weights``, ``taco_state``,
-    ``adamw_state``, ``saved_inputs``, ``head_phase``, ``layer_phase``,
-    ``outer_grads``, and ``peaks``: predicted peak bytes per method.
-  """
-  config = config_lib.ModelConfig.from_hf_config(hf_config)
-  params = abstract_params(config, dtype)
-  itemsize = jnp.dtype(dtype).itemsize
-  plan_terms = terms(config, params, batch=batch, seq=seq, itemsize=itemsize,
-                     scan_layers=scan_layers)
-  taco = taco_optax.taco(
-      3e-5, weight_dimension_numbers=model_lib.taco_dimension_numbers,
-      update_scale=model_lib.taco_update_scale)
-  taco_state = tree_bytes(jax.eval_shape(taco.init, params))
-  adamw_state = tree_bytes(jax.eval_shape(optax.adamw(1e-5).init, params))
-  adamw_state_f32 = 8 * plan_terms.weights // itemsize
-  return {
-      'config': config, 'weights': plan_terms.weights,
-      'taco_state': taco_state, 'adamw_state': adamw_state,
-      'saved_inputs': plan_terms.saved_inputs,
-      'head_phase': plan_terms.head_phase,
-      'layer_phase': plan_terms.layer_phase,
-      'outer_grads': plan_terms.embed_matrix_grads,
-      'peaks': {
-          'taco layerwise': layerwise_peak(plan_terms, taco_state),
-          'taco plain': plain_peak(plan_terms, taco_state),
-          'adamw plain': plain_peak(plan_terms, adamw_state),
-          'adamw plain, f32 moments': plain_peak(plan_terms, adamw_state_f32),
-      },
-  }
 
 
 def device_memory_limit() -> Optional[int]:

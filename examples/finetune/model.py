@@ -180,6 +180,12 @@ def path_names(path: tuple[Any, ...]) -> tuple[str, ...]:
   return tuple(names)
 
 
+def is_matrix(leaf) -> bool:
+  """A rank-2 parameter: what Muon and GaLore treat as a matrix, and what the
+  memory planner counts as a matrix gradient outside the layers."""
+  return len(leaf.shape) == 2
+
+
 def _leaf_dimension_numbers(names: tuple[str, ...], ndim: int
                             ) -> Optional[taco_optax.TacoDimensionNumbers]:
   """TACO axes of one parameter, from its path and rank, or None."""

@@ -1,8 +1,9 @@
 """The ``--optimizer`` registry: TACO and optax's own peers, one flag apart.
 
-Every entry takes the same arguments (learning-rate schedule, the parameters
-and the model's TACO hints) and returns an :class:`optax.GradientTransformation`
-so the training loop never branches on the optimizer. Default learning rates:
+Every entry takes the same arguments (learning-rate schedule, what the model
+tells an optimizer, TACO's own settings) and returns an
+:class:`optax.GradientTransformation`, so the training loop never branches on
+the optimizer. Default learning rates:
 TACO's is the paper's; AdamW's is the usual full fine-tuning rate (MeZO's
 fine-tuning baseline); the others follow their papers' advice relative to
 AdamW. Only TACO's and AdamW's were checked on the embedded demo, which
@@ -17,6 +18,7 @@ import jax
 import optax
 from optax import contrib
 
+from examples.finetune import model as model_lib
 import taco_optax
 
 
@@ -27,7 +29,7 @@ class OptimizerSpec:
   Attributes:
     name: the ``--optimizer`` value.
     default_lr: peak learning rate when ``--lr`` is not given.
-    build: ``(schedule, hints) -> GradientTransformation``.
+    factory: ``(schedule, hints, taco settings) -> GradientTransformation``.
     needs_loss: the update needs ``obj_fn`` (Sophia's Hessian estimate).
     note: where the default comes from.
     demo_lr: peak learning rate of the embedded tweet demo (40 steps on a
@@ -35,10 +37,18 @@ class OptimizerSpec:
   """
   name: str
   default_lr: float
-  build: Callable[[optax.Schedule, 'ModelHints'], optax.GradientTransformation]
+  factory: Callable[[optax.Schedule, 'ModelHints', 'TacoSettings'],
+                    optax.GradientTransformation]
   needs_loss: bool = False
   note: str = ''
   demo_lr: Optional[float] = None
+
+  def build(self, schedule: optax.ScalarOrSchedule, hints: 'ModelHints',
+            taco: Optional['TacoSettings'] = None
+            ) -> optax.GradientTransformation:
+    """The transformation; ``taco`` (default: the paper's) only for TACO."""
+    return self.factory(schedule, hints,
+                        TacoSettings() if taco is None else taco)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,14 +61,44 @@ class ModelHints:
     vocab_size: rows of the token embedding; matrices with a dimension this
       large (embedding, LM head) stay with AdamW in Muon and GaLore, whose
       per-step matrix work on a 49k-row matrix would dominate the step.
-    taco_k: TACO history entries per column.
-    taco_mu: TACO history decay.
   """
   taco_dimension_numbers: Any = None
   taco_update_scale: Any = None
   vocab_size: Optional[int] = None
-  taco_k: int = 16
-  taco_mu: float = 0.95
+
+
+def decoder_hints(model_config) -> ModelHints:
+  """The hints of an example ``model.DecoderLM`` of ``model_config``."""
+  return ModelHints(
+      taco_dimension_numbers=model_lib.taco_dimension_numbers,
+      taco_update_scale=model_lib.taco_update_scale,
+      vocab_size=model_config.vocab_size)
+
+
+@dataclasses.dataclass(frozen=True)
+class TacoSettings:
+  """TACO's own settings (``--taco-k``, ``--taco-mu``; Top-r for ablations).
+
+  Attributes:
+    k: history entries per column; ``None`` keeps a dense history.
+    mu: history decay in ``[0, 1)``.
+    update_topk: signs per column in each update (``None``: 1, TACO).
+  """
+  k: Optional[int] = 16
+  mu: float = 0.95
+  update_topk: Optional[int] = None
+
+
+def taco_kwargs(settings: TacoSettings, hints: ModelHints) -> dict[str, Any]:
+  """Keyword arguments of ``taco_optax.taco`` for a model and settings.
+
+  ``taco_optax.layerwise_train_step`` takes the same ones, so both paths of
+  the example (and the benchmarks) build TACO from this one mapping.
+  """
+  return dict(k=settings.k, mu=settings.mu,
+              update_topk=settings.update_topk,
+              weight_dimension_numbers=hints.taco_dimension_numbers,
+              update_scale=hints.taco_update_scale)
 
 
 def linear_schedule(peak_lr: float, steps: int,
@@ -79,36 +119,34 @@ def _is_vocab_matrix(leaf, vocab_size):
 def _matrix_dims(dims_type, hints):
   def dims(params):
     return jax.tree.map(
-        lambda x: dims_type() if x.ndim == 2 and not _is_vocab_matrix(
-            x, hints.vocab_size) else None, params)
+        lambda x: dims_type() if model_lib.is_matrix(x) and not
+        _is_vocab_matrix(x, hints.vocab_size) else None, params)
   return dims
 
 
-def _taco(schedule, hints):
-  return taco_optax.taco(
-      schedule, k=hints.taco_k, mu=hints.taco_mu,
-      weight_dimension_numbers=hints.taco_dimension_numbers,
-      update_scale=hints.taco_update_scale)
+def _taco(schedule, hints, taco):
+  return taco_optax.taco(schedule, **taco_kwargs(taco, hints))
 
 
-def _adamw(schedule, hints):
-  del hints
+def _adamw(schedule, hints, taco):
+  del hints, taco
   return optax.adamw(schedule, weight_decay=0.0)
 
 
-def _adafactor(schedule, hints):
-  del hints
+def _adafactor(schedule, hints, taco):
+  del hints, taco
   # An explicit learning rate with no parameter-scale factor, as HF's
   # fine-tuning recipe does, so the schedule means what it says.
   return optax.adafactor(schedule, multiply_by_parameter_scale=False)
 
 
-def _lion(schedule, hints):
-  del hints
+def _lion(schedule, hints, taco):
+  del hints, taco
   return optax.lion(schedule, weight_decay=0.0)
 
 
-def _muon(schedule, hints):
+def _muon(schedule, hints, taco):
+  del taco
   # consistent_rms=0.2 matches AdamW's update RMS (Moonlight), so Muon runs at
   # an AdamW learning rate on a model pretrained with AdamW.
   return contrib.muon(
@@ -117,12 +155,13 @@ def _muon(schedule, hints):
                                                  hints))
 
 
-def _sophia(schedule, hints):
-  del hints
+def _sophia(schedule, hints, taco):
+  del hints, taco
   return contrib.sophia(schedule)
 
 
-def _galore(schedule, hints):
+def _galore(schedule, hints, taco):
+  del taco
   return contrib.galore(
       schedule, rank=128, update_proj_gap=200,
       weight_dimension_numbers=_matrix_dims(contrib.GaLoreDimensionNumbers,

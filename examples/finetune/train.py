@@ -1,7 +1,7 @@
 """The A/B fine-tuning loop: one model, one task, any ``--optimizer``.
 
-``run(RunConfig(...))`` loads the model and data, checks every input before
-anything is written, scores the held-out set, trains with
+``run(run_config.RunConfig(...))`` loads the model and data, checks every
+input before anything is written, scores the held-out set, trains with
 ``nnx.Optimizer`` + ``nnx.jit`` (model and optimizer donated), evaluates
 periodically, and writes ``results.json`` (Table-4-style figures: metric
 before/after, persistent optimizer-state bytes, peak memory, tokens/s, wall
@@ -22,62 +22,16 @@ import numpy as np
 
 from examples.finetune import data as data_lib
 from examples.finetune import evaluation as evaluation_lib
-from examples.finetune import losses as losses_lib
+from examples.finetune import gguf_loading
+from examples.finetune import loading
 from examples.finetune import memory_plan
 from examples.finetune import optimizers as optimizers_lib
 from examples.finetune import report as report_lib
+from examples.finetune import run_config as run_config_lib
 from examples.finetune import sharding as sharding_lib
 from examples.finetune import tasks as tasks_lib
 from examples.finetune import trainers as trainers_lib
-
-# Re-exported: the benchmarks reach these through ``train``.
-completion_loss = losses_lib.completion_loss
-EvalSet = evaluation_lib.EvalSet
-make_eval_set = evaluation_lib.make_eval_set
-evaluate = evaluation_lib.evaluate
-peak_memory = trainers_lib.peak_memory
-LayerwiseTacoTrainer = trainers_lib.LayerwiseTacoTrainer
-write_json_atomic = report_lib.write_json_atomic
-results_table = report_lib.results_table
-
-
-class FinetuneError(Exception):
-  """An input the run cannot use; the CLI prints it as one line."""
-
-
-@dataclasses.dataclass(frozen=True)
-class RunConfig:
-  """Everything a run depends on (the CLI flags)."""
-  optimizer: str = 'taco'
-  lr: Optional[float] = None
-  steps: int = 40
-  batch_size: int = 4
-  seq_len: int = 64
-  warmup_steps: Optional[int] = None
-  eval_every: int = 0
-  eval_size: int = 200
-  eval_batch_size: int = 16
-  seed: int = 0
-  model: Optional[str] = None
-  dtype: str = 'auto'
-  remat: bool = True
-  remat_policy: str = 'nothing_saveable'
-  scan_layers: bool = False
-  task: str = 'tweets'
-  train_file: Optional[str] = None
-  test_file: Optional[str] = None
-  label_words: Optional[str] = None
-  template: str = '{text} It was'
-  max_new_tokens: int = 16
-  taco_k: int = 16
-  taco_mu: float = 0.95
-  taco_step: str = 'auto'
-  objective: str = 'auto'
-  output_dir: str = 'runs/finetune'
-  resume: bool = False
-  save_checkpoint: bool = True
-  progress: bool = True
-  memory_limit_gb: Optional[float] = None
+from examples.finetune import weights as weights_lib
 
 
 # Checkpoints (Orbax): parameters and optimizer state, step included.
@@ -105,12 +59,12 @@ def restore_checkpoint(path: str, trainer) -> int:
   """
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
   if not os.path.isdir(path):
-    raise FinetuneError(f'--resume: no checkpoint at {path}')
+    raise run_config_lib.FinetuneError(f'--resume: no checkpoint at {path}')
   try:
     restored = ocp.StandardCheckpointer().restore(path,
                                                   trainer.checkpoint_tree())
   except Exception as e:  # Orbax raises many types for a mismatched tree.
-    raise FinetuneError(
+    raise run_config_lib.FinetuneError(
         f'--resume: checkpoint at {path} does not match this model, '
         f'optimizer and step path ({type(e).__name__}: '
         f'{str(e).splitlines()[0][:200]})') from e
@@ -125,26 +79,29 @@ def _dtype(name: str):
   if name == 'auto':
     # CPUs upcast bf16 matmuls (slower, no memory gain in the temporaries).
     return jnp.float32 if jax.default_backend() == 'cpu' else jnp.bfloat16
-  if name not in ('float32', 'bfloat16'):
-    raise FinetuneError(f'--dtype must be auto, float32 or bfloat16, '
-                        f'got {name!r}')
   return jnp.dtype(name)
 
 
-def load_model(config: RunConfig):
+def load_model(path: Optional[str], *, dtype: str, remat: bool,
+               remat_policy: str = 'nothing_saveable',
+               scan_layers: bool = False):
   """``(model, tokenizer, model_config, path)``; bad inputs -> FinetuneError.
+
+  Args:
+    path: a Hugging Face directory or ``.gguf`` file; ``None``: SmolLM2-135M.
+    dtype: ``'auto'``, ``'float32'`` or ``'bfloat16'`` (``RunConfig.dtype``).
+    remat: recompute each block in the backward pass.
+    remat_policy: what a rematerialised block keeps.
+    scan_layers: stack the blocks for ``lax.scan``.
   """
-  from examples.finetune import loading  # pylint: disable=g-import-not-at-top
-  path = config.model
   try:
     if path is None:
-      path = loading.smollm2_gguf_path()
+      path = gguf_loading.smollm2_gguf_path()
     model, tokenizer, model_config = loading.load_pretrained(
-        path, dtype=_dtype(config.dtype),
-        remat='block' if config.remat else None,
-        remat_policy=config.remat_policy, scan_layers=config.scan_layers)
-  except loading.ModelLoadError as e:
-    raise FinetuneError(str(e)) from e
+        path, dtype=_dtype(dtype), remat='block' if remat else None,
+        remat_policy=remat_policy, scan_layers=scan_layers)
+  except weights_lib.ModelLoadError as e:
+    raise run_config_lib.FinetuneError(str(e)) from e
   return model, tokenizer, model_config, path
 
 
@@ -155,12 +112,13 @@ def _subset(items: list, size: int, seed: int) -> list:
   return [items[i] for i in keep]
 
 
-def load_task(config: RunConfig):
+def load_task(config: run_config_lib.RunConfig):
   """``(task, train examples, held-out examples)`` for the configured task."""
   if config.task == 'tweets':
     if config.train_file or config.test_file:
-      raise FinetuneError('--train-file/--test-file need --task (e.g. text, '
-                          'sst2); the default task uses the embedded tweets')
+      raise run_config_lib.FinetuneError(
+          '--train-file/--test-file need --task (e.g. text, sst2); the '
+          'default task uses the embedded tweets')
     task = data_lib.tweets_task()
     train, test = data_lib.split_tweets(data_lib.read_tweets(),
                                         max(config.eval_size // 2, 1))
@@ -168,49 +126,27 @@ def load_task(config: RunConfig):
             [task.example(r) for r in test])
   if config.task == 'text':
     if not config.label_words:
-      raise FinetuneError('--task text needs --label-words, e.g. '
-                          '"negative=terrible,positive=great"')
+      raise run_config_lib.FinetuneError(
+          '--task text needs --label-words, e.g. '
+          '"negative=terrible,positive=great"')
     try:
       task = tasks_lib.text_classification(
           tasks_lib.parse_label_words(config.label_words), config.template)
     except ValueError as e:
-      raise FinetuneError(str(e)) from e
-  elif config.task in tasks_lib.TASKS:
-    task = tasks_lib.TASKS[config.task]
+      raise run_config_lib.FinetuneError(str(e)) from e
   else:
-    raise FinetuneError(
-        f'unknown task {config.task!r}; choose from tweets, text, '
-        f'{", ".join(tasks_lib.TASKS)}')
+    task = tasks_lib.TASKS[config.task]
   if not config.train_file or not config.test_file:
-    raise FinetuneError(f'--task {config.task} needs --train-file and '
-                        '--test-file (JSONL in the Hugging Face field layout)')
+    raise run_config_lib.FinetuneError(
+        f'--task {config.task} needs --train-file and --test-file (JSONL in '
+        'the Hugging Face field layout)')
   train = data_lib.load_examples(task, config.train_file)
   test = data_lib.load_examples(task, config.test_file)
   return task, train, _subset(test, config.eval_size, seed=0)
 
 
-def _check_config(config: RunConfig) -> None:
-  if config.optimizer not in optimizers_lib.OPTIMIZERS:
-    raise FinetuneError(f'unknown optimizer {config.optimizer!r}; choose '
-                        f'from {", ".join(optimizers_lib.OPTIMIZERS)}')
-  for name in ('steps', 'batch_size', 'seq_len', 'eval_batch_size'):
-    if getattr(config, name) <= 0:
-      raise FinetuneError(f'--{name.replace("_", "-")} must be positive')
-  from examples.finetune import model as model_lib  # pylint: disable=g-import-not-at-top
-  if config.remat_policy not in model_lib.REMAT_POLICIES:
-    raise FinetuneError(f'--remat-policy must be one of '
-                        f'{", ".join(model_lib.REMAT_POLICIES)}')
-  if config.taco_step not in ('auto', 'layerwise', 'optax'):
-    raise FinetuneError('--taco-step must be auto, layerwise or optax')
-  if config.objective not in ('auto', 'candidates', 'completion'):
-    raise FinetuneError('--objective must be auto, candidates or completion')
-  if config.eval_every < 0:
-    raise FinetuneError('--eval-every must be >= 0')
-  if config.memory_limit_gb is not None and config.memory_limit_gb <= 0:
-    raise FinetuneError('--memory-limit-gb must be positive')
-
-
-def _check_memory(config: RunConfig, spec, model, schedule, hints) -> None:
+def _check_memory(config: run_config_lib.RunConfig, model, schedule,
+                  hints) -> None:
   """Refuses a run whose predicted peak exceeds the device's memory.
 
   The limit is ``config.memory_limit_gb``, else the device's own
@@ -227,7 +163,7 @@ def _check_memory(config: RunConfig, spec, model, schedule, hints) -> None:
   devices = 1 if mesh.empty else mesh.size
   limit *= devices
   params = memory_plan.model_params(model)
-  tx = spec.build(schedule, hints)
+  tx = optimizers_lib.get(config.optimizer).build(schedule, hints, config.taco)
   state_bytes = memory_plan.tree_bytes(
       jax.eval_shape(tx.init, nnx.state(model, nnx.Param)))
   layerwise = trainers_lib.uses_layerwise_step(config)
@@ -248,41 +184,45 @@ def _check_memory(config: RunConfig, spec, model, schedule, hints) -> None:
   advice = ' or '.join(advice) or 'a device with more memory'
   gb = lambda n: f'{n / memory_plan.GB:.3g} GB'
   holder = 'device has' if devices == 1 else f'{devices} devices have'
-  raise FinetuneError(
+  raise run_config_lib.FinetuneError(
       f'--optimizer {config.optimizer} at --batch-size {config.batch_size} '
       f'x --seq-len {config.seq_len} needs about {gb(peak)} (predicted), the '
       f'{holder} {gb(limit)}; try {advice}')
 
 
-def run(config: RunConfig, log: Callable[[str], None] = print) -> dict:
+def run(config: run_config_lib.RunConfig,
+        log: Callable[[str], None] = print) -> dict:
   """Fine-tunes and evaluates; returns (and writes) the results.
 
   Every input is checked before ``output_dir`` is touched.
   """
   wall_start = time.perf_counter()
-  _check_config(config)
   spec = optimizers_lib.get(config.optimizer)
   try:
     task, train_examples, test_examples = load_task(config)
   except (data_lib.DataError, tasks_lib.TaskDataError) as e:
-    raise FinetuneError(str(e)) from e
-  model, tokenizer, model_config, model_path = load_model(config)
+    raise run_config_lib.FinetuneError(str(e)) from e
+  model, tokenizer, model_config, model_path = load_model(
+      config.model, dtype=config.dtype, remat=config.remat,
+      remat_policy=config.remat_policy, scan_layers=config.scan_layers)
   if config.seq_len > model_config.max_position_embeddings:
-    raise FinetuneError(
+    raise run_config_lib.FinetuneError(
         f'--seq-len {config.seq_len} exceeds the model\'s '
         f'{model_config.max_position_embeddings} positions')
   if task.generative and config.max_new_tokens >= config.seq_len:
-    raise FinetuneError('--max-new-tokens must be below --seq-len')
+    raise run_config_lib.FinetuneError(
+        '--max-new-tokens must be below --seq-len')
 
   train_tokens, collate_fn, objective = None, None, 'completion likelihood'
   if config.objective in ('auto', 'candidates') and not task.generative:
     train_tokens = data_lib.choice_examples(tokenizer, train_examples)
     collate_fn, objective = data_lib.collate_choices, 'candidate cross-entropy'
     if train_tokens is None and config.objective == 'candidates':
-      raise FinetuneError('--objective candidates needs single-token '
-                          'candidates')
+      raise run_config_lib.FinetuneError(
+          '--objective candidates needs single-token candidates')
   elif config.objective == 'candidates':
-    raise FinetuneError('--objective candidates needs a classification task')
+    raise run_config_lib.FinetuneError(
+        '--objective candidates needs a classification task')
   if train_tokens is None:
     train_tokens = [data_lib.tokenize(tokenizer, e.prompt, e.target)
                     for e in train_examples]
@@ -305,21 +245,17 @@ def run(config: RunConfig, log: Callable[[str], None] = print) -> dict:
   warmup = (config.warmup_steps if config.warmup_steps is not None
             else min(50, config.steps // 10))
   schedule = optimizers_lib.linear_schedule(lr, config.steps, warmup)
-  from examples.finetune import model as model_lib  # pylint: disable=g-import-not-at-top
-  hints = optimizers_lib.ModelHints(
-      taco_dimension_numbers=model_lib.taco_dimension_numbers,
-      taco_update_scale=model_lib.taco_update_scale,
-      vocab_size=model_config.vocab_size, taco_k=config.taco_k,
-      taco_mu=config.taco_mu)
-  _check_memory(config, spec, model, schedule, hints)
-  trainer = trainers_lib.make_trainer(config, spec, model, schedule, hints)
+  hints = optimizers_lib.decoder_hints(model_config)
+  _check_memory(config, model, schedule, hints)
+  trainer = trainers_lib.make_trainer(config, model, schedule, hints)
   start_step = 0
   if config.resume:
     start_step = restore_checkpoint(checkpoint_path(config.output_dir),
                                     trainer)
     if start_step >= config.steps:
-      raise FinetuneError(f'--resume: the checkpoint is at step {start_step}, '
-                          f'not before --steps {config.steps}')
+      raise run_config_lib.FinetuneError(
+          f'--resume: the checkpoint is at step {start_step}, not before '
+          f'--steps {config.steps}')
     for _ in range(start_step):  # Continue the same batch stream.
       next(batches)
     log(f'resumed from step {start_step}')
@@ -332,8 +268,11 @@ def run(config: RunConfig, log: Callable[[str], None] = print) -> dict:
       f'tokens, {objective}; step path: {step_path}')
 
   metric = next(iter(tasks_lib.score(task, [], [])))
-  before = evaluation_lib.evaluate(model, eval_set, tokenizer, config,
-                                   stop_ids)
+  evaluate = lambda: evaluation_lib.evaluate(
+      model, eval_set, tokenizer, seq_len=config.seq_len,
+      batch_size=config.eval_batch_size,
+      max_new_tokens=config.max_new_tokens, stop_ids=stop_ids)
+  before = evaluate()
   log(f'held-out {metric} before: {before[metric]:.4f}')
 
   mesh = sharding_lib.current_mesh()
@@ -360,13 +299,13 @@ def run(config: RunConfig, log: Callable[[str], None] = print) -> dict:
       tokens += int(batch.attention_mask.sum())
       losses.append(loss)
       if not math.isfinite(loss):
-        raise FinetuneError(f'loss became {loss} at step {step}; lower --lr')
+        raise run_config_lib.FinetuneError(
+            f'loss became {loss} at step {step}; lower --lr')
       rate = tokens / train_seconds if train_seconds else 0.0
       progress.advance(f'loss {loss:.4f}  {rate:.0f} tok/s')
       if config.eval_every and step % config.eval_every == 0 and (
           step < config.steps):
-        scores = evaluation_lib.evaluate(model, eval_set, tokenizer, config,
-                                         stop_ids)
+        scores = evaluate()
         evals.append({'step': step, **scores})
         progress.print(f'step {step}: held-out {metric} {scores[metric]:.4f}')
       if step < config.steps:
@@ -374,8 +313,7 @@ def run(config: RunConfig, log: Callable[[str], None] = print) -> dict:
   finally:
     progress.close()
 
-  after = evaluation_lib.evaluate(model, eval_set, tokenizer, config,
-                                  stop_ids)
+  after = evaluate()
   evals.append({'step': config.steps, **after})
   if config.save_checkpoint:
     save_checkpoint(checkpoint_path(config.output_dir), trainer)

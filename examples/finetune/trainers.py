@@ -102,13 +102,14 @@ class LayerwiseTacoTrainer:
   path = ('layer-wise TACO step (taco_optax): per-block backward, winners '
           'written into the weights during backprop')
 
-  def __init__(self, model, schedule, hints: optimizers_lib.ModelHints):
+  def __init__(self, model, schedule, hints: optimizers_lib.ModelHints,
+               taco: Optional[optimizers_lib.TacoSettings] = None):
     self.model = model
     self._layered = layerwise.layered_model(model, losses_lib.batch_loss)
+    taco = optimizers_lib.TacoSettings() if taco is None else taco
     train = taco_optax.layerwise_train_step(
-        self._layered.loss, schedule, k=hints.taco_k, mu=hints.taco_mu,
-        weight_dimension_numbers=hints.taco_dimension_numbers,
-        update_scale=hints.taco_update_scale)
+        self._layered.loss, schedule, **optimizers_lib.taco_kwargs(taco,
+                                                                   hints))
     self.params = self._layered.params
     self.opt_state = train.optimizer.init(self.params)
     self.count = 0
@@ -143,13 +144,15 @@ class LayerwiseTacoTrainer:
 
 
 def uses_layerwise_step(config) -> bool:
-  """Whether ``config`` (a ``train.RunConfig``) trains with the layer-wise
-  TACO step: TACO, unless ``--taco-step optax``."""
+  """Whether ``config`` (a ``run_config.RunConfig``) trains with the
+  layer-wise TACO step: TACO, unless ``--taco-step optax``."""
   return config.optimizer == 'taco' and config.taco_step != 'optax'
 
 
-def make_trainer(config, spec, model, schedule, hints):
+def make_trainer(config, model, schedule, hints):
   """The layer-wise step for TACO when ``--taco-step`` allows, else optax."""
   if uses_layerwise_step(config):
-    return LayerwiseTacoTrainer(model, schedule, hints)
-  return NnxTrainer(model, spec.build(schedule, hints), spec.needs_loss)
+    return LayerwiseTacoTrainer(model, schedule, hints, config.taco)
+  spec = optimizers_lib.get(config.optimizer)
+  return NnxTrainer(model, spec.build(schedule, hints, config.taco),
+                    spec.needs_loss)

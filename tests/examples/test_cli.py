@@ -13,6 +13,7 @@ safetensors_numpy = pytest.importorskip('safetensors.numpy')
 tokenizers = pytest.importorskip('tokenizers')
 
 from examples.finetune import __main__ as cli  # pylint: disable=g-import-not-at-top
+from examples.finetune import run_config  # pylint: disable=g-import-not-at-top
 from examples.finetune import train  # pylint: disable=g-import-not-at-top
 
 _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(
@@ -215,36 +216,14 @@ def test_sequence_longer_than_positions(workspace, capsys):
   assert not output_dir.exists()
 
 
-def test_checkpoint_and_resume(workspace, capsys):
-  output_dir = workspace['root'] / 'run-resume'
-  args = _text_args(workspace, output_dir, '--optimizer', 'taco',
-                    '--eval-every', '0')
-  args[args.index('--steps') + 1] = '2'
-  assert cli.main(args) == 0
-  assert (output_dir / 'checkpoint').is_dir()
-  args[args.index('--steps') + 1] = '3'
-  assert cli.main(args + ['--resume']) == 0
-  with open(output_dir / 'results.json') as f:
-    results = json.load(f)
-  assert results['resumed_from_step'] == 2
-  assert len(results['losses']) == 1
-  # A checkpoint of another optimizer's state does not fit.
-  message = _error_of(args + ['--resume', '--optimizer', 'adamw'], capsys)
-  assert 'does not match' in message
-  missing = workspace['root'] / 'never-resumed'
-  args[args.index('--output-dir') + 1] = str(missing)
-  assert 'no checkpoint' in _error_of(args + ['--resume'], capsys)
-  assert not missing.exists()
-
-
 def _memory_error(workspace, output_dir, **overrides) -> str:
-  config = train.RunConfig(
+  config = run_config.RunConfig(
       model=workspace['model'], task='text', train_file=workspace['train'],
       test_file=workspace['test'], label_words='neg=bad,pos=good',
       template='{text}. It was', steps=3, seq_len=24, eval_size=6,
       eval_batch_size=4, output_dir=str(output_dir), progress=False,
       **overrides)
-  with pytest.raises(train.FinetuneError) as error:
+  with pytest.raises(run_config.FinetuneError) as error:
     train.run(config, log=lambda _: None)
   assert not output_dir.exists(), 'nothing may be written on error'
   message = str(error.value)
@@ -272,7 +251,8 @@ def test_foreseeable_out_of_memory_is_refused(workspace):
   assert message.endswith('try --remat on or --taco-step auto'), message
 
 
-def test_memory_limit_must_be_positive(workspace):
-  output_dir = workspace['root'] / 'never-limit'
-  message = _memory_error(workspace, output_dir, memory_limit_gb=0.0)
-  assert message == '--memory-limit-gb must be positive'
+def test_memory_limit_must_be_positive():
+  with pytest.raises(run_config.FinetuneError) as error:
+    run_config.RunConfig(memory_limit_gb=0.0)
+  assert str(error.value) == ('--memory-limit-gb must be a finite number > 0, '
+                              'got 0.0')

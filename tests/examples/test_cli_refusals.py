@@ -1,0 +1,119 @@
+"""Careless flag values are refused before any model work, naming the flag.
+
+Each case runs ``python -m examples.finetune`` in a fresh, empty working
+directory: exit code 2, exactly one ``error:`` line on stderr naming the flag
+and its accepted range, and nothing written there. The refusal comes from
+building the ``RunConfig``, before the model or data are read, so each run
+takes about the time of importing JAX.
+"""
+
+import os
+import re
+import subprocess
+import sys
+import typing
+
+import pytest
+
+from examples.finetune import run_config
+
+_REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__))))
+
+_REFUSALS = [
+    (['--lr', '-1'], '--lr must be a finite number > 0, got -1.0'),
+    (['--lr', '0'], '--lr must be a finite number > 0, got 0.0'),
+    (['--lr', 'nan'], '--lr must be a finite number > 0, got nan'),
+    (['--lr', 'inf'], '--lr must be a finite number > 0, got inf'),
+    (['--taco-k', '0'], '--taco-k must be an integer >= 1, got 0'),
+    (['--taco-mu', '1.5'],
+     '--taco-mu must be a finite number in [0, 1), got 1.5'),
+    (['--taco-mu', 'nan'],
+     '--taco-mu must be a finite number in [0, 1), got nan'),
+    (['--eval-size', '0'], '--eval-size must be an integer >= 1, got 0'),
+    (['--steps', '0'], '--steps must be an integer >= 1, got 0'),
+    (['--batch-size', '-2'], '--batch-size must be an integer >= 1, got -2'),
+]
+
+
+@pytest.mark.parametrize('args,message', _REFUSALS,
+                         ids=[' '.join(args) for args, _ in _REFUSALS])
+def test_refused_before_anything_is_written(tmp_path, args, message):
+  process = subprocess.run(
+      [sys.executable, '-m', 'examples.finetune', *args],
+      cwd=tmp_path, capture_output=True, text=True, timeout=120,
+      env={**os.environ, 'JAX_PLATFORMS': 'cpu', 'PYTHONPATH': _REPO_ROOT})
+  assert process.returncode == 2, process.stderr
+  assert process.stderr.splitlines() == [f'error: {message}']
+  assert process.stdout == ''
+  assert not list(tmp_path.iterdir()), 'nothing may be written'
+
+
+def _ranged_fields():
+  """``(field name, int or float, Range)`` for every ranged field."""
+  hints = typing.get_type_hints(run_config.RunConfig, include_extras=True)
+  for name, annotation in hints.items():
+    if typing.get_origin(annotation) is not typing.Annotated:
+      continue
+    kind, *metadata = typing.get_args(annotation)
+    kind = next(arg for arg in typing.get_args(kind) or (kind,)
+                if arg is not type(None))
+    for accepted in metadata:
+      if isinstance(accepted, run_config.Range):
+        yield name, kind, accepted
+
+
+def test_every_ranged_field_refuses_just_outside_its_bounds():
+  checked = set()
+  for name, kind, accepted in _ranged_fields():
+    outside = '^' + re.escape(run_config.flag(name)) + ' must be '
+    for bound, is_open, away in ((accepted.low, accepted.low_open, -1),
+                                 (accepted.high, accepted.high_open, 1)):
+      if bound is None:
+        continue
+      edge = kind(bound)
+      beyond = edge + away if kind is int else edge + away * 1e-3
+      with pytest.raises(run_config.FinetuneError, match=outside):
+        run_config.RunConfig(**{name: beyond})
+      if is_open:
+        with pytest.raises(run_config.FinetuneError, match=outside):
+          run_config.RunConfig(**{name: edge})
+      else:
+        assert getattr(run_config.RunConfig(**{name: edge}), name) == edge
+      for not_finite in (float('nan'), float('inf')) if kind is float else ():
+        with pytest.raises(run_config.FinetuneError, match=outside):
+          run_config.RunConfig(**{name: not_finite})
+    checked.add(name)
+  assert checked >= {'lr', 'steps', 'batch_size', 'seq_len', 'warmup_steps',
+                     'eval_every', 'eval_size', 'eval_batch_size', 'seed',
+                     'max_new_tokens', 'taco_k', 'taco_mu', 'memory_limit_gb'}
+
+
+def test_choices_and_types_are_checked_for_python_callers():
+  with pytest.raises(run_config.FinetuneError) as error:
+    run_config.RunConfig(optimizer='sgd')
+  assert str(error.value).startswith(
+      "--optimizer must be one of taco, adamw, ")
+  assert str(error.value).endswith(", got 'sgd'")
+  with pytest.raises(run_config.FinetuneError) as error:
+    run_config.RunConfig(steps=2.5)
+  assert str(error.value) == '--steps must be an integer, got 2.5'
+  with pytest.raises(run_config.FinetuneError) as error:
+    run_config.RunConfig(taco_mu=1.0)
+  assert str(error.value) == (
+      '--taco-mu must be a finite number in [0, 1), got 1.0')
+  assert run_config.RunConfig(taco_mu=0.0).taco.mu == 0.0
+
+
+def test_command_line_spells_the_readme_flags():
+  config = run_config.from_command_line([
+      '--optimizer', 'adamw', '--lr', '1e-4', '--steps', '2',
+      '--batch-size', '3', '--taco-k', '8', '--taco-mu', '0.9',
+      '--eval-size', '8', '--remat', 'off', '--scan-layers', 'on',
+      '--mesh', 'data=2', '--resume', '--no-checkpoint', '--no-progress'])
+  assert config == run_config.RunConfig(
+      optimizer='adamw', lr=1e-4, steps=2, batch_size=3, taco_k=8,
+      taco_mu=0.9, eval_size=8, remat=False, scan_layers=True, mesh='data=2',
+      resume=True, save_checkpoint=False, progress=False)
+  assert config.taco == run_config.optimizers_lib.TacoSettings(k=8, mu=0.9)
+  assert run_config.from_command_line([]) == run_config.RunConfig()
