@@ -112,8 +112,8 @@ class RunConfig:
     label_words: For --task text: LABEL=WORD pairs, e.g. 0=terrible,1=great.
     template: For --task text: the prompt, with a {text} placeholder.
     max_new_tokens: Generation length for squad and drop.
-    objective: Training loss: cross-entropy over single-token candidates
-      (MeZO's classification objective) or the likelihood of the correct
+    objective: Training loss: cross-entropy over single-token candidates as in
+      MeZO's classification objective, or the likelihood of the correct
       completion; auto picks candidates when they are single tokens.
     taco_k: TACO: history entries kept per column.
     taco_mu: TACO: decay of the gradient history.
@@ -125,15 +125,15 @@ class RunConfig:
       tensor; the sizes multiply to the device count): parameters split
       FSDP/tensor-parallel, TACO updates each shard exactly.
     output_dir: Where results.json and the checkpoints go.
-    resume: Continue from the newest checkpoint in OUTPUT_DIR/checkpoints;
-      --steps counts all steps, those before the resume included, and every
-      flag that changes the run must be as it was (or see
-      --resume-allow-changes).
+    resume: Continue from the newest checkpoint in OUTPUT_DIR/checkpoints; the
+      total --steps counts the steps before the resume too, and every flag
+      that changes the run must be as it was unless --resume-allow-changes
+      is given.
     resume_allow_changes: With --resume, accept flags that differ from the
       checkpoint's (the log lists them) instead of refusing them.
-    save_checkpoint: Save OUTPUT_DIR/checkpoints/step_N every
-      --checkpoint-every steps, at the end, and when stopped by Ctrl-C or
-      SIGTERM (the two newest are kept).
+    save_checkpoint: Save a checkpoint to OUTPUT_DIR/checkpoints/step_N
+      every --checkpoint-every steps, at the end, and when stopped by Ctrl-C
+      or SIGTERM (the two newest are kept).
     checkpoint_every: Save a checkpoint every N steps (0: only at the end and
       when stopped).
     progress: Show a progress bar.

@@ -7,12 +7,14 @@ building the ``RunConfig``, before the model or data are read, so each run
 takes about the time of importing JAX.
 """
 
+import dataclasses
 import os
 import re
 import subprocess
 import sys
 import typing
 
+import docstring_parser
 import pytest
 
 from examples.finetune import run_config
@@ -117,3 +119,20 @@ def test_command_line_spells_the_readme_flags():
       resume=True, save_checkpoint=False, progress=False)
   assert config.taco == run_config.optimizers_lib.TacoSettings(k=8, mu=0.9)
   assert run_config.from_command_line([]) == run_config.RunConfig()
+
+
+def test_help_documents_every_flag_with_its_default(capsys):
+  with pytest.raises(SystemExit) as exit_info:
+    run_config.from_command_line(['--help'])
+  assert exit_info.value.code == 0
+  text = capsys.readouterr().out
+  documented = {param.arg_name: param.description for param in
+                docstring_parser.parse(run_config.RunConfig.__doc__).params}
+  for field in dataclasses.fields(run_config.RunConfig):
+    assert documented.get(field.name), f'{field.name} has no docstring'
+    # tyro keeps a line break before a line that starts with a non-letter.
+    assert all(line[:1].isalpha()
+               for line in documented[field.name].splitlines()), field.name
+    assert run_config.flag(field.name) in text
+  fields = dataclasses.fields(run_config.RunConfig)
+  assert text.count('(default:') == len(fields)
