@@ -18,6 +18,7 @@ from typing import Optional, Union
 import jax
 
 from taco_optax import _column_step
+from taco_optax import _cpu_kernel
 
 _ENV = 'TACO_OPTAX_KERNEL'
 _CHOICES = ('auto', 'cpu', 'reference')
@@ -25,10 +26,10 @@ _logger = logging.getLogger('taco_optax')
 _logged = set()
 
 
-def _log_once(message: str) -> None:
+def _log_once(message: str, level: int) -> None:
   if message not in _logged:
     _logged.add(message)
-    _logger.info(message)
+    _logger.log(level, message)
 
 
 def requested() -> str:
@@ -37,6 +38,27 @@ def requested() -> str:
   if choice not in _CHOICES:
     raise ValueError(f'{_ENV}={choice!r}; expected one of {_CHOICES}.')
   return choice
+
+
+def status() -> tuple[str, str]:
+  """``(implementation, why)`` of the single-device column step here.
+
+  ``implementation`` is ``'cpu'`` (the fused kernel) or ``'reference'``; it
+  is what runs for the supported dtypes (float32/bfloat16 gradients, the
+  default float8 history); other dtypes always run the reference.
+  """
+  choice = requested()
+  if choice == 'reference':
+    return 'reference', f'{_ENV}=reference'
+  if choice == 'auto' and jax.default_backend() != 'cpu':
+    return 'reference', f'no fused kernel for {jax.default_backend()} yet'
+  available, reason = _cpu_kernel.availability()
+  if available:
+    return 'cpu', f'fused C++ kernel, {reason}'
+  if choice == 'cpu':
+    raise RuntimeError(f'{_ENV}=cpu but the CPU kernel cannot be built or '
+                       f'loaded: {reason}')
+  return 'reference', f'the CPU kernel is unavailable ({reason})'
 
 
 def column_step(grad_rows: jax.Array, values: jax.Array, indices: jax.Array,
@@ -51,9 +73,25 @@ def column_step(grad_rows: jax.Array, values: jax.Array, indices: jax.Array,
   device (the rows are whole); a mesh's ``selection`` runs the reference
   arithmetic per shard.
   """
-  if selection is not None or requested() == 'reference':
+  if selection is not None:
     return _column_step.reference_column_step(
-        grad_rows, values, indices, exponents, mu, update_topk,
-        selection or _column_step.SINGLE_DEVICE)
+        grad_rows, values, indices, exponents, mu, update_topk, selection)
+  implementation, why = status()
+  supported = _cpu_kernel.supports(grad_rows, values, indices, update_topk)
+  if implementation == 'cpu' and supported:
+    _log_once(f'taco_optax: TACO column step runs the {why}.',
+              logging.INFO)
+    return _cpu_kernel.cpu_column_step(grad_rows, values, indices, exponents,
+                                       mu, update_topk)
+  if requested() == 'cpu':
+    raise ValueError(
+        f'{_ENV}=cpu but the kernel does not take gradients {grad_rows.dtype} '
+        f'{grad_rows.shape} with a {values.dtype}/{indices.dtype} history.')
+  _log_once(
+      f'taco_optax: TACO column step runs the reference jax.numpy path: {why}.'
+      if implementation == 'reference' else
+      'taco_optax: TACO column step runs the reference jax.numpy path for '
+      f'{values.dtype} history values (the kernel takes float8_e4m3fn).',
+      logging.WARNING if 'unavailable' in why else logging.INFO)
   return _column_step.reference_column_step(
       grad_rows, values, indices, exponents, mu, update_topk)

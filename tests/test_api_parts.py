@@ -137,6 +137,7 @@ def test_complex_matrix_is_refused(factory):
 def test_nnx_module_names_the_flax_extra(monkeypatch):
   monkeypatch.setitem(sys.modules, 'flax', None)
   monkeypatch.delitem(sys.modules, 'taco_optax.nnx', raising=False)
+  monkeypatch.delattr(taco_optax, 'nnx', raising=False)
   with pytest.raises(ImportError, match=r'taco_optax\[flax\]'):
     importlib.import_module('taco_optax.nnx')
   with pytest.raises(ImportError, match=r'taco_optax\[flax\]'):
