@@ -236,14 +236,41 @@ def test_collate_masks_only_the_completion_and_cuts_prompts_left():
   assert batch.input_ids.dtype == np.int32
 
 
+def _epochs(batches, num_epochs, batches_per_epoch):
+  return [[next(batches) for _ in range(batches_per_epoch)]
+          for _ in range(num_epochs)]
+
+
 def test_training_batches_are_reproducible_and_fixed_shape():
-  examples = [data.TokenizedExample((i,), (i + 100,)) for i in range(3)]
-  first = data.training_batches(examples, batch_size=4, seq_len=3, seed=1)
-  second = data.training_batches(examples, batch_size=4, seq_len=3, seed=1)
-  for _ in range(3):
-    a, b = next(first), next(second)
-    assert a.input_ids.shape == (4, 3)
-    np.testing.assert_array_equal(a.input_ids, b.input_ids)
+  """Each epoch is a reshuffled permutation of all examples, from ``seed``."""
+  examples = [data.TokenizedExample((i,), (i + 100,)) for i in range(8)]
+  batches = lambda seed: data.training_batches(examples, batch_size=4,
+                                               seq_len=3, seed=seed)
+  epochs = _epochs(batches(1), num_epochs=4, batches_per_epoch=2)
+  orders = []
+  for epoch in epochs:
+    for batch in epoch:
+      assert batch.input_ids.shape == (4, 3)
+      prompts = batch.input_ids[:, 0]
+      np.testing.assert_array_equal(
+          batch.input_ids, np.stack([prompts, prompts + 100, 0 * prompts], 1))
+    order = [int(i) for batch in epoch for i in batch.input_ids[:, 0]]
+    assert sorted(order) == list(range(8))
+    orders.append(order)
+  assert len({tuple(order) for order in orders}) > 1  # reshuffled
+  # The same seed gives the same batches; another seed another order.
+  again = _epochs(batches(1), num_epochs=4, batches_per_epoch=2)
+  for epoch, repeat in zip(epochs, again):
+    for batch, same in zip(epoch, repeat):
+      np.testing.assert_array_equal(batch.input_ids, same.input_ids)
+  other = _epochs(batches(2), num_epochs=4, batches_per_epoch=2)
+  assert [[int(i) for b in e for i in b.input_ids[:, 0]] for e in other
+          ] != orders
+  # Fewer examples than a batch: the batch keeps its shape, all included.
+  few = data.training_batches(examples[:3], batch_size=4, seq_len=3, seed=1)
+  batch = next(few)
+  assert batch.input_ids.shape == (4, 3)
+  assert set(batch.input_ids[:, 0].tolist()) == {0, 1, 2}
 
 
 def test_collate_choices_and_choice_examples():
