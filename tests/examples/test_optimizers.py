@@ -1,6 +1,7 @@
 """Every ``--optimizer`` entry trains a tiny model through the same loop."""
 
 from flax import nnx
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -9,7 +10,9 @@ from examples.finetune import config as config_lib
 from examples.finetune import data
 from examples.finetune import model as model_lib
 from examples.finetune import optimizers
+from examples.finetune import run_config
 from examples.finetune import trainers
+import taco_optax
 
 
 @pytest.mark.parametrize('name', sorted(optimizers.OPTIMIZERS))
@@ -42,3 +45,36 @@ def test_linear_schedule_warms_up_then_decays_to_zero():
   schedule = optimizers.linear_schedule(1.0, steps=10, warmup_steps=2)
   values = [float(schedule(t)) for t in (0, 1, 2, 6, 10)]
   np.testing.assert_allclose(values, [0.0, 0.5, 1.0, 0.5, 0.0], atol=1e-6)
+
+
+@pytest.mark.parametrize('taco_step', ['layerwise', 'optax'])
+def test_taco_flags_reach_the_trainer(taco_step):
+  """--taco-k/--taco-mu build the same TACO on either step path."""
+  config = config_lib.ModelConfig.tiny('llama')
+  new_model = lambda: model_lib.DecoderLM(
+      config, dtype=jnp.float32, param_dtype=jnp.float32, rngs=nnx.Rngs(0))
+  rng = np.random.default_rng(1)
+  batch = data.collate([data.TokenizedExample(tuple(rng.integers(3, 96, 6)),
+                                              (7, 8)) for _ in range(4)],
+                       seq_len=10)
+  schedule = optimizers.linear_schedule(1e-2, 4, 0)
+  hints = optimizers.decoder_hints(config)
+  run = run_config.RunConfig(taco_k=4, taco_mu=0.5, taco_step=taco_step)
+  trainer = trainers.make_trainer(run, new_model(), schedule, hints)
+  reference = trainers.NnxTrainer(new_model(), taco_optax.taco(
+      schedule, k=4, mu=0.5,
+      weight_dimension_numbers=model_lib.taco_dimension_numbers,
+      update_scale=model_lib.taco_update_scale), needs_loss=False)
+  paper = trainers.NnxTrainer(new_model(), optimizers.get('taco').build(
+      schedule, hints), needs_loss=False)
+  # k = 4 history entries per column instead of the paper's 16.
+  counter = 4 if taco_step == 'optax' else 0  # nnx.Optimizer's step
+  assert (trainer.optimizer_state_bytes() ==
+          reference.optimizer_state_bytes() - 4 + counter)
+  assert reference.optimizer_state_bytes() < paper.optimizer_state_bytes()
+  for _ in range(2):
+    np.testing.assert_allclose(trainer.step(batch), reference.step(batch),
+                               rtol=1e-5)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6),
+               nnx.state(trainer.model, nnx.Param),
+               nnx.state(reference.model, nnx.Param))
