@@ -6,6 +6,7 @@ in a fresh process with ``--xla_force_host_platform_device_count``.
 """
 
 import os
+import re
 import subprocess
 import sys
 
@@ -23,8 +24,9 @@ def rerun_with_devices(test_file: str, num_devices: int, timeout: int = 900,
     select: a pytest ``-k`` expression (empty: every test).
 
   Returns:
-    pytest's stdout; fails the calling test unless every test passed or was
-    skipped.
+    pytest's stdout. Fails the calling test unless pytest exited with 0, ran
+    at least one test, none failed or errored, and no test was skipped for
+    want of devices (which would mean the device count did not take effect).
   """
   env = dict(os.environ)
   env['XLA_FLAGS'] = (env.get('XLA_FLAGS', '') +
@@ -32,12 +34,36 @@ def rerun_with_devices(test_file: str, num_devices: int, timeout: int = 900,
                       ).strip()
   env['JAX_PLATFORMS'] = 'cpu'
   result = subprocess.run(
-      [sys.executable, '-m', 'pytest', '-q', '-o', 'addopts=', '-p',
+      [sys.executable, '-m', 'pytest', '-q', '-rs', '-o', 'addopts=', '-p',
        'no:cacheprovider', test_file] + (['-k', select] if select else []),
       env=env, capture_output=True, text=True, timeout=timeout, check=False,
       cwd=_REPO_ROOT)
-  assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
+  report = result.stdout[-6000:] + result.stderr[-3000:]
+  assert result.returncode == 0, report
+  counts = summary_counts(result.stdout)
+  assert counts.get('passed', 0) >= 1, report
+  assert not counts.get('failed') and not counts.get('error'), report
+  starved = [line for line in result.stdout.splitlines()
+             if line.startswith('SKIPPED') and
+             f'needs {num_devices} devices' in line]
+  assert not starved, report
   return result.stdout
+
+
+def summary_counts(stdout: str) -> dict[str, int]:
+  """The outcome counts of pytest's last summary line, e.g. ``{'passed': 3}``.
+
+  Plural forms are folded (``errors`` -> ``error``, ``warnings`` ->
+  ``warning``).
+  """
+  lines = [line for line in stdout.splitlines() if line.strip()]
+  last = lines[-1] if lines else ''
+  counts = {}
+  for number, outcome in re.findall(
+      r'(\d+) (passed|failed|skipped|deselected|xfailed|xpassed|errors?|'
+      r'warnings?)', last):
+    counts[outcome.rstrip('s')] = int(number)
+  return counts
 
 
 def has_devices(num_devices: int) -> bool:
@@ -65,7 +91,6 @@ def subprocess_suite(test_file: str, num_devices: int, select: str = ''):
   @pytest.mark.skipif(has_devices(num_devices),
                       reason='the multi-device tests run in this process')
   def test_suite_in_subprocess():
-    stdout = rerun_with_devices(test_file, num_devices, select=select)
-    assert ' passed' in stdout
+    rerun_with_devices(test_file, num_devices, select=select)
 
   return test_suite_in_subprocess
