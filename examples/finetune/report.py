@@ -59,9 +59,9 @@ class Progress:
   """A rich progress bar with loss and tokens/s on a terminal; elsewhere (logs,
   CI) a plain line every tenth of the run; nothing when disabled."""
 
-  def __init__(self, total: int, enabled: bool):
+  def __init__(self, total: int, enabled: bool, done: int = 0):
     self._bar = None
-    self._total, self._done = total, 0
+    self._total, self._done = total, done
     self._log_every = max(1, total // 10) if enabled else 0
     if enabled and sys.stderr.isatty():
       from rich import console, progress  # pylint: disable=g-import-not-at-top
@@ -70,7 +70,8 @@ class Progress:
           progress.MofNCompleteColumn(), progress.TimeElapsedColumn(),
           progress.TextColumn('{task.fields[info]}'),
           console=console.Console(stderr=True))
-      self._task = self._bar.add_task('train', total=total, info='')
+      self._task = self._bar.add_task('train', total=total, completed=done,
+                                      info='')
       self._bar.start()
 
   def advance(self, info: str) -> None:

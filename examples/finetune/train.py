@@ -27,50 +27,12 @@ from examples.finetune import loading
 from examples.finetune import memory_plan
 from examples.finetune import optimizers as optimizers_lib
 from examples.finetune import report as report_lib
+from examples.finetune import resume as resume_lib
 from examples.finetune import run_config as run_config_lib
 from examples.finetune import sharding as sharding_lib
 from examples.finetune import tasks as tasks_lib
 from examples.finetune import trainers as trainers_lib
 from examples.finetune import weights as weights_lib
-
-
-# Checkpoints (Orbax): parameters and optimizer state, step included.
-
-CHECKPOINT_DIR = 'checkpoint'
-
-
-def checkpoint_path(output_dir: str) -> str:
-  return os.path.join(os.path.abspath(output_dir), CHECKPOINT_DIR)
-
-
-def save_checkpoint(path: str, trainer) -> None:
-  """Saves the trainer's state; Orbax writes it atomically."""
-  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
-  checkpointer = ocp.StandardCheckpointer()
-  checkpointer.save(path, trainer.checkpoint_tree(), force=True)
-  checkpointer.wait_until_finished()
-
-
-def restore_checkpoint(path: str, trainer) -> int:
-  """Loads a checkpoint into the trainer; returns its step.
-
-  The freshly built trainer gives the expected structure, shapes and dtypes,
-  so a checkpoint of another model, optimizer or step path is refused.
-  """
-  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
-  if not os.path.isdir(path):
-    raise run_config_lib.FinetuneError(f'--resume: no checkpoint at {path}')
-  try:
-    restored = ocp.StandardCheckpointer().restore(path,
-                                                  trainer.checkpoint_tree())
-  except Exception as e:  # Orbax raises many types for a mismatched tree.
-    raise run_config_lib.FinetuneError(
-        f'--resume: checkpoint at {path} does not match this model, '
-        f'optimizer and step path ({type(e).__name__}: '
-        f'{str(e).splitlines()[0][:200]})') from e
-  trainer.load_checkpoint_tree(restored)
-  return trainer.step_count
-
 
 # The run.
 
@@ -197,6 +159,7 @@ def run(config: run_config_lib.RunConfig,
   Every input is checked before ``output_dir`` is touched.
   """
   wall_start = time.perf_counter()
+  checkpoints = resume_lib.open_checkpoints(config, log)
   spec = optimizers_lib.get(config.optimizer)
   try:
     task, train_examples, test_examples = load_task(config)
@@ -245,20 +208,15 @@ def run(config: run_config_lib.RunConfig,
   warmup = (config.warmup_steps if config.warmup_steps is not None
             else min(50, config.steps // 10))
   schedule = optimizers_lib.linear_schedule(lr, config.steps, warmup)
+  resume_lib.check_resolved(checkpoints, **{
+      'learning rate': lr, 'warm-up steps': warmup,
+      'parameter dtype': jnp.dtype(_dtype(config.dtype)).name,
+      'model file': os.path.abspath(model_path),
+      'training data': resume_lib.data_digest(train_tokens)})
   hints = optimizers_lib.decoder_hints(model_config)
   _check_memory(config, model, schedule, hints)
   trainer = trainers_lib.make_trainer(config, model, schedule, hints)
-  start_step = 0
-  if config.resume:
-    start_step = restore_checkpoint(checkpoint_path(config.output_dir),
-                                    trainer)
-    if start_step >= config.steps:
-      raise run_config_lib.FinetuneError(
-          f'--resume: the checkpoint is at step {start_step}, not before '
-          f'--steps {config.steps}')
-    for _ in range(start_step):  # Continue the same batch stream.
-      next(batches)
-    log(f'resumed from step {start_step}')
+  start_step = resume_lib.restore(checkpoints, trainer, batches, log)
   step_path = trainer.path
   log(f'model {model_path} ({model_config.family}, '
       f'{len(train_tokens)} train / {len(test_examples)} held-out examples)')
@@ -272,8 +230,10 @@ def run(config: run_config_lib.RunConfig,
       model, eval_set, tokenizer, seq_len=config.seq_len,
       batch_size=config.eval_batch_size,
       max_new_tokens=config.max_new_tokens, stop_ids=stop_ids)
-  before = evaluate()
-  log(f'held-out {metric} before: {before[metric]:.4f}')
+  history = checkpoints.history
+  before = history['before'] if 'before' in history else evaluate()
+  log(f'held-out {metric} before: {before[metric]:.4f}'
+      + (' (from the checkpoint)' if 'before' in history else ''))
 
   mesh = sharding_lib.current_mesh()
   place = (lambda b: sharding_lib.shard_batch(b, mesh)) if mesh else (
@@ -286,37 +246,61 @@ def run(config: run_config_lib.RunConfig,
   compiled = trainer.compile(first)
   compile_seconds = time.perf_counter() - compile_start
 
-  progress = report_lib.Progress(config.steps - start_step, config.progress)
-  losses, evals, tokens, train_seconds = [], [], 0, 0.0
-  batch = first
-  try:
-    for step in range(start_step + 1, config.steps + 1):
-      start = time.perf_counter()
-      loss = float(trainer.step(batch))
-      elapsed = time.perf_counter() - start
-      # Compiled above, so every step counts; padding tokens do not.
-      train_seconds += elapsed
-      tokens += int(batch.attention_mask.sum())
-      losses.append(loss)
-      if not math.isfinite(loss):
-        raise run_config_lib.FinetuneError(
-            f'loss became {loss} at step {step}; lower --lr')
-      rate = tokens / train_seconds if train_seconds else 0.0
-      progress.advance(f'loss {loss:.4f}  {rate:.0f} tok/s')
-      if config.eval_every and step % config.eval_every == 0 and (
-          step < config.steps):
-        scores = evaluate()
-        evals.append({'step': step, **scores})
-        progress.print(f'step {step}: held-out {metric} {scores[metric]:.4f}')
-      if step < config.steps:
-        batch = place(next(batches))
-  finally:
-    progress.close()
+  progress = report_lib.Progress(config.steps, config.progress,
+                                 done=start_step)
+  losses, evals = history.get('losses', []), history.get('evals', [])
+  tokens = history.get('tokens', 0)
+  train_seconds = history.get('train_seconds', 0.0)
+
+  def save(step: int) -> Optional[str]:
+    if not config.save_checkpoint:
+      return None
+    return checkpoints.save(step, trainer.checkpoint_tree(), {
+        'before': before, 'losses': losses, 'evals': evals, 'tokens': tokens,
+        'train_seconds': train_seconds, 'jax': jax.__version__,
+        'backend': jax.default_backend()})
+
+  batch, saved = first, None
+  with resume_lib.StopRequest() as stop:
+    try:
+      for step in range(start_step + 1, config.steps + 1):
+        start = time.perf_counter()
+        loss = float(trainer.step(batch))
+        elapsed = time.perf_counter() - start
+        # Compiled above, so every step counts; padding tokens do not.
+        train_seconds += elapsed
+        tokens += int(batch.attention_mask.sum())
+        losses.append(loss)
+        if not math.isfinite(loss):
+          raise run_config_lib.FinetuneError(
+              f'loss became {loss} at step {step}; lower --lr')
+        rate = tokens / train_seconds if train_seconds else 0.0
+        progress.advance(f'loss {loss:.4f}  {rate:.0f} tok/s')
+        if config.eval_every and step % config.eval_every == 0 and (
+            step < config.steps):
+          scores = evaluate()
+          evals.append({'step': step, **scores})
+          progress.print(
+              f'step {step}: held-out {metric} {scores[metric]:.4f}')
+        stop.pause_for_test(step)
+        if stop.signal_number or step == config.steps or checkpoints.due(
+            step):
+          saved = save(step)
+        if stop.signal_number:
+          break
+        if step < config.steps:
+          batch = place(next(batches))
+    finally:
+      progress.close()
+  if stop.signal_number:
+    where = (f'checkpoint saved to {saved}' if saved
+             else 'no checkpoint (--no-checkpoint)')
+    log(f'interrupted at step {step}/{config.steps}; {where}'
+        + ('; resume with --resume' if saved and step < config.steps else ''))
+    raise resume_lib.Interrupted(stop.exit_code)
 
   after = evaluate()
   evals.append({'step': config.steps, **after})
-  if config.save_checkpoint:
-    save_checkpoint(checkpoint_path(config.output_dir), trainer)
   peak, peak_source = trainers_lib.peak_memory(compiled)
   param_bytes = optimizers_lib.state_bytes(nnx.state(model, nnx.Param))
   results = {

@@ -1,0 +1,215 @@
+"""``--resume`` through the CLI: stop a run, resume it, get the same bits.
+
+Run A trains ``STEPS`` steps in one go; run B is stopped by a real signal
+after step ``STOP`` (SIGINT for TACO's layer-wise step, SIGTERM for AdamW),
+then resumed with ``--resume``. Parameters, the whole optimizer state and
+every loss of B must equal A's bit for bit.
+"""
+
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from examples.finetune import __main__ as cli
+from examples.finetune import checkpoint
+from examples.finetune import resume
+from tests.bitwise import assert_bitwise_equal
+import test_cli  # pylint: disable=g-bad-import-order  (the tiny model, data)
+from test_cli import workspace  # pylint: disable=unused-import,g-bad-import-order
+
+STEPS, STOP, EVERY = 6, 3, 2
+_CHECKPOINTS = resume.CHECKPOINT_DIR
+
+
+def _args(workspace, output_dir, optimizer, *extra):
+  args = test_cli._text_args(workspace, output_dir, '--optimizer', optimizer,
+                             '--checkpoint-every', str(EVERY), *extra)
+  args[args.index('--steps') + 1] = str(STEPS)
+  args[args.index('--eval-every') + 1] = '0'
+  args.remove('--no-progress')  # the progress lines are checked below
+  return args
+
+
+def _command(args):
+  return [sys.executable, '-m', 'examples.finetune', *args]
+
+
+def _env(**extra):
+  return {**os.environ, 'JAX_PLATFORMS': 'cpu', **extra}
+
+
+def _run(args, **env):
+  return subprocess.run(_command(args), cwd=test_cli._REPO_ROOT,
+                        capture_output=True, text=True, timeout=300,
+                        env=_env(**env))
+
+
+def _interrupt(args, signal_number):
+  """Runs ``args``, sends ``signal_number`` once step ``STOP`` is done."""
+  process = subprocess.Popen(
+      _command(args), cwd=test_cli._REPO_ROOT, stdout=subprocess.PIPE,
+      stderr=subprocess.PIPE, text=True,
+      env=_env(**{resume.PAUSE_AFTER_STEP_ENV: str(STOP)}))
+  seen = []
+  try:
+    for line in process.stderr:
+      seen.append(line)
+      if line.startswith(f'paused after step {STOP}'):
+        process.send_signal(signal_number)
+        break
+    stderr = ''.join(seen) + process.stderr.read()
+    stdout = process.stdout.read()
+    process.wait(timeout=300)
+  finally:
+    process.kill()
+  return process.returncode, stdout, stderr
+
+
+def _results(output_dir):
+  with open(os.path.join(output_dir, 'results.json')) as f:
+    return json.load(f)
+
+
+def _state(output_dir, step=None):
+  """The saved arrays of the newest (or ``step``'s) checkpoint."""
+  directory = os.path.join(output_dir, _CHECKPOINTS)
+  found = checkpoint.latest(directory)
+  assert found is not None and found.step == (step or found.step)
+  return found, checkpoint.restore(found)
+
+
+def _dtypes(tree):
+  return {np.asarray(leaf).dtype.name for leaf in jax.tree.leaves(tree)}
+
+
+@pytest.mark.parametrize('optimizer, signal_number', [
+    ('taco', signal.SIGINT), ('adamw', signal.SIGTERM)],
+                         ids=['taco-SIGINT', 'adamw-SIGTERM'])
+def test_interrupted_and_resumed_run_equals_uninterrupted_run(
+    workspace, optimizer, signal_number):
+  uninterrupted = workspace['root'] / f'resume-a-{optimizer}'
+  assert cli.main(_args(workspace, uninterrupted, optimizer)) == 0
+
+  interrupted = workspace['root'] / f'resume-b-{optimizer}'
+  args = _args(workspace, interrupted, optimizer)
+  code, stdout, stderr = _interrupt(args, signal_number)
+  assert code == 128 + signal_number, stdout + stderr
+  directory = os.path.join(interrupted, _CHECKPOINTS)
+  assert (f'interrupted at step {STOP}/{STEPS}; checkpoint saved to '
+          f'{os.path.join(os.path.abspath(directory), "step_00000003")}; '
+          'resume with --resume') in stdout, stdout + stderr
+  assert not os.path.exists(interrupted / 'results.json')
+  assert checkpoint.complete_steps(directory) == [EVERY, STOP]
+  _, at_stop = _state(interrupted, STOP)
+
+  # A save that died half-way (its directory never renamed) is ignored.
+  partial = os.path.join(directory, 'step_00000005.partial')
+  shutil.copytree(os.path.join(directory, 'step_00000003'), partial)
+  os.remove(os.path.join(partial, 'manifest.json'))
+
+  resumed = _run(args + ['--resume'])
+  assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+  assert f'resumed from step {STOP}' in resumed.stdout
+  # Progress counts global steps.
+  assert f'step {STOP + 1}/{STEPS}:' in resumed.stderr, resumed.stderr
+  assert f'step 1/{STEPS - STOP}' not in resumed.stderr
+  assert sorted(os.listdir(directory)) == ['step_00000004', 'step_00000006']
+
+  expected, actual = _results(uninterrupted), _results(interrupted)
+  assert actual['resumed_from_step'] == STOP
+  assert len(expected['losses']) == STEPS
+  assert actual['losses'] == expected['losses']
+  assert actual['before'] == expected['before']
+  assert actual['after'] == expected['after']
+  expected_checkpoint, expected_state = _state(uninterrupted, STEPS)
+  actual_checkpoint, actual_state = _state(interrupted, STEPS)
+  assert actual_checkpoint.metadata == expected_checkpoint.metadata
+  assert_bitwise_equal(actual_state, expected_state)
+  # The comparison covers the whole optimizer state, and it moved.
+  kinds = {'taco': {'float8_e4m3fn', 'int32', 'int8', 'float32'},
+           'adamw': {'float32', 'int32'}}[optimizer]
+  assert kinds <= _dtypes(actual_state)
+  changed = [not np.array_equal(np.asarray(a), np.asarray(b))
+             for a, b in zip(jax.tree.leaves(at_stop),
+                             jax.tree.leaves(actual_state))]
+  assert sum(changed) > len(changed) // 2
+
+
+def _tree_digest(path) -> dict:
+  """Every file under ``path`` with its SHA-256: what "untouched" means."""
+  digests = {}
+  for folder, _, files in os.walk(path):
+    for name in files:
+      with open(os.path.join(folder, name), 'rb') as f:
+        digests[os.path.relpath(os.path.join(folder, name), path)] = (
+            hashlib.sha256(f.read()).hexdigest())
+  return digests
+
+
+def _one_line_error(args, capsys) -> str:
+  assert cli.main(args) == 2
+  lines = capsys.readouterr().err.strip().splitlines()
+  assert len(lines) == 1 and lines[0].startswith('error: '), lines
+  return lines[0]
+
+
+def test_changed_settings_are_refused_by_name(workspace, capsys):
+  output_dir = workspace['root'] / 'resume-refusals'
+  args = _args(workspace, output_dir, 'adamw', '--no-progress')
+  args[args.index('--steps') + 1] = '2'
+  assert cli.main(args) == 0
+  capsys.readouterr()
+  untouched = _tree_digest(output_dir)
+
+  def refused(*changes):
+    return _one_line_error(args + ['--resume', *changes], capsys)
+
+  assert refused('--taco-k', '8') == (
+      'error: --resume: checkpoint has --taco-k 16, this run --taco-k 8 '
+      '(pass --resume-allow-changes to resume with this run\'s settings)')
+  message = refused('--lr', '0.001', '--seed', '1')
+  assert 'this run --lr 0.001' in message and 'this run --seed 1' in message
+  assert 'checkpoint has --optimizer adamw, this run --optimizer taco' in (
+      refused('--optimizer', 'taco'))
+  # --steps is the total: the checkpoint is at step 2 of 2.
+  assert 'nothing left' in refused()
+  # With the flag the settings may change, but the state must still fit.
+  assert 'does not match this run\'s state' in refused(
+      '--resume-allow-changes', '--optimizer', 'taco', '--steps', '3')
+  assert _tree_digest(output_dir) == untouched, 'a refusal wrote something'
+
+  assert cli.main(args + ['--resume', '--resume-allow-changes',
+                          '--steps', '3']) == 0
+  log = capsys.readouterr().out
+  assert 'checkpoint has --steps 2, this run --steps 3' in log
+  assert _results(output_dir)['resumed_from_step'] == 2
+  assert checkpoint.complete_steps(output_dir / _CHECKPOINTS)[-1] == 3
+
+
+def test_resume_without_a_checkpoint_is_refused(workspace, capsys):
+  output_dir = workspace['root'] / 'never-resumed'
+  message = _one_line_error(
+      _args(workspace, output_dir, 'taco', '--no-progress', '--resume'),
+      capsys)
+  assert message.startswith('error: --resume: no checkpoint in ')
+  assert not output_dir.exists()
+
+
+def test_stop_request_catches_a_signal_and_restores_handlers():
+  before = {n: signal.getsignal(n) for n in (signal.SIGINT, signal.SIGTERM)}
+  with resume.StopRequest() as stop:
+    assert stop.signal_number is None
+    os.kill(os.getpid(), signal.SIGTERM)
+    assert stop.signal_number == signal.SIGTERM
+    assert (stop.exit_code, stop.name) == (143, 'SIGTERM')
+    # A second signal gets the default handling (here: pytest's SIGINT).
+    assert signal.getsignal(signal.SIGINT) is before[signal.SIGINT]
+  assert {n: signal.getsignal(n) for n in before} == before
