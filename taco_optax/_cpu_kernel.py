@@ -146,7 +146,9 @@ def supports(grad_rows: jax.Array, values: jax.Array, indices: jax.Array,
   return (jnp.dtype(grad_rows.dtype) in _GRAD_DTYPES
           and jnp.dtype(values.dtype) == jnp.dtype(jnp.float8_e4m3fn)
           and jnp.dtype(indices.dtype) in _INDEX_DTYPES
-          and values.shape[0] == n and 1 <= update_topk <= k <= m < 2**31)
+          and values.shape[0] == n and 1 <= update_topk <= k <= m < 2**31
+          # int16 indices only address rows below 2**15 (as in the reference).
+          and (jnp.dtype(indices.dtype) == jnp.int32 or m <= 2**15))
 
 
 def cpu_column_step(grad_rows: jax.Array, values: jax.Array,

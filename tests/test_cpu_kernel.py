@@ -265,6 +265,9 @@ def test_supports():
   assert not _cpu_kernel.supports(grads[:, :8], values, indices)  # k > m
   assert not _cpu_kernel.supports(grads, values, indices, update_topk=17)
   assert not _cpu_kernel.supports(grads[None], values[None], indices[None])
+  long_rows = jnp.zeros((4, 2**15 + 1), jnp.bfloat16)
+  assert _cpu_kernel.supports(long_rows, values, indices)
+  assert not _cpu_kernel.supports(long_rows, values, indices.astype(jnp.int16))
 
 
 def test_unavailable_compiler_is_reported_not_raised(monkeypatch, tmp_path):
