@@ -255,10 +255,14 @@ def run(config: run_config_lib.RunConfig,
   def save(step: int) -> Optional[str]:
     if not config.save_checkpoint:
       return None
-    return checkpoints.save(step, trainer.checkpoint_tree(), {
+    began = time.perf_counter()
+    path = checkpoints.save(step, trainer.checkpoint_tree(), {
         'before': before, 'losses': losses, 'evals': evals, 'tokens': tokens,
         'train_seconds': train_seconds, 'jax': jax.__version__,
         'backend': jax.default_backend()})
+    progress.print(f'step {step}: checkpoint saved to {path} '
+                   f'({time.perf_counter() - began:.1f} s)')
+    return path
 
   batch, saved = first, None
   with resume_lib.StopRequest() as stop:
