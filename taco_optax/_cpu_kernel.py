@@ -7,12 +7,12 @@ over each gradient row, with rows split across XLA's CPU threads: the merge
 the winners. XLA's own ``lax.top_k`` on CPU sorts an index array per row on
 one thread, which made the step the slowest part of training.
 
-The source (``csrc/column_step.cc``) ships with the package and is compiled
-at first use against the installed jaxlib's FFI headers, so the handler always
-matches the runtime's FFI version. The library is cached per user in
-``$TACO_OPTAX_CACHE_DIR``, else ``$XDG_CACHE_HOME/taco_optax``, else
-``~/.cache/taco_optax``, under a name keyed by the source, jaxlib, compiler
-and machine. Without a working C++ compiler :func:`availability` says why and
+The source (``csrc/column_step.cc`` and its headers) ships with the package
+and is compiled at first use against the installed jaxlib's FFI headers, so
+the handler always matches the runtime's FFI version. The library is cached
+per user in ``$TACO_OPTAX_CACHE_DIR``, else ``$XDG_CACHE_HOME/taco_optax``,
+else ``~/.cache/taco_optax``, under a name keyed by the source, jaxlib,
+compiler and machine. Without a working C++ compiler :func:`availability` says why and
 callers use the reference; nothing fails at import or install time.
 """
 
@@ -71,11 +71,13 @@ def _compiler() -> tuple[str, str]:
 def _build() -> pathlib.Path:
   """Compiles the kernel into the cache unless an identical build is there."""
   import jaxlib  # pylint: disable=g-import-not-at-top
-  source = _SOURCE.read_bytes()
+  sources = [path.read_bytes() for path in sorted(_SOURCE.parent.iterdir())
+             if path.suffix in ('.cc', '.h')]
   compiler, version = _compiler()
   key = hashlib.sha256(b'\0'.join([
-      source, jaxlib.__version__.encode(), compiler.encode(), version.encode(),
-      ' '.join(_FLAGS).encode(), platform.machine().encode()])).hexdigest()
+      *sources, jaxlib.__version__.encode(), compiler.encode(),
+      version.encode(), ' '.join(_FLAGS).encode(),
+      platform.machine().encode()])).hexdigest()
   directory = cache_dir()
   library = directory / f'taco_column_step_{key[:20]}.so'
   if library.exists():

@@ -1,4 +1,4 @@
-"""The fused CPU kernel gives the reference column step's results bit for bit."""
+"""The fused CPU kernel gives the reference column step's results exactly."""
 
 import functools
 import shutil

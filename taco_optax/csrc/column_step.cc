@@ -10,6 +10,7 @@
 //
 // Inputs may carry leading batch axes (from jax.vmap): grads (B.., N, m),
 // values/indices (B.., N, k), exponents (B.., N), mu and one_minus_mu (B..).
+// numerics.h holds the float helpers, masks.h the SIMD screening.
 
 #include <algorithm>
 #include <atomic>
@@ -21,114 +22,20 @@
 #include <thread>
 #include <vector>
 
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-#endif
 
+#include "masks.h"
+#include "numerics.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
+namespace taco_kernel {
 namespace {
 
-constexpr uint32_t kAbsMask = 0x7fffffffu;
-constexpr uint32_t kExponentMask = 0x7f800000u;
-// Entries are screened in blocks of 16 (one 16-bit mask), 16 blocks a call.
-constexpr int64_t kBlock = 16;
+// Blocks of 16 entries screened per mask call.
 constexpr int64_t kChunkBlocks = 16;
 // Rows handed to a thread at a time: about this many gradient entries.
 constexpr int64_t kChunkElements = 1 << 16;
-
-inline uint32_t Bits(float x) {
-  uint32_t b;
-  std::memcpy(&b, &x, sizeof(b));
-  return b;
-}
-
-inline float FromBits(uint32_t b) {
-  float x;
-  std::memcpy(&x, &b, sizeof(x));
-  return x;
-}
-
-inline float Load(const float* p) { return *p; }
-inline float Load(const uint16_t* p) { return FromBits(uint32_t(*p) << 16); }
-
-// XLA:CPU runs its kernels with subnormals flushed to zero (inputs and
-// results); the reference's arithmetic happens in that mode, so ours does too.
-class FlushDenormals {
- public:
-  FlushDenormals() {
-#if defined(__x86_64__) || defined(__i386__)
-    saved_ = _mm_getcsr();
-    _mm_setcsr(saved_ | 0x8040u);  // FTZ | DAZ
-#elif defined(__aarch64__)
-    uint64_t fpcr;
-    asm volatile("mrs %0, fpcr" : "=r"(fpcr));
-    saved_ = fpcr;
-    asm volatile("msr fpcr, %0" : : "r"(fpcr | (uint64_t{1} << 24)));  // FZ
-#endif
-  }
-  ~FlushDenormals() {
-#if defined(__x86_64__) || defined(__i386__)
-    _mm_setcsr(saved_);
-#elif defined(__aarch64__)
-    asm volatile("msr fpcr, %0" : : "r"(saved_));
-#endif
-  }
-  FlushDenormals(const FlushDenormals&) = delete;
-  FlushDenormals& operator=(const FlushDenormals&) = delete;
-
- private:
-#if defined(__aarch64__)
-  uint64_t saved_ = 0;
-#else
-  uint32_t saved_ = 0;
-#endif
-};
-
-// float8_e4m3fn (bias 7, no infinities, 0x7f is NaN) to float32; exact.
-inline float DecodeE4M3(uint8_t b) {
-  const uint32_t sign = uint32_t(b & 0x80) << 24;
-  const uint32_t exponent = (b >> 3) & 0xf;
-  const uint32_t mantissa = b & 0x7;
-  if ((b & 0x7f) == 0x7f) return FromBits(sign | 0x7fc00000u);
-  if (exponent == 0) {
-    const float magnitude = float(mantissa) * (1.0f / 512.0f);
-    return sign ? -magnitude : magnitude;
-  }
-  return FromBits(sign | ((exponent + 120) << 23) | (mantissa << 20));
-}
-
-// float32 to float8_e4m3fn, round to nearest even, as XLA:CPU's convert:
-// overflow past the largest finite (448) gives NaN (callers clip first).
-inline uint8_t EncodeE4M3(float x) {
-  const uint32_t bits = Bits(x);
-  const uint8_t sign = uint8_t((bits >> 24) & 0x80);
-  const uint32_t magnitude = bits & kAbsMask;
-  if (magnitude > kExponentMask) return sign | 0x7f;  // NaN
-  const int32_t exponent = int32_t(magnitude >> 23) - 127;
-  if (exponent >= -6) {  // normal in e4m3: keep 3 of 23 mantissa bits
-    const uint32_t odd = (magnitude >> 20) & 1;
-    const uint32_t rounded = (magnitude + 0x7ffffu + odd) >> 20;
-    const uint32_t code = rounded - (120u << 3);
-    return code > 0x7e ? (sign | 0x7f) : uint8_t(sign | code);
-  }
-  // Subnormal in e4m3: a multiple of 2**-9.
-  if (exponent < -10 || (magnitude >> 23) == 0) return sign;
-  const uint32_t significand = (magnitude & 0x7fffffu) | 0x800000u;
-  const int32_t shift = 14 - exponent;  // 21 .. 24
-  uint32_t quotient = significand >> shift;
-  const uint32_t remainder = significand & ((1u << shift) - 1);
-  const uint32_t half = 1u << (shift - 1);
-  if (remainder > half || (remainder == half && (quotient & 1))) ++quotient;
-  return uint8_t(sign | quotient);
-}
-
-// 2**e as float32, or 0 below the normal range (XLA flushes 2**-127 to 0).
-inline float Pow2(int32_t e) {
-  return e < -126 ? 0.0f : FromBits(uint32_t(e + 127) << 23);
-}
 
 // Everything one call needs, shared by the threads.
 struct Problem {
@@ -150,116 +57,12 @@ struct Problem {
 };
 
 inline int64_t HistoryIndex(const Problem& p, int64_t offset) {
-  return p.indices_int16 ? int64_t(static_cast<const int16_t*>(p.indices)[offset])
-                         : int64_t(static_cast<const int32_t*>(p.indices)[offset]);
-}
-
-// The dense pass screens entries 16 at a time: bit t of a block's mask says
-// that |(1 - mu) * g| of entry t has float bits >= the current bound. Masks
-// are made with SIMD, a chunk of blocks per call; each function also reports
-// whether some g in the chunk is NaN or infinite.
-template <typename G>
-using MaskFunction = bool (*)(const G* row, int64_t blocks, float one_minus_mu,
-                              int32_t bound, uint16_t* masks);
-
-template <typename G>
-bool MasksPortable(const G* row, int64_t blocks, float one_minus_mu,
-                   int32_t bound, uint16_t* masks) {
-  uint32_t nonfinite = 0;
-  for (int64_t block = 0; block < blocks; ++block) {
-    uint32_t mask = 0;
-    for (int64_t t = 0; t < kBlock; ++t) {
-      const float g = Load(row + block * kBlock + t);
-      nonfinite |= uint32_t((Bits(g) & kExponentMask) == kExponentMask);
-      const int32_t key = int32_t(Bits(one_minus_mu * g) & kAbsMask);
-      mask |= uint32_t(key >= bound) << t;
-    }
-    masks[block] = uint16_t(mask);
+  if (p.indices_int16) {
+    return static_cast<const int16_t*>(p.indices)[offset];
   }
-  return nonfinite != 0;
+  return static_cast<const int32_t*>(p.indices)[offset];
 }
 
-#if defined(__x86_64__)
-inline __m128 LoadSse2(const float* p) { return _mm_loadu_ps(p); }
-inline __m128 LoadSse2(const uint16_t* p) {  // 4 bf16 -> f32
-  const __m128i half = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
-  return _mm_castsi128_ps(_mm_unpacklo_epi16(_mm_setzero_si128(), half));
-}
-
-template <typename G>
-bool MasksSse2(const G* row, int64_t blocks, float one_minus_mu, int32_t bound,
-               uint16_t* masks) {
-  const __m128 scale = _mm_set1_ps(one_minus_mu);
-  const __m128i abs_mask = _mm_set1_epi32(int32_t(kAbsMask));
-  const __m128i exponent_mask = _mm_set1_epi32(int32_t(kExponentMask));
-  const __m128i below = _mm_set1_epi32(bound - 1);  // keys are < 2**31
-  __m128i nonfinite = _mm_setzero_si128();
-  for (int64_t block = 0; block < blocks; ++block) {
-    uint32_t mask = 0;
-    for (int quarter = 0; quarter < 4; ++quarter) {
-      const __m128 g = LoadSse2(row + block * kBlock + quarter * 4);
-      const __m128i bits = _mm_castps_si128(g);
-      nonfinite = _mm_or_si128(nonfinite, _mm_cmpeq_epi32(
-          _mm_and_si128(bits, exponent_mask), exponent_mask));
-      const __m128i key = _mm_and_si128(
-          _mm_castps_si128(_mm_mul_ps(g, scale)), abs_mask);
-      const int hits = _mm_movemask_ps(
-          _mm_castsi128_ps(_mm_cmpgt_epi32(key, below)));
-      mask |= uint32_t(hits) << (4 * quarter);
-    }
-    masks[block] = uint16_t(mask);
-  }
-  return _mm_movemask_epi8(nonfinite) != 0;
-}
-
-__attribute__((target("avx2"))) inline __m256 LoadAvx2(const float* p) {
-  return _mm256_loadu_ps(p);
-}
-__attribute__((target("avx2"))) inline __m256 LoadAvx2(const uint16_t* p) {
-  const __m128i halves = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(
-      _mm256_slli_epi32(_mm256_cvtepu16_epi32(halves), 16));
-}
-
-template <typename G>
-__attribute__((target("avx2"))) bool MasksAvx2(
-    const G* row, int64_t blocks, float one_minus_mu, int32_t bound,
-    uint16_t* masks) {
-  const __m256 scale = _mm256_set1_ps(one_minus_mu);
-  const __m256i abs_mask = _mm256_set1_epi32(int32_t(kAbsMask));
-  const __m256i exponent_mask = _mm256_set1_epi32(int32_t(kExponentMask));
-  const __m256i below = _mm256_set1_epi32(bound - 1);
-  __m256i nonfinite = _mm256_setzero_si256();
-  for (int64_t block = 0; block < blocks; ++block) {
-    uint32_t mask = 0;
-    for (int half = 0; half < 2; ++half) {
-      const __m256 g = LoadAvx2(row + block * kBlock + half * 8);
-      const __m256i bits = _mm256_castps_si256(g);
-      nonfinite = _mm256_or_si256(nonfinite, _mm256_cmpeq_epi32(
-          _mm256_and_si256(bits, exponent_mask), exponent_mask));
-      const __m256i key = _mm256_and_si256(
-          _mm256_castps_si256(_mm256_mul_ps(g, scale)), abs_mask);
-      const int hits = _mm256_movemask_ps(
-          _mm256_castsi256_ps(_mm256_cmpgt_epi32(key, below)));
-      mask |= uint32_t(hits) << (8 * half);
-    }
-    masks[block] = uint16_t(mask);
-  }
-  return _mm256_movemask_epi8(nonfinite) != 0;
-}
-#endif
-
-// The widest mask function this CPU runs (chosen at run time, so the cached
-// library stays portable across machines sharing it).
-template <typename G>
-MaskFunction<G> ChooseMasks() {
-#if defined(__x86_64__)
-  if (__builtin_cpu_supports("avx2")) return MasksAvx2<G>;
-  return MasksSse2<G>;
-#else
-  return MasksPortable<G>;
-#endif
-}
 
 // An entry's rank key: descending order of (|c| bits, -position) is
 // lax.top_k's order (larger magnitude first, ties to the lower position).
@@ -379,9 +182,8 @@ void StepRow(const Problem& p, MaskFunction<G> masks_of, int64_t row_index,
 
   // Encode: the largest |value| goes to [2**7, 2**8) (frexp exponent - 8).
   const uint32_t top_bits = uint32_t(best[0] >> 32);
-  const int32_t frexp_exponent =
-      (top_bits == 0 || top_bits >= kExponentMask) ? 0
-                                                   : int32_t(top_bits >> 23) - 126;
+  const bool special = top_bits == 0 || top_bits >= kExponentMask;
+  const int32_t frexp_exponent = special ? 0 : int32_t(top_bits >> 23) - 126;
   const int32_t exponent = std::clamp(frexp_exponent - 8, -126, 119);
   const float inverse_scale = Pow2(-exponent);
   p.new_exponents[row_index] = int8_t(exponent);
@@ -500,7 +302,7 @@ ffi::Error ColumnStep(ffi::ThreadPool pool, ffi::AnyBuffer grads,
   for (int64_t b = 0; b < p.batch; ++b) p.nonfinite[b].store(false);
 
   const int64_t total_rows = p.batch * p.rows;
-  work->chunk_rows = std::max<int64_t>(1, kChunkElements / std::max<int64_t>(p.m, 1));
+  work->chunk_rows = std::max<int64_t>(1, kChunkElements / p.m);
   work->chunks = (total_rows + work->chunk_rows - 1) / work->chunk_rows;
   const int64_t helpers =
       std::min<int64_t>(pool.num_threads(), work->chunks) - 1;
@@ -522,16 +324,18 @@ ffi::Error ColumnStep(ffi::ThreadPool pool, ffi::AnyBuffer grads,
     std::memcpy(p.new_values + b * per_entry, p.values + b * per_entry,
                 per_entry);
     std::memcpy(p.new_exponents + b * p.rows, p.exponents + b * p.rows, p.rows);
-    std::memcpy(static_cast<char*>(p.new_indices) + b * per_entry * index_bytes,
-                static_cast<const char*>(p.indices) + b * per_entry * index_bytes,
+    const int64_t index_offset = b * per_entry * index_bytes;
+    std::memcpy(static_cast<char*>(p.new_indices) + index_offset,
+                static_cast<const char*>(p.indices) + index_offset,
                 per_entry * index_bytes);
   }
   return ffi::Error::Success();
 }
 
 }  // namespace
+}  // namespace taco_kernel
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(TacoColumnStep, ColumnStep,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TacoColumnStep, taco_kernel::ColumnStep,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::AnyBuffer>()
