@@ -12,8 +12,9 @@ and is compiled at first use against the installed jaxlib's FFI headers, so
 the handler always matches the runtime's FFI version. The library is cached
 per user in ``$TACO_OPTAX_CACHE_DIR``, else ``$XDG_CACHE_HOME/taco_optax``,
 else ``~/.cache/taco_optax``, under a name keyed by the source, jaxlib,
-compiler and machine. Without a working C++ compiler :func:`availability` says why and
-callers use the reference; nothing fails at import or install time.
+compiler and machine. Without a working C++ compiler :func:`availability`
+says why and callers use the reference; nothing fails at import or install
+time.
 """
 
 import ctypes
