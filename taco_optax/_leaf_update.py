@@ -75,25 +75,51 @@ def taco_leaf_update(param, grad, values, indices, exponents, *, plan, mu,
                                lr_state=lr_state, after=after)
 
 
-def _winner_positions(winners, rows_length, shards):
-  """Where the winners sit in this device's rows, and the scatter mode.
+def _local_winners(winners, shards):
+  """Where the winners sit in this device's rows (``-1``: on another device).
 
-  Row indices are global; a winner held by another device points past the
-  end of the local rows and its write is dropped.
+  Row indices are global; on a mesh a device holds a slice of every row.
   """
   if shards is None or not shards.gather_axes:  # every device holds whole rows
-    return winners, 'promise_in_bounds'
+    return winners
   local, held = _mesh.local_rows(winners, shards)
-  return jnp.where(held, local, rows_length), 'drop'
+  return jnp.where(held, local, -1)
 
 
-def _add_at(x, where, delta, mode):
-  """``x`` with ``delta`` added at ``where``, rounded once to ``x.dtype``."""
-  dropping = mode == 'drop'
-  current = (x.at[where].get(mode='fill', fill_value=0) if dropping
-             else x[where])
-  return x.at[where].set(jnp.asarray(current + delta).astype(x.dtype),
-                         unique_indices=not dropping, mode=mode)
+def _scatter_add(x, where, delta, dropping):
+  """``x`` with ``delta`` added at ``where``, rounded once to ``x.dtype``.
+
+  In place on a donated ``x``; with ``dropping``, out-of-range positions
+  (winners held by another device, marked ``-1``) are skipped.
+  """
+  if dropping:
+    rows, winners = where
+    where = (rows, jnp.where(winners < 0, x.shape[1], winners))
+    current = x.at[where].get(mode='fill', fill_value=0)
+  else:
+    current = x[where]
+  new = jnp.asarray(current + delta).astype(x.dtype)
+  return x.at[where].set(new, unique_indices=not dropping,
+                         mode='drop' if dropping else 'promise_in_bounds')
+
+
+def _add_at_winners(rows: jax.Array, winners: jax.Array,
+                    delta: jax.Array) -> jax.Array:
+  """``rows`` with ``delta[i, s]`` added at ``rows[i, winners[i, s]]``.
+
+  As :func:`_scatter_add` (each sum rounded once to ``rows.dtype``, every
+  other entry untouched), written as one elementwise pass over a block of
+  rows: inside the chunked loop, where XLA:CPU would run a scatter of 16-bit
+  floats in float32 by converting the whole weight on every iteration.
+  Winners outside ``[0, m)`` (``-1``: held by another device) match nothing.
+  """
+  positions = jax.lax.broadcasted_iota(jnp.int32, rows.shape, 1)
+  out = rows
+  for slot in range(winners.shape[1]):
+    hit = positions == winners[:, slot:slot + 1]
+    added = (rows + delta[:, slot:slot + 1]).astype(rows.dtype)
+    out = jnp.where(hit, added, out)
+  return out
 
 
 def _winner_delta(step, scale, dtype, lr_tx, lr_state, after):
@@ -121,8 +147,9 @@ def _local_leaf_update(param, grad, values, indices, exponents, *, plan, mu,
   delta = _winner_delta(step, plan.scale, grad.dtype, lr_tx, lr_state, after)
   rows = layout.to_rows(param)
   row_ids = jnp.arange(rows.shape[0], dtype=jnp.int32)[:, None]
-  winners, mode = _winner_positions(step.winner_indices, layout.m, shards)
-  rows = _add_at(rows, (row_ids, winners), delta, mode)
+  winners = _local_winners(step.winner_indices, shards)
+  rows = _scatter_add(rows, (row_ids, winners), delta,
+                      dropping=shards is not None and bool(shards.gather_axes))
   # The optax path turns a non-finite gradient into an all-NaN update.
   new_param = jnp.where(step.finite, layout.from_rows(rows, param.shape),
                         jnp.nan)
@@ -143,32 +170,48 @@ def _chunked_leaf_update(param, grad, values, indices, exponents, layout,
   if shards is not None:
     finite = _mesh.all_finite(finite, shards)
 
-  def rows(x, start):  # (chunk, m) rows of a param-shaped array
-    if rows_are_axis0:
-      return jax.lax.dynamic_slice_in_dim(x, start, chunk, axis=0)
-    return jax.lax.dynamic_slice_in_dim(x, start, chunk, axis=1).T
+  axis = 0 if rows_are_axis0 else 1
+  # XLA:CPU slices and updates 16-bit floats in float32 (converting the whole
+  # array on every iteration): the loop moves their bits as integers instead.
+  bits_dtype = (jnp.dtype(f'uint{8 * param.dtype.itemsize}')
+                if param.dtype.itemsize < 4 else None)
+  as_bits = lambda x: (x if bits_dtype is None
+                       else jax.lax.bitcast_convert_type(x, bits_dtype))
+  from_bits = lambda x, dtype: (x if bits_dtype is None
+                                else jax.lax.bitcast_convert_type(x, dtype))
+
+  def rows(x, start, dtype):  # (chunk, m) rows of a param-shaped array
+    block = from_bits(jax.lax.dynamic_slice_in_dim(x, start, chunk, axis=axis),
+                      dtype)
+    return block if rows_are_axis0 else block.T
+
+  def put_rows(x, block, start):
+    block = as_bits(block if rows_are_axis0 else block.T)
+    return jax.lax.dynamic_update_slice_in_dim(x, block, start, axis=axis)
+
+  grad_bits = as_bits(grad)
 
   def body(carry, block):
-    param, values, indices, exponents = carry
+    param_bits, values, indices, exponents = carry
     start = block * chunk
     columns = lambda x: jax.lax.dynamic_slice_in_dim(x, start, chunk, axis=-1)
     step, new_state = _leaf.history_step(
-        rows(grad, start), columns(values), columns(indices),
+        rows(grad_bits, start, grad.dtype), columns(values), columns(indices),
         columns(exponents), plan, mu, shards)
     delta = _winner_delta(step, plan.scale, grad.dtype, lr_tx, lr_state, after)
-    row_ids = start + jnp.arange(chunk, dtype=jnp.int32)[:, None]
-    winners, mode = _winner_positions(step.winner_indices, layout.m, shards)
-    where = (row_ids, winners) if rows_are_axis0 else (winners, row_ids)
-    param = _add_at(param, where, delta, mode)
+    block = _add_at_winners(rows(param_bits, start, param.dtype),
+                            _local_winners(step.winner_indices, shards), delta)
+    param_bits = put_rows(param_bits, block, start)
     put = lambda old, new: jax.lax.dynamic_update_slice_in_dim(
         old, jnp.where(finite, new, columns(old)), start, axis=-1)
-    return (param,) + tuple(
+    return (param_bits,) + tuple(
         put(old, new) for old, new in zip((values, indices, exponents),
                                           new_state)), None
 
-  (param, values, indices, exponents), _ = jax.lax.scan(
-      body, (param, values, indices, exponents),
+  (param_bits, values, indices, exponents), _ = jax.lax.scan(
+      body, (as_bits(param), values, indices, exponents),
       jnp.arange(layout.n // chunk, dtype=jnp.int32))
+  param = from_bits(param_bits, param.dtype)
   return jnp.where(finite, param, jnp.nan), values, indices, exponents
 
 

@@ -185,9 +185,13 @@ def test_layerwise_step_peak_memory_is_near_forward(scan_layers):
   # weights; the column step holds up to four gradient-sized buffers.
   print(f'overhead layerwise={fused_overhead:.3f} plain={plain_overhead:.3f}')
   if scan_layers:
-    # Measured: 0.27 layerwise, 1.89 plain (every gradient of the scan alive).
+    # Measured: 0.20 layerwise, 1.07 plain with the fused CPU kernel (0.27
+    # and 1.89 with the reference's top-k transients). The plain path keeps
+    # every gradient of the scan alive (> 1x the weights); the layerwise
+    # step about one layer's.
     assert fused_overhead < 0.35, fused_overhead
-    assert plain_overhead > fused_overhead + 1.0, (plain_overhead,
+    assert plain_overhead > 1.0, plain_overhead
+    assert plain_overhead > fused_overhead + 0.8, (plain_overhead,
                                                    fused_overhead)
   else:
     # Measured: 0.40 layerwise, 0.57 plain: unrolled, XLA frees most
