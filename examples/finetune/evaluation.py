@@ -6,7 +6,7 @@ decoding. Every call has one batch shape, so nothing recompiles.
 """
 
 import dataclasses
-from typing import Sequence
+from typing import Callable, Iterable, Sequence
 
 from flax import nnx
 import jax
@@ -35,9 +35,22 @@ def _last_token_log_probs(model, input_ids, attention_mask, last):
   return jax.nn.log_softmax(rows.astype(jnp.float32), axis=-1)
 
 
-def _chunks(items: Sequence, size: int):
+# ``track(items, total)`` wraps the batch loop (a progress bar or nothing).
+Track = Callable[[Iterable, int], Iterable]
+
+
+def _no_bar(items: Iterable, total: int) -> Iterable:
+  del total
+  return items
+
+
+def _chunks(items: Sequence, size: int, track: Track = _no_bar):
   """Fixed-size chunks, the last one padded by repeating its first item, so
   every call has one shape (no recompilation); yields (chunk, real_count)."""
+  yield from track(_padded_chunks(items, size), -(-len(items) // size))
+
+
+def _padded_chunks(items: Sequence, size: int):
   for start in range(0, len(items), size):
     chunk = list(items[start:start + size])
     real = len(chunk)
@@ -68,10 +81,10 @@ def make_eval_set(task, examples, tokenizer) -> EvalSet:
   return EvalSet(task, list(examples), prompts, candidates)
 
 
-def _predict_single_token(model, eval_set, seq_len, batch_size):
+def _predict_single_token(model, eval_set, seq_len, batch_size, track):
   predictions = []
   pairs = list(zip(eval_set.prompts, eval_set.candidates))
-  for chunk, real in _chunks(pairs, batch_size):
+  for chunk, real in _chunks(pairs, batch_size, track):
     batch = data_lib.collate(
         [data_lib.TokenizedExample(p, ()) for p, _ in chunk], seq_len)
     last = batch.attention_mask.sum(-1).astype(np.int32) - 1
@@ -83,13 +96,13 @@ def _predict_single_token(model, eval_set, seq_len, batch_size):
   return predictions
 
 
-def _predict_by_likelihood(model, eval_set, seq_len, batch_size):
+def _predict_by_likelihood(model, eval_set, seq_len, batch_size, track):
   flat = [(i, data_lib.TokenizedExample(p, c))
           for i, (p, cands) in enumerate(zip(eval_set.prompts,
                                              eval_set.candidates))
           for c in cands]
   scores = []
-  for chunk, real in _chunks(flat, batch_size):
+  for chunk, real in _chunks(flat, batch_size, track):
     batch = data_lib.collate([e for _, e in chunk], seq_len)
     scores.extend(np.asarray(_completion_scores(model, batch))[:real])
   predictions, position = [], 0
@@ -100,11 +113,11 @@ def _predict_by_likelihood(model, eval_set, seq_len, batch_size):
 
 
 def _generate(model, eval_set, tokenizer, seq_len, batch_size,
-              max_new_tokens, stop_ids):
+              max_new_tokens, stop_ids, track):
   """Greedy decoding in a fixed ``[B, seq_len]`` buffer (no KV cache)."""
   texts = []
   room = seq_len - max_new_tokens
-  for chunk, real in _chunks(eval_set.prompts, batch_size):
+  for chunk, real in _chunks(eval_set.prompts, batch_size, track):
     ids = np.zeros((batch_size, seq_len), np.int32)
     lengths = np.zeros((batch_size,), np.int32)
     for row, prompt in enumerate(chunk):
@@ -133,7 +146,7 @@ def _generate(model, eval_set, tokenizer, seq_len, batch_size,
 
 def evaluate(model, eval_set: EvalSet, tokenizer, *, seq_len: int,
              batch_size: int, max_new_tokens: int = 16,
-             stop_ids=()) -> dict[str, float]:
+             stop_ids=(), track: Track = _no_bar) -> dict[str, float]:
   """The task metric(s) of ``model`` on ``eval_set``.
 
   Args:
@@ -144,6 +157,8 @@ def evaluate(model, eval_set: EvalSet, tokenizer, *, seq_len: int,
     batch_size: sequences per forward pass.
     max_new_tokens: generation length (generative tasks).
     stop_ids: token ids that end a generation.
+    track: ``track(batches, count)`` wraps the loop over batches, e.g. in a
+      progress bar (:func:`phases.tracker`).
 
   Returns:
     ``{metric name: value}`` as :func:`tasks.score` gives it.
@@ -152,13 +167,13 @@ def evaluate(model, eval_set: EvalSet, tokenizer, *, seq_len: int,
   try:
     if eval_set.task.generative:
       predictions = _generate(model, eval_set, tokenizer, seq_len, batch_size,
-                              max_new_tokens, set(stop_ids))
+                              max_new_tokens, set(stop_ids), track)
     elif eval_set.single_token:
       predictions = _predict_single_token(model, eval_set, seq_len,
-                                          batch_size)
+                                          batch_size, track)
     else:
       predictions = _predict_by_likelihood(model, eval_set, seq_len,
-                                           batch_size)
+                                           batch_size, track)
   finally:
     model.train()
   return tasks_lib.score(eval_set.task, eval_set.examples, predictions)

@@ -26,6 +26,7 @@ from examples.finetune import gguf_loading
 from examples.finetune import loading
 from examples.finetune import memory_plan
 from examples.finetune import optimizers as optimizers_lib
+from examples.finetune import phases
 from examples.finetune import report as report_lib
 from examples.finetune import resume as resume_lib
 from examples.finetune import run_config as run_config_lib
@@ -152,8 +153,24 @@ def _check_memory(config: run_config_lib.RunConfig, model, schedule,
       f'{holder} {gb(limit)}; try {advice}')
 
 
+def _training_tokens(objective: str, task, examples, tokenizer):
+  """``(tokenised examples, collate function, objective's name)``."""
+  if objective in ('auto', 'candidates') and not task.generative:
+    choices = data_lib.choice_examples(tokenizer, examples)
+    if choices is not None:
+      return choices, data_lib.collate_choices, 'candidate cross-entropy'
+    if objective == 'candidates':
+      raise run_config_lib.FinetuneError(
+          '--objective candidates needs single-token candidates')
+  elif objective == 'candidates':
+    raise run_config_lib.FinetuneError(
+        '--objective candidates needs a classification task')
+  return ([data_lib.tokenize(tokenizer, e.prompt, e.target) for e in examples],
+          data_lib.collate, 'completion likelihood')
+
+
 def run(config: run_config_lib.RunConfig,
-        log: Callable[[str], None] = print) -> dict:
+        log: Callable[[str], None] = phases.flushed_print) -> dict:
   """Fine-tunes and evaluates; returns (and writes) the results.
 
   Every input is checked before ``output_dir`` is touched.
@@ -165,9 +182,11 @@ def run(config: run_config_lib.RunConfig,
     task, train_examples, test_examples = load_task(config)
   except (data_lib.DataError, tasks_lib.TaskDataError) as e:
     raise run_config_lib.FinetuneError(str(e)) from e
-  model, tokenizer, model_config, model_path = load_model(
-      config.model, dtype=config.dtype, remat=config.remat,
-      remat_policy=config.remat_policy, scan_layers=config.scan_layers)
+  with phases.phase('loading the model '
+                    + (config.model or '(SmolLM2-135M GGUF)'), log):
+    model, tokenizer, model_config, model_path = load_model(
+        config.model, dtype=config.dtype, remat=config.remat,
+        remat_policy=config.remat_policy, scan_layers=config.scan_layers)
   if config.seq_len > model_config.max_position_embeddings:
     raise run_config_lib.FinetuneError(
         f'--seq-len {config.seq_len} exceeds the model\'s '
@@ -176,21 +195,11 @@ def run(config: run_config_lib.RunConfig,
     raise run_config_lib.FinetuneError(
         '--max-new-tokens must be below --seq-len')
 
-  train_tokens, collate_fn, objective = None, None, 'completion likelihood'
-  if config.objective in ('auto', 'candidates') and not task.generative:
-    train_tokens = data_lib.choice_examples(tokenizer, train_examples)
-    collate_fn, objective = data_lib.collate_choices, 'candidate cross-entropy'
-    if train_tokens is None and config.objective == 'candidates':
-      raise run_config_lib.FinetuneError(
-          '--objective candidates needs single-token candidates')
-  elif config.objective == 'candidates':
-    raise run_config_lib.FinetuneError(
-        '--objective candidates needs a classification task')
-  if train_tokens is None:
-    train_tokens = [data_lib.tokenize(tokenizer, e.prompt, e.target)
-                    for e in train_examples]
-    collate_fn, objective = data_lib.collate, 'completion likelihood'
-  eval_set = evaluation_lib.make_eval_set(task, test_examples, tokenizer)
+  with phases.phase(f'tokenising {len(train_examples)} training and '
+                    f'{len(test_examples)} held-out examples', log):
+    train_tokens, collate_fn, objective = _training_tokens(
+        config.objective, task, train_examples, tokenizer)
+    eval_set = evaluation_lib.make_eval_set(task, test_examples, tokenizer)
   pad_id = model_config.pad_token_id or 0
   batches = data_lib.training_batches(train_tokens, config.batch_size,
                                       config.seq_len, config.seed, pad_id,
@@ -215,8 +224,9 @@ def run(config: run_config_lib.RunConfig,
       'training data': resume_lib.data_digest(train_tokens)})
   hints = optimizers_lib.decoder_hints(model_config)
   _check_memory(config, model, schedule, hints)
-  trainer = trainers_lib.make_trainer(config, model, schedule, hints)
-  start_step = resume_lib.restore(checkpoints, trainer, batches, log)
+  with phases.phase(f'setting up {config.optimizer}', log):
+    trainer = trainers_lib.make_trainer(config, model, schedule, hints)
+    start_step = resume_lib.restore(checkpoints, trainer, batches, log)
   step_path = trainer.path
   log(f'model {model_path} ({model_config.family}, '
       f'{len(train_tokens)} train / {len(test_examples)} held-out examples)')
@@ -226,10 +236,17 @@ def run(config: run_config_lib.RunConfig,
       f'tokens, {objective}; step path: {step_path}')
 
   metric = next(iter(tasks_lib.score(task, [], [])))
-  evaluate = lambda: evaluation_lib.evaluate(
-      model, eval_set, tokenizer, seq_len=config.seq_len,
-      batch_size=config.eval_batch_size,
-      max_new_tokens=config.max_new_tokens, stop_ids=stop_ids)
+
+  def evaluate(bar: bool = True) -> dict:
+    # No bar beside the training bar: rich shows one live display at a time.
+    with phases.phase(f'evaluating {len(test_examples)} held-out examples',
+                      log if bar else progress.print):
+      return evaluation_lib.evaluate(
+          model, eval_set, tokenizer, seq_len=config.seq_len,
+          batch_size=config.eval_batch_size,
+          max_new_tokens=config.max_new_tokens, stop_ids=stop_ids,
+          track=phases.tracker('evaluate', config.progress and bar))
+
   history = checkpoints.history
   before = history['before'] if 'before' in history else evaluate()
   log(f'held-out {metric} before: {before[metric]:.4f}'
@@ -243,7 +260,8 @@ def run(config: run_config_lib.RunConfig,
         'examples/finetune/sharding.py, batch over data x fsdp')
   first = place(next(batches))
   compile_start = time.perf_counter()
-  compiled = trainer.compile(first)
+  with phases.phase('compiling the train step', log):
+    compiled = trainer.compile(first)
   compile_seconds = time.perf_counter() - compile_start
 
   progress = report_lib.Progress(config.steps, config.progress,
@@ -255,6 +273,7 @@ def run(config: run_config_lib.RunConfig,
   def save(step: int) -> Optional[str]:
     if not config.save_checkpoint:
       return None
+    progress.print(f'step {step}: saving a checkpoint ...')
     began = time.perf_counter()
     path = checkpoints.save(step, trainer.checkpoint_tree(), {
         'before': before, 'losses': losses, 'evals': evals, 'tokens': tokens,
@@ -282,7 +301,7 @@ def run(config: run_config_lib.RunConfig,
         progress.advance(f'loss {loss:.4f}  {rate:.0f} tok/s')
         if config.eval_every and step % config.eval_every == 0 and (
             step < config.steps):
-          scores = evaluate()
+          scores = evaluate(bar=False)
           evals.append({'step': step, **scores})
           progress.print(
               f'step {step}: held-out {metric} {scores[metric]:.4f}')
