@@ -12,6 +12,9 @@ table and, on its last line,
 """
 
 import argparse
+import datetime
+import os
+import subprocess
 import time
 
 import jax
@@ -70,6 +73,7 @@ def time_fn(fn, args, repeats):
 
 
 def time_optimizer(tx, params, grads, repeats):
+  """Best time of one update step; ``grads`` is a list used in turn."""
   state = tx.init(params)
 
   def step(params, state, grads):
@@ -77,11 +81,13 @@ def time_optimizer(tx, params, grads, repeats):
     return optax.apply_updates(params, updates), state
 
   step = jax.jit(step, donate_argnums=(0, 1))
-  compiled = step.lower(params, state, grads).compile()
-  carry = [jax.tree.map(jnp.copy, params), state]
+  compiled = step.lower(params, state, grads[0]).compile()
+  carry = [jax.tree.map(jnp.copy, params), state, 0]
 
   def run():
-    carry[0], carry[1] = compiled(carry[0], carry[1], grads)
+    carry[2] += 1
+    carry[0], carry[1] = compiled(carry[0], carry[1],
+                                  grads[carry[2] % len(grads)])
     return carry[0]
 
   best = time_fn(lambda: run(), (), repeats)
@@ -107,10 +113,12 @@ def time_scatter_apply(params, grads, repeats, lr=1e-4):
   train = taco_optax.layerwise_train_step(loss, lr)
   state = train.optimizer.init((params, []))
   step = jax.jit(train.step, donate_argnums=(0, 1))
-  carry = [(jax.tree.map(jnp.copy, params), []), state]
+  carry = [(jax.tree.map(jnp.copy, params), []), state, 0]
 
   def run():
-    carry[0], carry[1], _ = step(carry[0], carry[1], grads)
+    carry[2] += 1
+    carry[0], carry[1], _ = step(carry[0], carry[1],
+                                 grads[carry[2] % len(grads)])
     return carry[0]
 
   return time_fn(run, (), repeats)
@@ -121,6 +129,36 @@ def time_read(grads, repeats):
   return time_fn(read, (grads,), repeats)
 
 
+def _commit() -> str:
+  try:
+    return subprocess.run(['git', 'rev-parse', '--short', 'HEAD'],
+                          capture_output=True, text=True, check=True,
+                          timeout=30).stdout.strip()
+  except (OSError, subprocess.SubprocessError):
+    return 'unknown'
+
+
+def write_markdown(path, args, rows, read, summary):
+  """The run's table as Markdown, with what it was measured on."""
+  load = ', '.join(f'{x:.1f}' for x in os.getloadavg())
+  lines = [
+      '# Update time (written by `python -m benchmarks.step_time`)', '',
+      f'Command: `python -m benchmarks.step_time --model {args.model} '
+      f'--dtype {args.dtype} --repeats {args.repeats} --kernels '
+      f'{args.kernels}{" --same-gradient" if args.same_gradient else ""}'
+      f'{" --only " + args.only if args.only else ""}`  ',
+      f'Commit {_commit()}, {datetime.date.today().isoformat()}, '
+      f'{jax.devices()[0].device_kind}, {os.cpu_count()} cores, load average '
+      f'{load} (a shared machine: times are noisy; ratios come from one run).',
+      '', '| update | ms | × one read of the gradients | state MiB |',
+      '| --- | ---: | ---: | ---: |']
+  lines += [f'| {name} | {1e3 * seconds:.1f} | {seconds / read:.2f} | '
+            f'{state_bytes / 2**20:.1f} |' for name, seconds, state_bytes in rows]
+  lines += ['', f'`{summary}`', '']
+  with open(path, 'w') as f:
+    f.write('\n'.join(lines))
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
   parser.add_argument('--model', default='llama-125m', choices=sorted(SHAPES))
@@ -128,37 +166,58 @@ def main():
   parser.add_argument('--repeats', type=int, default=3)
   parser.add_argument('--only', default=None,
                       help='comma-separated subset of optimizers')
+  parser.add_argument('--kernels', default=os.environ.get(
+      'TACO_OPTAX_KERNEL', 'auto'),
+                      help='comma-separated TACO_OPTAX_KERNEL values to time')
+  parser.add_argument('--same-gradient', action='store_true',
+                      help='one gradient tree for every step')
+  parser.add_argument('--write', default=None, help='Markdown output file')
   args = parser.parse_args()
   dtype = jnp.dtype(args.dtype)
   params = llama_params(args.model, dtype)
-  grads = jax.tree.map(
-      lambda p: (1e-3 * jax.random.normal(jax.random.key(1), p.shape)
-                 ).astype(p.dtype), params)
+  grads = [jax.tree.map(
+      lambda p, seed=seed: (1e-3 * jax.random.normal(
+          jax.random.key(seed), p.shape)).astype(p.dtype), params)
+           for seed in ((1,) if args.same_gradient else (1, 2))]
   num_params = sum(x.size for x in jax.tree.leaves(params))
   print(f'model={args.model} params={num_params / 1e6:.1f}M dtype={dtype.name}'
         f' device={jax.devices()[0].device_kind}')
-  read = time_read(grads, args.repeats)
+  read = time_read(grads[0], args.repeats)
   rows = [('read gradients', read, 0)]
   chosen = optimizers()
   if args.only:
     chosen = {k: v for k, v in chosen.items() if k in args.only.split(',')}
+  kernels = args.kernels.split(',')
+  times = {}
   for name, tx in chosen.items():
-    seconds, state_bytes = time_optimizer(tx, params, grads, args.repeats)
-    rows.append((name, seconds, state_bytes))
-    if name == 'taco':
-      rows.append(('taco (scatter)', time_scatter_apply(params, grads,
-                                                         args.repeats),
-                   state_bytes))
-  print(f'{"update":<16}{"ms":>10}{"x read":>9}{"state MiB":>11}')
+    if name != 'taco':
+      seconds, state_bytes = time_optimizer(tx, params, grads, args.repeats)
+      rows.append((name, seconds, state_bytes))
+      times[name] = seconds
+      continue
+    for kernel in kernels:
+      os.environ['TACO_OPTAX_KERNEL'] = kernel  # read when the step is traced
+      label = '' if len(kernels) == 1 else f' [{kernel}]'
+      seconds, state_bytes = time_optimizer(taco_optax.taco(1e-4), params,
+                                            grads, args.repeats)
+      scatter = time_scatter_apply(params, grads, args.repeats)
+      rows += [(f'taco{label}', seconds, state_bytes),
+               (f'taco (scatter){label}', scatter, state_bytes)]
+      times[f'taco{kernel}'] = seconds
+      times[f'scatter{kernel}'] = scatter
+  print(f'{"update":<26}{"ms":>10}{"x read":>9}{"state MiB":>11}')
   for name, seconds, state_bytes in rows:
-    print(f'{name:<16}{1e3 * seconds:>10.1f}{seconds / read:>9.2f}'
+    print(f'{name:<26}{1e3 * seconds:>10.1f}{seconds / read:>9.2f}'
           f'{state_bytes / 2**20:>11.1f}')
-  times = {name: seconds for name, seconds, _ in rows}
-  if 'taco' in times and 'adamw' in times:
-    print(f'taco_over_adamw={times["taco"] / times["adamw"]:.3f} '
-          f'taco_over_read={times["taco"] / read:.3f} '
-          f'taco_scatter_over_adamw='
-          f'{times["taco (scatter)"] / times["adamw"]:.3f}')
+  last = kernels[-1]
+  if f'taco{last}' in times and 'adamw' in times:
+    summary = (f'taco_over_adamw={times[f"taco{last}"] / times["adamw"]:.3f} '
+               f'taco_over_read={times[f"taco{last}"] / read:.3f} '
+               f'taco_scatter_over_adamw='
+               f'{times[f"scatter{last}"] / times["adamw"]:.3f}')
+    print(summary)
+    if args.write:
+      write_markdown(args.write, args, rows, read, summary)
 
 
 if __name__ == '__main__':
