@@ -7,6 +7,9 @@ The one place a kernel slots in. ``TACO_OPTAX_KERNEL`` chooses:
   available and supports the dtypes; otherwise the reference.
 * ``reference``: always :func:`_column_step.reference_column_step`.
 * ``cpu``: the CPU kernel, and an error if it cannot be built.
+* ``pallas``: the Pallas (Triton) kernel (``_pallas_kernel``), only when asked
+  for; off GPU it runs in interpret mode (slow: for tests). Its Triton build
+  and speed are not yet checked on a GPU, so ``auto`` never picks it.
 
 Which one runs is logged once per process.
 """
@@ -21,7 +24,7 @@ from taco_optax import _column_step
 from taco_optax import _cpu_kernel
 
 _ENV = 'TACO_OPTAX_KERNEL'
-_CHOICES = ('auto', 'cpu', 'reference')
+_CHOICES = ('auto', 'cpu', 'reference', 'pallas')
 _logger = logging.getLogger('taco_optax')
 _logged = set()
 
@@ -43,13 +46,17 @@ def requested() -> str:
 def status() -> tuple[str, str]:
   """``(implementation, why)`` of the single-device column step here.
 
-  ``implementation`` is ``'cpu'`` (the fused kernel) or ``'reference'``; it
-  is what runs for the supported dtypes (float32/bfloat16 gradients, the
-  default float8 history); other dtypes always run the reference.
+  ``implementation`` is ``'cpu'`` (the fused kernel), ``'pallas'`` (only on
+  request) or ``'reference'``; it is what runs for the supported dtypes
+  (float32/bfloat16 gradients, the default float8 history); other dtypes run
+  the reference (or raise for an explicit ``cpu`` or ``pallas``).
   """
   choice = requested()
   if choice == 'reference':
     return 'reference', f'{_ENV}=reference'
+  if choice == 'pallas':
+    return 'pallas', ('Pallas Triton kernel' if jax.default_backend() == 'gpu'
+                      else 'Pallas kernel in interpret mode (no GPU)')
   if choice == 'auto' and jax.default_backend() != 'cpu':
     return 'reference', f'no fused kernel for {jax.default_backend()} yet'
   available, reason = _cpu_kernel.availability()
@@ -77,6 +84,9 @@ def column_step(grad_rows: jax.Array, values: jax.Array, indices: jax.Array,
     return _column_step.reference_column_step(
         grad_rows, values, indices, exponents, mu, update_topk, selection)
   implementation, why = status()
+  if implementation == 'pallas':
+    return _pallas_step(grad_rows, values, indices, exponents, mu, update_topk,
+                        why)
   supported = _cpu_kernel.supports(grad_rows, values, indices, update_topk)
   if implementation == 'cpu' and supported:
     _log_once(f'taco_optax: TACO column step runs the {why}.',
@@ -95,3 +105,20 @@ def column_step(grad_rows: jax.Array, values: jax.Array, indices: jax.Array,
       logging.WARNING if 'unavailable' in why else logging.INFO)
   return _column_step.reference_column_step(
       grad_rows, values, indices, exponents, mu, update_topk)
+
+
+def _pallas_step(grad_rows: jax.Array, values: jax.Array, indices: jax.Array,
+                 exponents: jax.Array, mu: Union[float, jax.Array],
+                 update_topk: int, why: str) -> _column_step.ColumnStep:
+  """The Pallas kernel, run only on request (interpret mode off GPU)."""
+  # Imported here: Pallas adds ~0.4 s to import and only this choice uses it.
+  from taco_optax import _pallas_kernel  # pylint: disable=g-import-not-at-top
+  if not _pallas_kernel.supports(grad_rows, values, indices, update_topk):
+    raise ValueError(
+        f'{_ENV}=pallas but the kernel does not take gradients '
+        f'{grad_rows.dtype} {grad_rows.shape} with a '
+        f'{values.dtype}/{indices.dtype} history.')
+  _log_once(f'taco_optax: TACO column step runs the {why}.', logging.INFO)
+  return _pallas_kernel.pallas_column_step(
+      grad_rows, values, indices, exponents, mu, update_topk,
+      interpret=jax.default_backend() != 'gpu')

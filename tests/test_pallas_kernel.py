@@ -1,0 +1,189 @@
+"""The Pallas kernel gives the reference column step's results exactly.
+
+Without a GPU the kernel runs in Pallas interpret mode (XLA:CPU runs its
+body), and its Triton lowering is checked by lowering for CUDA from here.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from taco_optax import _column_step
+from taco_optax import _kernels
+from taco_optax import _pallas_kernel
+from tests.bitwise import assert_bitwise_equal
+
+_HISTORY_FIELDS = ('values', 'exponents', 'indices', 'finite')
+_KINDS = ('normal', 'ties', 'zero', 'constant', 'subnormal', 'wide', 'huge',
+          'nan', 'inf')
+
+
+def _gradient(rng, shape, kind):
+  """Gradient rows of one hard kind (a numpy float32 array)."""
+  if kind == 'normal':
+    return rng.standard_normal(shape).astype(np.float32)
+  if kind == 'ties':  # few distinct magnitudes, both signs, zeros
+    levels = np.array([0.0, -0.0, 1.5, -1.5, 0.25, -0.25], np.float32)
+    return rng.choice(levels, shape)
+  if kind == 'zero':
+    return np.where(rng.random(shape) < 0.5, 0.0, -0.0).astype(np.float32)
+  if kind == 'constant':
+    return np.full(shape, rng.choice([-3.0, 2.0**-20, 7e20]), np.float32)
+  if kind == 'subnormal':  # below, at and just above float32's normal range
+    scale = rng.choice([1e-45, 1e-40, 1.2e-38, 1e-36])
+    return (rng.standard_normal(shape) * scale).astype(np.float32)
+  if kind == 'wide':  # 1e-30 .. 1e30 within one row
+    exponents = rng.uniform(-30, 30, shape)
+    return (rng.choice([-1.0, 1.0], shape) * 10.0**exponents).astype(np.float32)
+  if kind == 'huge':  # near float32's largest: the merge may overflow to inf
+    return (rng.choice([-1.0, 1.0], shape) * 3.3e38).astype(np.float32)
+  grads = rng.standard_normal(shape).astype(np.float32)
+  grads[rng.integers(shape[0]), rng.integers(shape[1])] = (
+      np.nan if kind == 'nan' else -np.inf)
+  return grads
+
+
+def _history(rng, n, m, k, index_dtype=np.int32):
+  """A valid stored history: distinct in-range indices, finite FP8 values."""
+  indices = np.stack([rng.permutation(m)[:k] for _ in range(n)])
+  values = np.clip(rng.standard_normal((n, k)) * 100, -448, 448)
+  values[rng.random((n, k)) < 0.2] = 0.0
+  exponents = rng.integers(-126, 120, n)
+  return (jnp.asarray(values.astype(ml_dtypes.float8_e4m3fn)),
+          jnp.asarray(indices.astype(index_dtype)),
+          jnp.asarray(exponents.astype(np.int8)))
+
+
+@functools.lru_cache(maxsize=None)
+def _jitted(step, update_topk, mu):
+  """``step`` under jit; ``mu=None`` means mu is a traced argument."""
+  if mu is None:
+    return jax.jit(lambda *args: step(*args[:4], args[4], update_topk))
+  return jax.jit(lambda *args: step(*args, mu, update_topk))
+
+
+_interpreted = functools.partial(_pallas_kernel.pallas_column_step,
+                                 interpret=True)
+
+
+def _check(grads, values, indices, exponents, mu, update_topk):
+  """Asserts kernel == reference (all outputs, or the history if not finite)."""
+  static_mu = mu if isinstance(mu, float) else None
+  args = (grads, values, indices, exponents)
+  if static_mu is None:
+    args += (mu,)
+  expected = _jitted(_column_step.reference_column_step, update_topk,
+                     static_mu)(*args)
+  actual = _jitted(_interpreted, update_topk, static_mu)(*args)
+  fields = _column_step.ColumnStep._fields
+  if not bool(expected.finite):
+    # The winners are meaningless then (callers emit a NaN update).
+    fields = _HISTORY_FIELDS
+    assert_bitwise_equal(actual[:3], (values, exponents, indices))
+  for field in fields:
+    assert_bitwise_equal(getattr(actual, field), getattr(expected, field))
+  return expected
+
+
+# (rows, m, k, r, gradient dtype): every m, k and r of the brief, rows that
+# do and do not fill the last program's block.
+_SHAPES = [
+    (1, 1, 1, 1, jnp.float32),
+    (3, 7, 2, 2, jnp.bfloat16),
+    (5, 7, 1, 1, jnp.float32),
+    (6, 17, 16, 2, jnp.float32),
+    (9, 576, 16, 2, jnp.bfloat16),
+    (4, 576, 2, 1, jnp.float32),
+    (11, 1536, 16, 1, jnp.float32),
+    (2, 1536, 1, 1, jnp.bfloat16),
+]
+
+
+@pytest.mark.parametrize('n,m,k,update_topk,grad_dtype', _SHAPES)
+def test_matches_reference(n, m, k, update_topk, grad_dtype):
+  rng = np.random.default_rng(n * 7919 + m)
+  mu = jnp.asarray(0.95, jnp.float32)
+  for kind in _KINDS:
+    values, indices, exponents = _history(rng, n, m, k)
+    # Chained steps: the second starts from a history the step wrote.
+    for _ in range(2):
+      grads = jnp.asarray(_gradient(rng, (n, m), kind)).astype(grad_dtype)
+      step = _check(grads, values, indices, exponents, mu, update_topk)
+      values, indices, exponents = step.values, step.indices, step.exponents
+
+
+@pytest.mark.parametrize('mu', [0.95, 0.0, 'array0'])
+def test_python_and_array_mu(mu):
+  # A Python mu is weakly typed in the reference: 1 - mu rounds once from
+  # float64; mu = 0.0 runs the reference (XLA folds its multiply by 1).
+  if mu == 'array0':
+    mu = jnp.asarray(0.0, jnp.float32)
+  rng = np.random.default_rng(3)
+  values, indices, exponents = _history(rng, 5, 40, 16, np.int16)
+  for kind in ('normal', 'subnormal', 'ties'):
+    grads = jnp.asarray(_gradient(rng, (5, 40), kind))
+    _check(grads, values, indices, exponents, mu, 2)
+
+
+def _contains_pallas_call(function, *args):
+  return 'pallas_call' in str(jax.make_jaxpr(function)(*args))
+
+
+def test_kernel_runs_and_long_rows_fall_back():
+  rng = np.random.default_rng(4)
+  values, indices, exponents = _history(rng, 2, 64, 2)
+  step = functools.partial(_interpreted, mu=0.9, update_topk=1)
+  grads = jnp.asarray(_gradient(rng, (2, 64), 'normal'))
+  assert _contains_pallas_call(step, grads, values, indices, exponents)
+  long_grads = jnp.asarray(_gradient(
+      rng, (1, _pallas_kernel.MAX_ROW_LENGTH + 1), 'normal'))
+  values, indices, exponents = _history(
+      rng, 1, _pallas_kernel.MAX_ROW_LENGTH + 1, 1)
+  assert not _contains_pallas_call(step, long_grads, values, indices,
+                                   exponents)
+  _check(long_grads, values, indices, exponents, 0.9, 1)
+
+
+def test_rejects_unsupported_inputs():
+  values, indices, exponents = _history(np.random.default_rng(5), 2, 8, 2)
+  with pytest.raises(ValueError, match='Pallas kernel takes'):
+    _interpreted(jnp.zeros((2, 8), jnp.float16), values, indices, exponents,
+                 0.9, 1)
+  with pytest.raises(ValueError, match='Pallas kernel takes'):
+    _interpreted(jnp.zeros((2, 8)), values, indices, exponents, 0.9, 3)
+
+
+@pytest.mark.parametrize('m,grad_dtype', [(7, jnp.float32),
+                                          (576, jnp.bfloat16),
+                                          (1536, jnp.float32),
+                                          (8192, jnp.bfloat16)])
+def test_lowers_to_triton(m, grad_dtype):
+  # Lowering for CUDA runs the Pallas Triton lowering of every primitive in
+  # the kernel here, without a GPU (compiling and running it needs one).
+  n, k = 40, min(16, m)
+  args = (jax.ShapeDtypeStruct((n, m), grad_dtype),
+          jax.ShapeDtypeStruct((n, k), jnp.float8_e4m3fn),
+          jax.ShapeDtypeStruct((n, k), jnp.int32),
+          jax.ShapeDtypeStruct((n,), jnp.int8),
+          jax.ShapeDtypeStruct((), jnp.float32))
+  step = jax.jit(lambda *args: _pallas_kernel.pallas_column_step(*args, 2))
+  text = step.trace(*args).lower(lowering_platforms=('cuda',)).as_text()
+  assert text.count('__gpu$xla.gpu.triton') == 1
+
+
+def test_selected_by_environment(monkeypatch):
+  monkeypatch.setenv('TACO_OPTAX_KERNEL', 'pallas')
+  assert _kernels.status()[0] == 'pallas'
+  rng = np.random.default_rng(6)
+  values, indices, exponents = _history(rng, 3, 33, 2)
+  grads = jnp.asarray(_gradient(rng, (3, 33), 'ties'), jnp.bfloat16)
+  step = functools.partial(_kernels.column_step, mu=0.95, update_topk=2)
+  args = (grads, values, indices, exponents)
+  assert _contains_pallas_call(step, *args)
+  assert_bitwise_equal(jax.jit(step)(*args),
+                       _jitted(_column_step.reference_column_step, 2,
+                               0.95)(*args))
