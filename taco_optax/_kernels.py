@@ -11,7 +11,9 @@ The one place a kernel slots in. ``TACO_OPTAX_KERNEL`` chooses:
   for; off GPU it runs in interpret mode (slow: for tests). Its Triton build
   and speed are not yet checked on a GPU, so ``auto`` never picks it.
 
-Which one runs is logged once per process.
+Which one runs is logged once per process. With more than one device the
+single-device step carries a partitioning rule (``_auto_partition``), so that
+on an Auto mesh each device runs it on its own block.
 """
 
 import logging
@@ -20,6 +22,7 @@ from typing import Optional, Union
 
 import jax
 
+from taco_optax import _auto_partition
 from taco_optax import _column_step
 from taco_optax import _cpu_kernel
 
@@ -68,6 +71,17 @@ def status() -> tuple[str, str]:
   return 'reference', f'the CPU kernel is unavailable ({reason})'
 
 
+def _on_auto_mesh() -> bool:
+  """Whether the step is traced under a mesh of several devices.
+
+  XLA replicates a custom call that has no partitioning rule (it would gather
+  the whole gradient and lose the state's sharding), so on a mesh the
+  reference runs and XLA partitions it.
+  """
+  mesh = jax.sharding.get_abstract_mesh()
+  return not getattr(mesh, 'empty', True) and mesh.size > 1
+
+
 def column_step(grad_rows: jax.Array, values: jax.Array, indices: jax.Array,
                 exponents: jax.Array, mu: Union[float, jax.Array],
                 update_topk: int,
@@ -83,11 +97,23 @@ def column_step(grad_rows: jax.Array, values: jax.Array, indices: jax.Array,
   if selection is not None:
     return _column_step.reference_column_step(
         grad_rows, values, indices, exponents, mu, update_topk, selection)
+  # On an Auto mesh XLA partitions the step; the op tells it how (per device,
+  # merging k candidates per shard) instead of gathering the gradient.
+  return _auto_partition.column_step(grad_rows, values, indices, exponents,
+                                     mu, update_topk, _single_device_step)
+
+
+def _single_device_step(grad_rows: jax.Array, values: jax.Array,
+                        indices: jax.Array, exponents: jax.Array,
+                        mu: Union[float, jax.Array], update_topk: int
+                        ) -> _column_step.ColumnStep:
+  """The column step on whole rows: the fused kernel where it runs."""
   implementation, why = status()
   if implementation == 'pallas':
     return _pallas_step(grad_rows, values, indices, exponents, mu, update_topk,
                         why)
-  supported = _cpu_kernel.supports(grad_rows, values, indices, update_topk)
+  supported = (_cpu_kernel.supports(grad_rows, values, indices, update_topk)
+               and not _on_auto_mesh())
   if implementation == 'cpu' and supported:
     _log_once(f'taco_optax: TACO column step runs the {why}.',
               logging.INFO)

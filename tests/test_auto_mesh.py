@@ -1,0 +1,209 @@
+"""TACO on an 8-device CPU mesh with Auto axes: exact, and no gathered gradient.
+
+With :attr:`AxisType.Auto` axes XLA partitions the update itself; the column
+step's partitioning rule (``_auto_partition``) keeps each device on its own
+block. The tests run in a subprocess with 8 simulated devices (see
+``tests/multidevice.py``).
+"""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import AxisType
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import taco_optax
+from taco_optax import _auto_partition
+from taco_optax import TacoDimensionNumbers as Dims
+from tests import multidevice
+from tests.bitwise import assert_bitwise_equal
+from tests.test_sharding import collectives
+from tests.test_sharding import gathered_bytes
+
+NUM_DEVICES = 8
+needs_mesh = multidevice.needs_devices(NUM_DEVICES)
+test_auto_mesh_suite_in_subprocess = multidevice.subprocess_suite(
+    __file__, NUM_DEVICES)
+
+# name -> (shape, spec, dimension numbers; None: not TACO, AdamW's).
+LAYOUTS = {
+    'tp': ((64, 32), P(None, 'tensor'), Dims()),
+    'fsdp': ((64, 32), P('fsdp', None), Dims()),
+    'both': ((64, 32), P('fsdp', 'tensor'), Dims()),
+    'tp_over_all': ((16, 64), P(None, ('fsdp', 'tensor')), Dims()),
+    'scanned': ((2, 16, 24), P(None, 'fsdp', 'tensor'), Dims(1, 2)),
+    'scanned_tp': ((2, 16, 24), P(None, None, 'tensor'), Dims(1, 2)),
+    'unsharded': ((8, 12), P(), Dims()),
+    'bias': ((32,), P('tensor'), None),
+}
+
+
+def auto_mesh():
+  return jax.make_mesh((2, 4), ('fsdp', 'tensor'),
+                       axis_types=(AxisType.Auto, AxisType.Auto))
+
+
+def shardings(mesh, names):
+  return {n: NamedSharding(mesh, LAYOUTS[n][1]) for n in names}
+
+
+def tied_gradients(step, names, nan=False):
+  """Small integers times 1e-3 (many exact ties); optionally one NaN each."""
+  grads = {}
+  for i, name in enumerate(names):
+    shape = LAYOUTS[name][0]
+    grad = 1e-3 * jax.random.randint(jax.random.key(100 * step + i), shape,
+                                     -3, 4).astype(jnp.float32)
+    if nan and LAYOUTS[name][2] is not None:
+      grad = grad.at[(0,) * (len(shape) - 1) + (-1,)].set(jnp.nan)
+    grads[name] = grad
+  return grads
+
+
+def run_steps(tx, names, mesh=None):
+  """Three updates (the third with a NaN gradient): updates and states."""
+  params = {n: jnp.zeros(LAYOUTS[n][0]) for n in names}
+  init, update = jax.jit(tx.init), jax.jit(tx.update)
+  place = lambda tree: tree
+  if mesh is not None:
+    place = lambda tree: jax.device_put(tree, shardings(mesh, names))
+    state_shardings = taco_optax.state_shardings(tx, place(params))
+    init = jax.jit(tx.init, out_shardings=state_shardings)
+    update = jax.jit(tx.update, out_shardings=(shardings(mesh, names),
+                                               state_shardings))
+  state = init(place(params))
+  results = []
+  for step in range(3):
+    grads = place(tied_gradients(step, names, nan=step == 2))
+    updates, state = update(grads, state, place(params))
+    results.append((updates, state))
+  return results
+
+
+@needs_mesh
+@pytest.mark.parametrize('kernel, k', [('cpu', 4), ('reference', 4),
+                                       ('cpu', 16), ('reference', 16)])
+def test_taco_on_auto_mesh_equals_single_device_bitwise(monkeypatch, kernel,
+                                                        k):
+  monkeypatch.setenv('TACO_OPTAX_KERNEL', kernel)
+  names = list(LAYOUTS)
+  tx = taco_optax.taco(
+      1e-2, k=k, mu=0.9,
+      weight_dimension_numbers={n: LAYOUTS[n][2] for n in names})
+  expected = run_steps(tx, names)
+  got = run_steps(tx, names, auto_mesh())
+  for step, (got_step, expected_step) in enumerate(zip(got, expected)):
+    assert_bitwise_equal(got_step, expected_step)
+    for name in names:
+      assert got_step[0][name].sharding.spec == LAYOUTS[name][1], (step, name)
+  # The NaN step kept every history and gave NaN updates.
+  taco_state = lambda s: s.inner_states['taco'].inner_state[0]
+  assert_bitwise_equal(taco_state(got[2][1]), taco_state(got[1][1]))
+  assert np.isnan(np.asarray(got[2][0]['both'])).all()
+
+
+@needs_mesh
+@pytest.mark.parametrize('kernel', ['cpu', 'reference'])
+def test_array_mu_on_auto_mesh_equals_single_device_bitwise(monkeypatch,
+                                                            kernel):
+  """``mu`` from inject_hyperparams enters the op as a replicated array."""
+  monkeypatch.setenv('TACO_OPTAX_KERNEL', kernel)
+  names = ['tp', 'fsdp', 'both']
+  tx = optax.inject_hyperparams(taco_optax.scale_by_taco, static_args=('k',))(
+      k=4, mu=0.9)
+  assert_bitwise_equal(run_steps(tx, names, auto_mesh()),
+                       run_steps(tx, names))
+
+
+@needs_mesh
+@pytest.mark.parametrize('kernel', ['cpu', 'reference'])
+def test_vmapped_update_equals_each_entry(monkeypatch, kernel):
+  """Under vmap (no partitioning rule applies) each entry is one leaf."""
+  monkeypatch.setenv('TACO_OPTAX_KERNEL', kernel)
+  names = ['tp', 'scanned']
+  tx = taco_optax.scale_by_taco(
+      k=4, mu=0.9, weight_dimension_numbers={n: LAYOUTS[n][2] for n in names})
+  entries = [tied_gradients(step, names, nan=step == 1) for step in range(3)]
+  states = [tx.init(grads) for grads in entries]
+  expected = [jax.jit(tx.update)(grads, state)
+              for grads, state in zip(entries, states)]
+  stack = lambda trees: jax.tree.map(lambda *xs: jnp.stack(xs), *trees)
+  got = jax.jit(jax.vmap(tx.update))(stack(entries), stack(states))
+  assert_bitwise_equal(got, stack(expected))
+
+
+def gathered_elements(hlo_text):
+  """Element counts of every all-gather result in compiled HLO text."""
+  counts = []
+  for line in hlo_text.splitlines():
+    match = re.search(r'= \(?([^=]*?)\)? all-gather(?:-start)?\(', line)
+    if match:
+      counts.append(sum(
+          int(np.prod([int(d) for d in dims.split(',') if d]))
+          for dims in re.findall(r'\w+\[([\d,]*)\]', match.group(1))))
+  return counts
+
+
+# (shape, spec, dims, row shards, candidate shards); 256 rows of 512.
+HLO_CASES = {
+    'tp': ((256, 512), P(None, 'tensor'), Dims(), 1, 4),
+    'tp_over_all': ((256, 512), P(None, ('fsdp', 'tensor')), Dims(), 1, 8),
+    'both': ((256, 512), P('fsdp', 'tensor'), Dims(), 2, 4),
+    'fsdp': ((256, 512), P('fsdp', None), Dims(), 2, 1),
+    'scanned_tp': ((2, 128, 512), P(None, None, 'tensor'), Dims(1, 2), 1, 4),
+    'scanned_layers': ((2, 128, 512), P('fsdp', None, 'tensor'), Dims(1, 2),
+                       2, 4),
+}
+
+
+@needs_mesh
+@pytest.mark.parametrize('case', list(HLO_CASES))
+@pytest.mark.parametrize('kernel', ['cpu', 'reference'])
+def test_auto_mesh_update_gathers_candidates_not_the_gradient(
+    monkeypatch, case, kernel):
+  monkeypatch.setenv('TACO_OPTAX_KERNEL', kernel)
+  shape, spec, dims, row_shards, candidate_shards = HLO_CASES[case]
+  k = 16
+  rows = int(np.prod(shape[:-1]))
+  splits = []
+  per_device_step = _auto_partition._per_device_step
+
+  def record(local_step, update_topk, mesh, row_axes, candidate_axes, *args):
+    splits.append((row_axes, candidate_axes))
+    return per_device_step(local_step, update_topk, mesh, row_axes,
+                           candidate_axes, *args)
+
+  monkeypatch.setattr(_auto_partition, '_per_device_step', record)
+  mesh = auto_mesh()
+  tx = taco_optax.scale_by_taco(k=k, weight_dimension_numbers=dims)
+  grad = jax.ShapeDtypeStruct(shape, jnp.float32,
+                              sharding=NamedSharding(mesh, spec))
+  state_shardings = taco_optax.state_shardings(tx, {'w': grad})
+  state = jax.tree.map(
+      lambda sharding, x: jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                               sharding=sharding),
+      state_shardings, jax.eval_shape(tx.init, {'w': grad}))
+  hlo = jax.jit(tx.update, out_shardings=({'w': grad.sharding},
+                                          state_shardings)
+                ).lower({'w': grad}, state).compile().as_text()
+  found = collectives(hlo)
+  if candidate_shards == 1:
+    assert gathered_bytes(hlo) == 0, found
+  else:
+    # k f32 values and k s32 indices of every shard for this device's rows.
+    assert gathered_bytes(hlo) == (
+        rows // row_shards) * k * candidate_shards * (4 + 4), found
+  assert max(gathered_elements(hlo), default=0) <= k * rows * candidate_shards
+  # Besides the candidates, only the finiteness flag crosses devices.
+  assert [b for op, b in found if op != 'all-gather'] == [4], found
+  # The op got the rows split as the parameter is: no resharding before it.
+  size = lambda axes: int(np.prod([dict(zip(mesh.axis_names,
+                                            mesh.axis_sizes))[a]
+                                   for a in axes]))
+  assert [(size(r), size(c)) for r, c in splits] == [
+      (row_shards, candidate_shards)], splits
