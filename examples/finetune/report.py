@@ -8,11 +8,15 @@ from typing import Optional
 
 
 def write_json_atomic(path: str, payload: dict) -> None:
-  """Writes ``path`` whole or not at all."""
+  """Writes ``path`` whole or not at all, readable as ``open`` would make it
+  (0644 under the usual umask; ``mkstemp`` alone gives 0600)."""
   directory = os.path.dirname(os.path.abspath(path))
   os.makedirs(directory, exist_ok=True)
   fd, tmp = tempfile.mkstemp(dir=directory, suffix='.tmp')
+  umask = os.umask(0)
+  os.umask(umask)
   try:
+    os.fchmod(fd, 0o666 & ~umask)
     with os.fdopen(fd, 'w') as f:
       json.dump(payload, f, indent=2)
       f.write('\n')

@@ -124,7 +124,9 @@ class RunConfig:
     mesh: Run on a device mesh, e.g. data=2,fsdp=2,tensor=2 (axes data, fsdp,
       tensor; the sizes multiply to the device count): parameters split
       FSDP/tensor-parallel, TACO updates each shard exactly.
-    output_dir: Where results.json and the checkpoints go.
+    output_dir: Where results.json and the checkpoints go; None: a new
+      directory per run, runs/finetune/OPTIMIZER-TASK-DATE-TIME, and the
+      newest such directory that holds checkpoints with --resume.
     resume: Continue from the newest checkpoint in OUTPUT_DIR/checkpoints; the
       total --steps counts the steps before the resume too, and every flag
       that changes the run must be as it was unless --resume-allow-changes
@@ -165,7 +167,7 @@ class RunConfig:
   taco_step: Literal['auto', 'layerwise', 'optax'] = 'auto'
   memory_limit_gb: Annotated[Optional[float], _ABOVE_ZERO] = None
   mesh: Optional[str] = None
-  output_dir: str = 'runs/finetune'
+  output_dir: Optional[str] = None
   resume: tyro.conf.FlagCreatePairsOff[bool] = False
   resume_allow_changes: tyro.conf.FlagCreatePairsOff[bool] = False
   save_checkpoint: Annotated[bool, tyro.conf.arg(name='checkpoint')] = True

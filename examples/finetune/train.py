@@ -30,6 +30,7 @@ from examples.finetune import phases
 from examples.finetune import report as report_lib
 from examples.finetune import resume as resume_lib
 from examples.finetune import run_config as run_config_lib
+from examples.finetune import run_dirs
 from examples.finetune import sharding as sharding_lib
 from examples.finetune import tasks as tasks_lib
 from examples.finetune import trainers as trainers_lib
@@ -173,9 +174,11 @@ def run(config: run_config_lib.RunConfig,
         log: Callable[[str], None] = phases.flushed_print) -> dict:
   """Fine-tunes and evaluates; returns (and writes) the results.
 
-  Every input is checked before ``output_dir`` is touched.
+  Every input is checked before ``output_dir`` is touched; without one, the
+  run gets a new directory (:func:`run_dirs.with_output_dir`).
   """
   wall_start = time.perf_counter()
+  config = run_dirs.with_output_dir(config)
   checkpoints = resume_lib.open_checkpoints(config, log)
   spec = optimizers_lib.get(config.optimizer)
   try:
@@ -228,6 +231,7 @@ def run(config: run_config_lib.RunConfig,
     trainer = trainers_lib.make_trainer(config, model, schedule, hints)
     start_step = resume_lib.restore(checkpoints, trainer, batches, log)
   step_path = trainer.path
+  log(f'run directory {config.output_dir}')
   log(f'model {model_path} ({model_config.family}, '
       f'{len(train_tokens)} train / {len(test_examples)} held-out examples)')
   log(f'optimizer {config.optimizer}: lr {lr:g} ({lr_source}), '

@@ -1,11 +1,20 @@
 """What the CLI shows and keeps: phase lines when piped, one directory per run,
 ``examples.finetune.compare``, results.json's permissions."""
 
+import dataclasses
+import datetime
+import json
 import os
 import re
 import subprocess
 import sys
 
+import pytest
+
+from examples.finetune import __main__ as cli
+from examples.finetune import compare
+from examples.finetune import run_config
+from examples.finetune import run_dirs
 import test_cli  # pylint: disable=g-bad-import-order  (the tiny model, data)
 from test_cli import workspace  # pylint: disable=unused-import,g-bad-import-order
 
@@ -48,3 +57,82 @@ def test_piped_run_says_what_each_phase_does(workspace):
   assert 'step 3: saving a checkpoint ...' in err, err
   assert re.search(r'step 3: checkpoint saved to \S+ \(\d+\.\d s\)', err), err
   assert '\x1b[' not in out + err, 'no terminal control codes in a pipe'
+
+
+def test_runs_get_their_own_directories_and_compare(workspace, monkeypatch,
+                                                    tmp_path, capsys):
+  monkeypatch.chdir(tmp_path)
+  for optimizer in ('taco', 'adamw'):
+    args = test_cli._text_args(workspace, 'unused', '--optimizer', optimizer)  # pylint: disable=protected-access
+    del args[args.index('--output-dir'):args.index('--output-dir') + 2]
+    assert cli.main(args) == 0
+  runs = sorted(os.listdir(tmp_path / 'runs' / 'finetune'))
+  assert len(runs) == 2, runs
+  assert re.fullmatch(r'adamw-text-\d{8}-\d{6}', runs[0]), runs
+  assert re.fullmatch(r'taco-text-\d{8}-\d{6}', runs[1]), runs
+  umask = os.umask(0)
+  os.umask(umask)
+  for run in runs:
+    results = tmp_path / 'runs' / 'finetune' / run / 'results.json'
+    assert os.stat(results).st_mode & 0o777 == 0o666 & ~umask
+  process = subprocess.run(
+      [sys.executable, '-m', 'examples.finetune.compare',
+       *[os.path.join('runs', 'finetune', run) for run in runs]],
+      cwd=tmp_path, capture_output=True, text=True, timeout=300,
+      env={**os.environ, 'PYTHONPATH': _REPO_ROOT})
+  assert process.returncode == 0, process.stderr
+  lines = process.stdout.splitlines()
+  assert lines[0].split()[:5] == ['run', 'optimizer', 'lr', 'steps', 'metric']
+  for line, run in zip(lines[1:3], runs):
+    with open(tmp_path / 'runs' / 'finetune' / run / 'results.json') as f:
+      results = json.load(f)
+    cells = line.split()
+    assert cells[:5] == [run, results['optimizer'],
+                         f"{results['learning_rate']:g}", '3', 'accuracy']
+    assert cells[5:7] == [f"{results['before']['accuracy']:.4f}",
+                          f"{results['after']['accuracy']:.4f}"]
+    assert cells[7] == f"{results['optimizer_state_bytes'] / 2**20:.1f}"
+  png = tmp_path / 'runs' / 'finetune' / 'compare.png'
+  assert lines[-1] == f'curves: {os.path.join("runs", "finetune", "compare.png")}'
+  with open(png, 'rb') as f:
+    assert f.read(8) == b'\x89PNG\r\n\x1a\n'
+  # Without matplotlib: the table, and a line saying what the PNG needs.
+  png.unlink()
+  monkeypatch.setitem(sys.modules, 'matplotlib', None)
+  capsys.readouterr()
+  assert compare.main([os.path.join('runs', 'finetune', run)
+                       for run in runs]) == 0
+  out = capsys.readouterr().out.splitlines()
+  assert out[:3] == lines[:3] and out[-1] == (
+      'the PNG of the curves needs matplotlib: pip install -e ".[bench]"')
+  assert not png.exists()
+
+
+def test_resume_without_output_dir_continues_the_newest_run(monkeypatch,
+                                                            tmp_path):
+  monkeypatch.chdir(tmp_path)
+  config = run_config.RunConfig(resume=True)
+  with pytest.raises(run_config.FinetuneError, match=r'--resume: no '):
+    run_dirs.with_output_dir(config)
+  root = tmp_path / 'runs' / 'finetune'
+  for name, mtime in [('taco-tweets-20260101-000000', 2),
+                      ('taco-tweets-20260102-000000', 1),
+                      ('adamw-tweets-20260103-000000', 3)]:
+    (root / name / 'checkpoints').mkdir(parents=True)
+    os.utime(root / name / 'checkpoints', (mtime, mtime))
+  (root / 'taco-tweets-20260104-000000').mkdir()  # no checkpoints
+  resolved = run_dirs.with_output_dir(config)
+  assert resolved.output_dir == os.path.join(
+      'runs', 'finetune', 'taco-tweets-20260101-000000')
+  assert run_dirs.with_output_dir(
+      dataclasses.replace(config, output_dir='mine')).output_dir == 'mine'
+
+
+def test_new_run_dir_never_reuses_a_name(tmp_path):
+  now = datetime.datetime(2026, 11, 30, 23, 5, 9)
+  first = run_dirs.new_run_dir('taco', 'tweets', str(tmp_path), now)
+  assert first == str(tmp_path / 'taco-tweets-20261130-230509')
+  os.makedirs(first)
+  second = run_dirs.new_run_dir('taco', 'tweets', str(tmp_path), now)
+  assert second == first + '-2'
+  assert not os.path.exists(second), 'naming creates nothing'

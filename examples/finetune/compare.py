@@ -1,0 +1,133 @@
+"""``python -m examples.finetune.compare DIR [DIR ...]``: runs side by side.
+
+Reads each run directory's ``results.json`` (as ``python -m examples.finetune``
+writes it), prints one table (optimizer, learning rate, steps, the task metric
+before and after, optimizer state, compiled and process peak memory, tokens/s,
+wall time) and writes a PNG of the training loss and the held-out metric
+against the step. The PNG needs matplotlib (``pip install -e ".[bench]"``);
+without it the table is still printed. Paths that hold no ``results.json``
+(an unfinished run, the PNG of an earlier comparison) are skipped with a note.
+"""
+
+import argparse
+import json
+import os
+import sys
+from typing import Optional, Sequence
+
+_MIB = 1024 ** 2
+# A run's process peak memory (RSS), when it recorded one, is under a key
+# ``process_peak...bytes``.
+_PROCESS_PEAK_PREFIX = 'process_peak'
+
+
+def read_runs(directories: Sequence[str]) -> tuple[list[tuple[str, dict]],
+                                                   list[str]]:
+  """``([(directory, results)], [skipped path])`` in the order given."""
+  runs, skipped = [], []
+  for directory in directories:
+    path = os.path.join(directory, 'results.json')
+    if not os.path.isfile(path):
+      skipped.append(directory)
+      continue
+    with open(path) as f:
+      runs.append((directory, json.load(f)))
+  return runs, skipped
+
+
+def _process_peak(results: dict) -> Optional[int]:
+  for key, value in results.items():
+    if key.startswith(_PROCESS_PEAK_PREFIX) and key.endswith('bytes'):
+      return value
+  return None
+
+
+def _mib(n: Optional[int]) -> str:
+  return 'n/a' if n is None else f'{n / _MIB:.1f}'
+
+
+def table(runs: Sequence[tuple[str, dict]]) -> str:
+  """One row per run, columns aligned; the metric is each run's own."""
+  header = ('run', 'optimizer', 'lr', 'steps', 'metric', 'before', 'after',
+            'state MiB', 'peak MiB (compiled)', 'process peak MiB',
+            'tokens/s', 'wall s')
+  rows = [header]
+  for directory, results in runs:
+    metric = results['metric']
+    rows.append((
+        os.path.basename(os.path.normpath(directory)),
+        results['optimizer'], f"{results['learning_rate']:g}",
+        str(len(results['losses'])), metric,
+        f"{results['before'][metric]:.4f}", f"{results['after'][metric]:.4f}",
+        _mib(results['optimizer_state_bytes']),
+        _mib(results['peak_memory_bytes']),
+        _mib(_process_peak(results)),
+        f"{results['tokens_per_second']:.1f}",
+        f"{results['wall_seconds']:.1f}"))
+  widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+  return '\n'.join('  '.join(cell.ljust(width) for cell, width
+                             in zip(row, widths)).rstrip() for row in rows)
+
+
+def plot(runs: Sequence[tuple[str, dict]], path: str) -> None:
+  """Writes the loss and held-out metric curves of every run to ``path``.
+
+  Raises:
+    ImportError: matplotlib is not installed.
+  """
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use('Agg')  # No display needed.
+  from matplotlib import pyplot  # pylint: disable=g-import-not-at-top
+  figure, (loss_axes, metric_axes) = pyplot.subplots(1, 2, figsize=(11, 4))
+  metrics = set()
+  for directory, results in runs:
+    label = (f"{os.path.basename(os.path.normpath(directory))} "
+             f"({results['optimizer']}, lr {results['learning_rate']:g})")
+    losses = results['losses']
+    loss_axes.plot(range(1, len(losses) + 1), losses, label=label)
+    metric = results['metric']
+    metrics.add(metric)
+    points = [(0, results['before'][metric])] + [
+        (e['step'], e[metric]) for e in results['evals']]
+    metric_axes.plot(*zip(*points), marker='o', label=label)
+  loss_axes.set(xlabel='step', ylabel='training loss', title='loss')
+  metric_axes.set(xlabel='step', ylabel=' / '.join(sorted(metrics)),
+                  title='held-out ' + ' / '.join(sorted(metrics)))
+  metric_axes.legend(fontsize='small')
+  figure.tight_layout()
+  figure.savefig(path, dpi=100)
+  pyplot.close(figure)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+  parser = argparse.ArgumentParser(
+      prog='python -m examples.finetune.compare',
+      description='Compare fine-tuning runs: one table and a PNG of the '
+                  'loss and held-out metric curves.')
+  parser.add_argument('directories', nargs='+', metavar='DIR',
+                      help='run directories (each with a results.json)')
+  parser.add_argument('--plot', default=None, metavar='PNG',
+                      help='where the PNG goes (default: compare.png in the '
+                           'directory that holds the first run)')
+  args = parser.parse_args(argv)
+  runs, skipped = read_runs(args.directories)
+  for path in skipped:
+    print(f'skipped {path}: no results.json', file=sys.stderr)
+  if not runs:
+    print('error: no run directory with a results.json', file=sys.stderr)
+    return 2
+  print(table(runs))
+  png = args.plot or os.path.join(
+      os.path.dirname(os.path.normpath(runs[0][0])), 'compare.png')
+  try:
+    plot(runs, png)
+  except ImportError:
+    print('\nthe PNG of the curves needs matplotlib: '
+          'pip install -e ".[bench]"')
+    return 0
+  print(f'\ncurves: {png}')
+  return 0
+
+
+if __name__ == '__main__':
+  sys.exit(main())
