@@ -187,3 +187,24 @@ def test_selected_by_environment(monkeypatch):
   assert_bitwise_equal(jax.jit(step)(*args),
                        _jitted(_column_step.reference_column_step, 2,
                                0.95)(*args))
+
+
+def test_vmap_batch_entries_are_leaves():
+  # Under vmap each batch entry has its own mu and its own finite flag.
+  rng = np.random.default_rng(7)
+  histories = [_history(rng, 5, 40, 4) for _ in range(3)]
+  values, indices, exponents = (jnp.stack(parts) for parts in zip(*histories))
+  grads = jnp.asarray(_gradient(rng, (3, 5, 40), 'ties'))
+  grads = grads.at[1, 2, 3].set(jnp.nan)
+  mu = jnp.asarray([0.9, 0.5, 0.99], jnp.float32)
+  args = (grads, values, indices, exponents, mu)
+  run = lambda step: jax.jit(jax.vmap(lambda *a: step(*a, 2)))(*args)
+  actual = run(_interpreted)
+  expected = run(_column_step.reference_column_step)
+  assert np.asarray(expected.finite).tolist() == [True, False, True]
+  for field in _HISTORY_FIELDS:
+    assert_bitwise_equal(getattr(actual, field), getattr(expected, field))
+  finite = np.array([0, 2])
+  for field in ('winner_indices', 'winner_signs'):
+    assert_bitwise_equal(getattr(actual, field)[finite],
+                         getattr(expected, field)[finite])
