@@ -108,6 +108,22 @@ def test_taco_on_auto_mesh_equals_single_device_bitwise(monkeypatch, kernel,
 
 
 @needs_mesh
+@pytest.mark.parametrize('kernel', ['auto', 'reference'])
+def test_taco_under_set_mesh_equals_single_device_bitwise(monkeypatch, kernel):
+  """The same with the Auto mesh also set as the context mesh."""
+  monkeypatch.setenv('TACO_OPTAX_KERNEL', kernel)
+  names = ['tp', 'fsdp', 'both', 'scanned']
+  tx = taco_optax.taco(
+      1e-2, k=4, mu=0.9,
+      weight_dimension_numbers={n: LAYOUTS[n][2] for n in names})
+  expected = run_steps(tx, names)
+  mesh = auto_mesh()
+  with jax.set_mesh(mesh):
+    got = run_steps(tx, names, mesh)
+  assert_bitwise_equal(got, expected)
+
+
+@needs_mesh
 @pytest.mark.parametrize('kernel', ['cpu', 'reference'])
 def test_array_mu_on_auto_mesh_equals_single_device_bitwise(monkeypatch,
                                                             kernel):
@@ -163,9 +179,10 @@ HLO_CASES = {
 
 @needs_mesh
 @pytest.mark.parametrize('case', list(HLO_CASES))
-@pytest.mark.parametrize('kernel', ['cpu', 'reference'])
+@pytest.mark.parametrize('kernel, context_mesh', [
+    ('cpu', False), ('reference', False), ('auto', True)])
 def test_auto_mesh_update_gathers_candidates_not_the_gradient(
-    monkeypatch, case, kernel):
+    monkeypatch, case, kernel, context_mesh):
   monkeypatch.setenv('TACO_OPTAX_KERNEL', kernel)
   shape, spec, dims, row_shards, candidate_shards = HLO_CASES[case]
   k = 16
@@ -188,9 +205,13 @@ def test_auto_mesh_update_gathers_candidates_not_the_gradient(
       lambda sharding, x: jax.ShapeDtypeStruct(x.shape, x.dtype,
                                                sharding=sharding),
       state_shardings, jax.eval_shape(tx.init, {'w': grad}))
-  hlo = jax.jit(tx.update, out_shardings=({'w': grad.sharding},
-                                          state_shardings)
-                ).lower({'w': grad}, state).compile().as_text()
+  update = jax.jit(tx.update, out_shardings=({'w': grad.sharding},
+                                             state_shardings))
+  if context_mesh:
+    with jax.set_mesh(mesh):
+      hlo = update.lower({'w': grad}, state).compile().as_text()
+  else:
+    hlo = update.lower({'w': grad}, state).compile().as_text()
   found = collectives(hlo)
   if candidate_shards == 1:
     assert gathered_bytes(hlo) == 0, found
