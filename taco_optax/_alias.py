@@ -1,5 +1,7 @@
 """``taco``: TACO on matrices, AdamW on everything else."""
 
+from __future__ import annotations
+
 import inspect
 from typing import Any, Callable, NamedTuple, Optional, Union
 

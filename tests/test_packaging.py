@@ -1,0 +1,34 @@
+"""What an installed ``taco_optax`` shows: type information and short
+signatures."""
+
+import inspect
+import os
+import subprocess
+import sys
+import zipfile
+
+import taco_optax
+
+_REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_wheel_ships_py_typed(tmp_path):
+  process = subprocess.run(
+      [sys.executable, '-m', 'pip', 'wheel', '--no-deps',
+       '--no-build-isolation', '-q', '-w', str(tmp_path), _REPO_ROOT],
+      capture_output=True, text=True, timeout=300)
+  assert process.returncode == 0, process.stderr[-2000:]
+  (wheel,) = tmp_path.glob('taco_optax-*.whl')
+  with zipfile.ZipFile(wheel) as archive:
+    names = archive.namelist()
+  assert 'taco_optax/py.typed' in names
+  assert 'taco_optax/csrc/column_step.cc' in names
+
+
+def test_taco_signature_names_its_types_instead_of_expanding_them():
+  signature = str(inspect.signature(taco_optax.taco))
+  # Expanded aliases spelled optax's ScalarOrSchedule out twice (~1100
+  # characters, jaxlib and numpy scalar types included).
+  assert 'jaxlib' not in signature and 'numpy' not in signature, signature
+  assert "learning_rate: 'optax.ScalarOrSchedule'" in signature
+  assert len(signature) < 600, len(signature)
