@@ -7,6 +7,7 @@ import chex
 import jax
 import jax.numpy as jnp
 import optax
+import pytest
 
 README = pathlib.Path(__file__).resolve().parents[1] / 'README.md'
 
@@ -46,3 +47,18 @@ def test_layerwise_example_runs_and_matches_the_optax_path():
   # One weight per column of each layer matrix moved.
   moved = (params[1]['w'] != start[1]['w']).sum(axis=-1)
   assert int(moved.max()) == 1
+
+
+def test_nnx_example_runs():
+  nnx = pytest.importorskip('flax.nnx')
+  (block,) = [b for b in _python_blocks()
+              if 'nnx.Optimizer' in b and 'def train_step' in b]
+  namespace = {}
+  exec(block, namespace)  # pylint: disable=exec-used
+  start = nnx.Linear(64, 32, rngs=nnx.Rngs(0))  # the example's initial model
+  kernel = namespace['model'].kernel[...]
+  # One entry in each row (input feature) of the (in, out) kernel moved.
+  moved = (kernel != start.kernel[...]).sum(axis=1)
+  assert moved.tolist() == [1] * 64
+  assert bool(jnp.isfinite(namespace['loss']))
+  assert int(namespace['optimizer'].step[...]) == 1
