@@ -146,6 +146,29 @@ def test_long_rows(m, k):
   _check(grads, values, indices, exponents, 0.95, min(2, k))
 
 
+@needs_kernel
+@pytest.mark.parametrize('k', [1, 16, 32, 33, 100, 300])
+@pytest.mark.parametrize('grad_dtype', [jnp.float32, jnp.bfloat16])
+def test_floor_rises_through_the_row(k, grad_dtype):
+  # A small history leaves the floor low: rows whose magnitudes grow along
+  # the row put every entry into the running top k (each one raises the
+  # floor), shrinking rows only the first k, and the shuffled ones in between;
+  # k up to 32 keeps a sorted array, larger k a heap.
+  m = 300
+  rng = np.random.default_rng(k)
+  ramp = np.linspace(1.0, 2.0, m, dtype=np.float32)
+  rows = np.stack([ramp, -ramp[::-1], rng.permutation(ramp),
+                   np.where(rng.random(m) < 0.5, -1, 1) * ramp,
+                   np.repeat(ramp[::10], 10)])  # ties: equal runs of 10
+  values, indices, exponents = _history(rng, len(rows), m, k, np.int32)
+  small = jnp.full_like(exponents, -120)  # history values near 2**-120
+  grads = jnp.asarray(rows).astype(grad_dtype)
+  _check(grads, values, indices, small, 0.95, 1)
+  _check(grads, values, indices, small, 0.5, min(2, k))
+  # A history that ranks above every entry (floor high from the start).
+  _check(grads, values, indices, jnp.full_like(exponents, 10), 0.95, 1)
+
+
 def _fp8_sweep_rows(top, multiplier, limit):
   """Rows of m = k = 1024 whose stored values are the f32 -> FP8 casts of a
   dense sweep and of all halfway points (and their neighbours).

@@ -33,7 +33,7 @@ namespace taco_kernel {
 namespace {
 
 // Blocks of 16 entries screened per mask call.
-constexpr int64_t kChunkBlocks = 16;
+constexpr int64_t kChunkBlocks = 2;
 // Rows handed to a thread at a time: about this many gradient entries.
 constexpr int64_t kChunkElements = 1 << 16;
 
@@ -77,50 +77,83 @@ inline int32_t RankPosition(uint64_t key) {
 // Per-thread scratch, allocated once per thread and call, never per row.
 struct Scratch {
   explicit Scratch(const Problem& p)
-      : slot_of(p.m, -1), merged(p.k),
-        survivors(std::max<int64_t>(2 * p.k, p.k + 64)) {}
-  std::vector<int32_t> slot_of;     // history slot of a row position, or -1
-  std::vector<float> merged;        // (1 - mu) g + mu * history, per slot
-  std::vector<uint64_t> survivors;  // rank keys that may be in the top k
+      : slot_of(p.m, -1), merged(p.k), best(p.k) {}
+  std::vector<int32_t> slot_of;  // history slot of a row position, or -1
+  std::vector<float> merged;     // (1 - mu) g + mu * history, per slot
+  std::vector<uint64_t> best;    // rank keys of the best k so far
   uint16_t masks[kChunkBlocks];
 };
 
-// The top-k candidates seen so far: every entry outside `survivors` ranks
-// below `floor`, itself the k-th best once k are held. When the buffer fills
-// it is cut back to its best k, raising the floor.
+// Up to this k the best keys are kept sorted (an insertion moves few keys
+// and the result needs no sort); above it in a min-heap.
+constexpr int64_t kSortedLimit = 32;
+
+// The best k rank keys seen so far. Once k are held the floor is the k-th
+// best, so it rises with every insertion and screens out the rest of the row;
+// a fresh gradient (history from another step) then costs few insertions
+// instead of one per entry above the history's smallest value.
 class TopK {
  public:
-  TopK(int64_t k, std::vector<uint64_t>& buffer)
-      : k_(k), capacity_(int64_t(buffer.size())), keys_(buffer.data()) {}
+  TopK(int64_t k, uint64_t* keys) : k_(k), keys_(keys) {}
 
-  void Add(uint64_t key) {
-    if (key <= floor_) return;
-    keys_[count_++] = key;
-    if (count_ == capacity_) Shrink();
-  }
-  void Shrink() {
-    std::nth_element(keys_, keys_ + (k_ - 1), keys_ + count_,
-                     std::greater<uint64_t>());
-    count_ = k_;
-    floor_ = keys_[k_ - 1];
-  }
-  // Sets the floor to the smallest key held (valid when they are k distinct
-  // entries: nothing below all of them can be in the top k).
-  void RaiseToHeld() {
-    floor_ = *std::min_element(keys_, keys_ + count_);
-  }
+  // Keys at or below the floor cannot enter the top k.
+  uint64_t floor() const { return floor_; }
   // |c| bits an entry needs to possibly rank above the floor.
   int32_t bound() const { return int32_t(floor_ >> 32); }
-  // Sorts the best k to the front, best first.
+
+  void Add(uint64_t key) {
+    if (key > floor_) Insert(key);
+  }
+  // Inserts a key above the floor, evicting the smallest once k are held.
+  void Insert(uint64_t key) {
+    if (k_ <= kSortedLimit) {
+      InsertSorted(key);
+    } else {
+      InsertHeap(key);
+    }
+    if (count_ == k_) floor_ = k_ <= kSortedLimit ? keys_[k_ - 1] : keys_[0];
+  }
+  // The held keys, best first.
   const uint64_t* Finish() {
-    if (count_ > k_) Shrink();
-    std::sort(keys_, keys_ + count_, std::greater<uint64_t>());
+    if (k_ > kSortedLimit) {
+      std::sort(keys_, keys_ + count_, std::greater<uint64_t>());
+    }
     return keys_;
   }
-  int64_t count() const { return count_; }
 
  private:
-  int64_t k_, capacity_, count_ = 0;
+  // keys_ in descending order.
+  void InsertSorted(uint64_t key) {
+    int64_t hole = count_ < k_ ? count_++ : k_ - 1;
+    for (; hole > 0 && keys_[hole - 1] < key; --hole) {
+      keys_[hole] = keys_[hole - 1];
+    }
+    keys_[hole] = key;
+  }
+  // keys_ a min-heap.
+  void InsertHeap(uint64_t key) {
+    if (count_ < k_) {
+      int64_t hole = count_++;
+      while (hole > 0) {
+        const int64_t parent = (hole - 1) / 2;
+        if (keys_[parent] <= key) break;
+        keys_[hole] = keys_[parent];
+        hole = parent;
+      }
+      keys_[hole] = key;
+      return;
+    }
+    int64_t hole = 0;
+    for (int64_t child = 1; child < k_; child = 2 * hole + 1) {
+      if (child + 1 < k_ && keys_[child + 1] < keys_[child]) ++child;
+      if (keys_[child] >= key) break;
+      keys_[hole] = keys_[child];
+      hole = child;
+    }
+    keys_[hole] = key;
+  }
+
+  int64_t k_, count_ = 0;
   uint64_t* keys_;
   uint64_t floor_ = 0;  // every rank key is > 0
 };
@@ -132,24 +165,18 @@ void StepRow(const Problem& p, MaskFunction<G> masks_of, int64_t row_index,
   const int64_t entry = row_index / p.rows;  // batch entry of this row
   const G* row = static_cast<const G*>(p.grads) + row_index * m;
   const float one_minus_mu = p.one_minus_mu[entry], mu = p.mu[entry];
-  TopK top(k, s.survivors);
+  TopK top(k, s.best.data());
 
   // The history's k entries first: c = (1 - mu) g + mu * decoded value.
   const float scale = Pow2(p.exponents[row_index]);
-  bool distinct = true;
   for (int64_t slot = 0; slot < k; ++slot) {
     const int64_t j = HistoryIndex(p, row_index * k + slot);
-    if (j < 0 || j >= m) {  // never produced; keeps memory safe
-      distinct = false;
-      continue;
-    }
-    distinct = distinct && s.slot_of[j] < 0;
+    if (j < 0 || j >= m) continue;  // never produced; keeps memory safe
     s.slot_of[j] = int32_t(slot);
     const float previous = DecodeE4M3(p.values[row_index * k + slot]) * scale;
     s.merged[slot] = one_minus_mu * Load(row + j) + mu * previous;
     top.Add(RankKey(s.merged[slot], j));
   }
-  if (distinct) top.RaiseToHeld();
 
   // One pass over the row; entries under the floor are never looked at.
   bool nonfinite = false;
@@ -161,8 +188,9 @@ void StepRow(const Problem& p, MaskFunction<G> masks_of, int64_t row_index,
     for (int64_t block = 0; block < blocks; ++block) {
       for (uint32_t mask = s.masks[block]; mask != 0; mask &= mask - 1) {
         const int64_t j = (first + block) * kBlock + __builtin_ctz(mask);
-        if (s.slot_of[j] >= 0) continue;  // already in, merged
-        top.Add(RankKey(one_minus_mu * Load(row + j), j));
+        const uint64_t key = RankKey(one_minus_mu * Load(row + j), j);
+        // History positions are in already, merged.
+        if (key > top.floor() && s.slot_of[j] < 0) top.Insert(key);
       }
     }
   }
@@ -172,8 +200,7 @@ void StepRow(const Problem& p, MaskFunction<G> masks_of, int64_t row_index,
     if (s.slot_of[j] < 0) top.Add(RankKey(one_minus_mu * g, j));
   }
   if (nonfinite) p.nonfinite[entry].store(true, std::memory_order_relaxed);
-  // At least k are held: the k history entries, or with a broken history
-  // (floor 0) every position.
+  // At least k are held: the floor stays 0 until k are.
   const uint64_t* best = top.Finish();
   auto value_at = [&](int32_t j) {
     return s.slot_of[j] >= 0 ? s.merged[s.slot_of[j]]
