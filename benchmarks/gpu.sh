@@ -12,17 +12,10 @@
 # (XLA's compiled analysis on the GPU backend). Needs jax with CUDA, flax and
 # optax in $PYTHON; run from the repository root.
 set -uo pipefail
-OUT=${OUT:-gpu_results}
-PY=${PYTHON:-python3}
-mkdir -p "$OUT"
-export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
-export PYTHONUNBUFFERED=1
-export XLA_PYTHON_CLIENT_PREALLOCATE=false
+. "$(dirname "$0")/gpu_env.sh"
 
 {
-  date -u +%Y-%m-%dT%H:%M:%SZ
-  git rev-parse HEAD 2>/dev/null || true
-  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null || true
+  gpu_header
   "$PY" -c 'import jax, flax, optax; print("jax", jax.__version__, "flax", flax.__version__, "optax", optax.__version__); print(jax.devices())'
 } > "$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"

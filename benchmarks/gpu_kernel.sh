@@ -19,18 +19,9 @@
 # SMOKE=1 runs the same script in interpret mode on CPU with small shapes (a
 # check of the script itself, no figures). Run from the repository root.
 set -uo pipefail
-OUT=${OUT:-gpu_results}
-PY=${PYTHON:-python3}
-mkdir -p "$OUT"
-export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
-export PYTHONUNBUFFERED=1
-export XLA_PYTHON_CLIENT_PREALLOCATE=false
+. "$(dirname "$0")/gpu_env.sh"
 
-{
-  date -u +%Y-%m-%dT%H:%M:%SZ
-  git rev-parse HEAD 2>/dev/null || true
-  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || true
-} | tee "$OUT/gpu_kernel.txt"
+gpu_header | tee "$OUT/gpu_kernel.txt"
 
 timeout "${LIMIT_S:-300}" "$PY" - "${SMOKE:-0}" <<'EOF' 2>&1 | grep -v -i warning | tee -a "$OUT/gpu_kernel.txt"
 import sys
