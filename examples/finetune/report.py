@@ -91,7 +91,7 @@ class Progress:
     if self._bar is not None:
       self._bar.console.print(text)
     else:
-      print(text, file=sys.stderr)
+      print(text, file=sys.stderr, flush=True)
 
   def close(self) -> None:
     if self._bar is not None:
