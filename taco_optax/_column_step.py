@@ -16,6 +16,7 @@ from typing import Callable, NamedTuple, Union
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from taco_optax import _codec
 
@@ -126,13 +127,37 @@ def reference_column_step(grad_rows: jax.Array, values: jax.Array,
   top_values, top_indices = jax.lax.optimization_barrier(
       (top_values, top_indices))
   finite = selection.all_finite(jnp.all(jnp.isfinite(grads)))
-  history = _codec.encode(top_values[:, :k], values.dtype)
+  return finish(top_values[:, :k], top_indices[:, :k], finite, values,
+                indices, exponents, update_topk)
+
+
+def finish(top_values: jax.Array, top_indices: jax.Array, finite: jax.Array,
+           values: jax.Array, indices: jax.Array, exponents: jax.Array,
+           update_topk: int) -> ColumnStep:
+  """The step's end from each row's top ``k`` (sorted, ``k >= r``).
+
+  Encodes the new history, keeps the input history (``values``, ``indices``,
+  ``exponents``) when the gradient was not ``finite``, and takes the top
+  ``r`` as winners.
+  """
+  history = _codec.encode(top_values, values.dtype)
   keep = lambda new, old: jnp.where(finite, new, old)
   return ColumnStep(
       values=keep(history.values, values),
       exponents=keep(history.exponents, exponents),
-      indices=keep(top_indices[:, :k].astype(indices.dtype), indices),
+      indices=keep(top_indices.astype(indices.dtype), indices),
       winner_indices=top_indices[:, :update_topk],
       winner_signs=jnp.sign(top_values[:, :update_topk]),
       finite=finite)
+
+
+def decay_folds_away(mu: Union[float, jax.Array]) -> bool:
+  """Whether XLA simplifies the reference's ``(1 - mu) * g`` to ``g``.
+
+  For a Python ``mu`` whose ``1 - mu`` rounds to 1 in float32 (``mu = 0``)
+  the multiply is folded, so the reference keeps subnormal gradients that the
+  multiply would flush; kernels hand such steps to the reference.
+  """
+  return (isinstance(mu, (int, float, np.number))
+          and np.float32(1 - mu) == 1)
 

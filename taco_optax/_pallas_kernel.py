@@ -43,7 +43,6 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
-import numpy as np
 
 from taco_optax import _codec
 from taco_optax import _column_step
@@ -231,9 +230,8 @@ def pallas_column_step(grad_rows: jax.Array, values: jax.Array,
         'history with int32/int16 indices, 1 <= update_topk <= k <= m; got '
         f'{grad_rows.shape} {grad_rows.dtype}, {values.shape} {values.dtype}, '
         f'{indices.dtype}, update_topk={update_topk}.')
-  folded = (isinstance(mu, (int, float, np.number))
-            and np.float32(1 - mu) == 1)
-  if folded or grad_rows.shape[1] > MAX_ROW_LENGTH:
+  if (_column_step.decay_folds_away(mu)
+      or grad_rows.shape[1] > MAX_ROW_LENGTH):
     return _column_step.reference_column_step(grad_rows, values, indices,
                                               exponents, mu, update_topk)
   k = values.shape[1]
@@ -245,12 +243,5 @@ def pallas_column_step(grad_rows: jax.Array, values: jax.Array,
   top_values, top_indices, finite = _select(
       grad_rows, indices, decayed, one_minus_mu, rounds=k,
       interpret=interpret)
-  history = _codec.encode(top_values, values.dtype)
-  keep = lambda new, old: jnp.where(finite, new, old)
-  return _column_step.ColumnStep(
-      values=keep(history.values, values),
-      exponents=keep(history.exponents, exponents),
-      indices=keep(top_indices.astype(indices.dtype), indices),
-      winner_indices=top_indices[:, :update_topk],
-      winner_signs=jnp.sign(top_values[:, :update_topk]),
-      finite=finite)
+  return _column_step.finish(top_values, top_indices, finite, values, indices,
+                             exponents, update_topk)
