@@ -166,6 +166,14 @@ void StepRow(const Problem& p, MaskFunction<G> masks_of, int64_t row_index,
   const G* row = static_cast<const G*>(p.grads) + row_index * m;
   const float one_minus_mu = p.one_minus_mu[entry], mu = p.mu[entry];
   TopK top(k, s.best.data());
+  // The history reads the row at random places before the pass streams it:
+  // fetch the next row now so that neither waits for memory.
+  if (row_index + 1 < p.batch * p.rows) {
+    const char* next = reinterpret_cast<const char*>(row + m);
+    for (int64_t byte = 0; byte < m * int64_t(sizeof(G)); byte += 64) {
+      __builtin_prefetch(next + byte);
+    }
+  }
 
   // The history's k entries first: c = (1 - mu) g + mu * decoded value.
   const float scale = Pow2(p.exponents[row_index]);
