@@ -16,9 +16,6 @@ import sys
 from typing import Optional, Sequence
 
 _MIB = 1024 ** 2
-# A run's process peak memory (RSS), when it recorded one, is under a key
-# ``process_peak...bytes``.
-_PROCESS_PEAK_PREFIX = 'process_peak'
 
 
 def read_runs(directories: Sequence[str]) -> tuple[list[tuple[str, dict]],
@@ -35,13 +32,6 @@ def read_runs(directories: Sequence[str]) -> tuple[list[tuple[str, dict]],
   return runs, skipped
 
 
-def _process_peak(results: dict) -> Optional[int]:
-  for key, value in results.items():
-    if key.startswith(_PROCESS_PEAK_PREFIX) and key.endswith('bytes'):
-      return value
-  return None
-
-
 def _mib(n: Optional[int]) -> str:
   return 'n/a' if n is None else f'{n / _MIB:.1f}'
 
@@ -49,7 +39,7 @@ def _mib(n: Optional[int]) -> str:
 def table(runs: Sequence[tuple[str, dict]]) -> str:
   """One row per run, columns aligned; the metric is each run's own."""
   header = ('run', 'optimizer', 'lr', 'steps', 'metric', 'before', 'after',
-            'state MiB', 'peak MiB (compiled)', 'process peak MiB',
+            'state MiB', 'peak MiB (compiled)', 'process peak RSS MiB',
             'tokens/s', 'wall s')
   rows = [header]
   for directory, results in runs:
@@ -61,7 +51,8 @@ def table(runs: Sequence[tuple[str, dict]]) -> str:
         f"{results['before'][metric]:.4f}", f"{results['after'][metric]:.4f}",
         _mib(results['optimizer_state_bytes']),
         _mib(results['peak_memory_bytes']),
-        _mib(_process_peak(results)),
+        # Runs from before the process peak was recorded have none.
+        _mib(results.get('process_peak_rss_bytes')),
         f"{results['tokens_per_second']:.1f}",
         f"{results['wall_seconds']:.1f}"))
   widths = [max(len(row[i]) for row in rows) for i in range(len(header))]

@@ -92,6 +92,10 @@ def test_runs_get_their_own_directories_and_compare(workspace, monkeypatch,
     assert cells[5:7] == [f"{results['before']['accuracy']:.4f}",
                           f"{results['after']['accuracy']:.4f}"]
     assert cells[7] == f"{results['optimizer_state_bytes'] / 2**20:.1f}"
+    assert cells[8] == f"{results['peak_memory_bytes'] / 2**20:.1f}"
+    process_peak = results.get('process_peak_rss_bytes')
+    assert cells[9] == ('n/a' if process_peak is None
+                        else f'{process_peak / 2**20:.1f}')
   png = tmp_path / 'runs' / 'finetune' / 'compare.png'
   assert lines[-1] == f'curves: {os.path.join("runs", "finetune", "compare.png")}'
   with open(png, 'rb') as f:
