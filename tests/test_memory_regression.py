@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks import memory
+from examples.finetune import report
 
 NUM_LAYERS, BATCH, SEQ = 4, 4, 64
 
@@ -73,3 +74,12 @@ def test_layerwise_below_plain_taco():
   assert plain > 1.0
   assert layerwise < plain - 0.3, overheads
 
+
+
+def test_process_memory_for_the_run_summary():
+  # The CLI's results.json and summary carry what `top` saw beside the
+  # compiled figure; this process has at least imported jax and compiled.
+  figures = report.process_memory()
+  assert figures['process_peak_rss_bytes'] > 50 * 2**20
+  # XLA:CPU keeps no allocator statistics.
+  assert figures['device_peak_bytes_in_use'] is None

@@ -2,9 +2,12 @@
 
 import json
 import os
+import resource
 import sys
 import tempfile
 from typing import Optional
+
+import jax
 
 
 def write_json_atomic(path: str, payload: dict) -> None:
@@ -36,6 +39,26 @@ def format_bytes(n: Optional[int]) -> str:
     n /= 1024
 
 
+def process_memory() -> dict:
+  """What ``top`` and the device saw, beside the compiled step's estimate.
+
+  Returns:
+    ``process_peak_rss_bytes``: this process's peak resident set so far
+    (``getrusage``: loading, compiling and running all count);
+    ``device_peak_bytes_in_use``: the device allocator's peak where the
+    backend keeps one (GPU), else ``None``.
+  """
+  rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+  # Linux reports KiB, macOS bytes.
+  rss_bytes = rss if sys.platform == 'darwin' else rss * 1024
+  try:
+    stats = jax.devices()[0].memory_stats() or {}
+  except Exception:  # pylint: disable=broad-except  # no stats on this backend
+    stats = {}
+  return {'process_peak_rss_bytes': int(rss_bytes),
+          'device_peak_bytes_in_use': stats.get('peak_bytes_in_use')}
+
+
 def results_table(results: dict) -> str:
   """The paper's Table-4 figures as plain text."""
   metric = results['metric']
@@ -49,6 +72,8 @@ def results_table(results: dict) -> str:
       ('parameters', format_bytes(results['parameter_bytes'])),
       ('peak memory', f"{format_bytes(results['peak_memory_bytes'])} "
                       f"({results['peak_memory_source']})"),
+      ('process peak RSS',
+       format_bytes(results.get('process_peak_rss_bytes'))),
       ('tokens/s', f"{results['tokens_per_second']:.1f}"),
       ('train time', f"{results['train_seconds']:.1f} s "
                      f"(compile {results['compile_seconds']:.1f} s)"),

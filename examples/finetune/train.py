@@ -340,6 +340,8 @@ def run(config: run_config_lib.RunConfig,
       'parameter_bytes': param_bytes,
       'peak_memory_bytes': peak,
       'peak_memory_source': peak_source,
+      # The whole process (loading, compiling, running), as `top` sees it.
+      **report_lib.process_memory(),
       'tokens_per_second': tokens / train_seconds if train_seconds else 0.0,
       'train_seconds': train_seconds,
       'compile_seconds': compile_seconds,
