@@ -4,9 +4,10 @@
 (nothing is allocated) and reads XLA's ``memory_analysis()``. Here it runs on
 SmolLM2-135M's shapes cut to 4 layers (scanned and unrolled): the tied
 49152 x 576 embedding, its f32 logits and the head's backward weigh as much
-against the weights as in the full model's head, so a change that makes the head or the layer-wise
-step hold more (as the example's ``log_softmax`` loss did: +0.29 x weights
-here, +0.09 in the 30-layer model) fails, while compiling takes seconds.
+against the weights as in the full model's head, so a change that makes the
+head or the layer-wise step hold more (as the example's ``log_softmax`` loss
+did: +0.29 x weights here, +0.09 in the 30-layer model) fails, while
+compiling takes seconds.
 
 For a given jax version the buffer assignment, and so every byte count, is
 deterministic; the bound below is the figure measured now plus a small margin.
