@@ -71,17 +71,6 @@ def status() -> tuple[str, str]:
   return 'reference', f'the CPU kernel is unavailable ({reason})'
 
 
-def _on_auto_mesh() -> bool:
-  """Whether the step is traced under a mesh of several devices.
-
-  XLA replicates a custom call that has no partitioning rule (it would gather
-  the whole gradient and lose the state's sharding), so on a mesh the
-  reference runs and XLA partitions it.
-  """
-  mesh = jax.sharding.get_abstract_mesh()
-  return not getattr(mesh, 'empty', True) and mesh.size > 1
-
-
 def column_step(grad_rows: jax.Array, values: jax.Array, indices: jax.Array,
                 exponents: jax.Array, mu: Union[float, jax.Array],
                 update_topk: int,
@@ -112,8 +101,7 @@ def _single_device_step(grad_rows: jax.Array, values: jax.Array,
   if implementation == 'pallas':
     return _pallas_step(grad_rows, values, indices, exponents, mu, update_topk,
                         why)
-  supported = (_cpu_kernel.supports(grad_rows, values, indices, update_topk)
-               and not _on_auto_mesh())
+  supported = _cpu_kernel.supports(grad_rows, values, indices, update_topk)
   if implementation == 'cpu' and supported:
     _log_once(f'taco_optax: TACO column step runs the {why}.',
               logging.INFO)
