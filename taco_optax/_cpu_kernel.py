@@ -192,7 +192,7 @@ def cpu_column_step(grad_rows: jax.Array, values: jax.Array,
         'float8_e4m3fn/int32|int16 history with 1 <= update_topk <= k <= m; '
         f'got {grad_rows.shape} {grad_rows.dtype}, {values.shape} '
         f'{values.dtype}, {indices.dtype}, update_topk={update_topk}.')
-  if isinstance(mu, (int, float, np.number)) and np.float32(1 - mu) == 1:
+  if _column_step.decay_folds_away(mu):
     # XLA folds the reference's (1 - mu) * g into g for such a constant mu,
     # so subnormal gradients escape the flush the multiply would apply.
     return _column_step.reference_column_step(grad_rows, values, indices,

@@ -209,12 +209,8 @@ def pallas_column_step(grad_rows: jax.Array, values: jax.Array,
   (XLA folds the reference's multiply then), run the reference.
 
   Args:
-    grad_rows: ``(N, m)`` float32 or bfloat16 gradient, one row per column.
-    values: ``(N, k)`` stored history values.
-    indices: ``(N, k)`` int32 or int16 history row indices.
-    exponents: ``(N,)`` int8 history scales.
-    mu: EMA decay, a Python float or a 0-d array.
-    update_topk: ``r``, winners per row, ``1 <= r <= k``.
+    grad_rows, values, indices, exponents, mu, update_topk: as for the
+      reference (float32 or bfloat16 gradients; int32 or int16 indices).
     interpret: run the kernel in Pallas interpret mode (any backend, slow);
       without it the kernel needs a GPU with Triton.
 

@@ -13,67 +13,22 @@ import pytest
 
 from taco_optax import _column_step
 from taco_optax import _cpu_kernel
+from tests import kernel_cases
 from tests.bitwise import assert_bitwise_equal
 
 _AVAILABLE, _REASON = _cpu_kernel.availability()
 needs_kernel = pytest.mark.skipif(not _AVAILABLE, reason=_REASON)
-_HISTORY_FIELDS = ('values', 'exponents', 'indices', 'finite')
+
+_check = functools.partial(kernel_cases.check,
+                           _cpu_kernel.cpu_column_step)
 
 
-def _gradient(rng, shape, kind):
-  """Gradient rows of one hard kind (a numpy float32 array)."""
-  if kind == 'normal':
-    return rng.standard_normal(shape).astype(np.float32)
-  if kind == 'ties':  # few distinct magnitudes, both signs, zeros
-    levels = np.array([0.0, -0.0, 1.5, -1.5, 0.25, -0.25], np.float32)
-    return rng.choice(levels, shape)
-  if kind == 'zero':
-    return np.where(rng.random(shape) < 0.5, 0.0, -0.0).astype(np.float32)
-  if kind == 'constant':
-    return np.full(shape, rng.choice([-3.0, 2.0**-20, 7e20]), np.float32)
-  if kind == 'subnormal':  # below, at and just above float32's normal range
-    scale = rng.choice([1e-45, 1e-40, 1.2e-38, 1e-36])
-    return (rng.standard_normal(shape) * scale).astype(np.float32)
-  if kind == 'wide':  # 1e-30 .. 1e30 within one row
-    exponents = rng.uniform(-30, 30, shape)
-    return (rng.choice([-1.0, 1.0], shape) * 10.0**exponents).astype(np.float32)
-  raise ValueError(kind)
 
 
-def _history(rng, n, m, k, index_dtype):
-  """A valid stored history: distinct in-range indices, finite FP8 values."""
-  indices = np.stack([rng.permutation(m)[:k] for _ in range(n)])
-  values = np.clip(rng.standard_normal((n, k)) * 100, -448, 448)
-  values[rng.random((n, k)) < 0.2] = 0.0
-  exponents = rng.integers(-126, 120, n)
-  return (jnp.asarray(values.astype(ml_dtypes.float8_e4m3fn)),
-          jnp.asarray(indices.astype(index_dtype)),
-          jnp.asarray(exponents.astype(np.int8)))
 
 
-@functools.lru_cache(maxsize=None)
-def _jitted(step, update_topk, mu):
-  """``step`` under jit; ``mu=None`` means mu is a traced argument."""
-  if mu is None:
-    return jax.jit(lambda *args: step(*args[:4], args[4], update_topk))
-  return jax.jit(lambda *args: step(*args, mu, update_topk))
 
 
-def _check(grads, values, indices, exponents, mu, update_topk):
-  """Asserts kernel == reference (all outputs, or the history if not finite)."""
-  static_mu = mu if isinstance(mu, float) else None
-  args = (grads, values, indices, exponents)
-  if static_mu is None:
-    args += (mu,)
-  expected = _jitted(_column_step.reference_column_step, update_topk,
-                     static_mu)(*args)
-  actual = _jitted(_cpu_kernel.cpu_column_step, update_topk, static_mu)(*args)
-  fields = _column_step.ColumnStep._fields
-  if not bool(expected.finite):
-    fields = _HISTORY_FIELDS
-  for field in fields:
-    assert_bitwise_equal(getattr(actual, field), getattr(expected, field))
-  return expected
 
 
 def test_kernel_builds_and_runs():
@@ -82,7 +37,7 @@ def test_kernel_builds_and_runs():
     pytest.skip('no g++ on this machine: the reference runs instead')
   assert _AVAILABLE, _REASON
   grads = jnp.ones((4, 32), jnp.float32)
-  values, indices, exponents = _history(np.random.default_rng(0), 4, 32, 16,
+  values, indices, exponents = kernel_cases.history(np.random.default_rng(0), 4, 32, 16,
                                         np.int32)
   compiled = jax.jit(_cpu_kernel.cpu_column_step, static_argnums=5).lower(
       grads, values, indices, exponents, 0.95, 1).compile()
@@ -110,10 +65,10 @@ def test_matches_reference(seed, kind, n, m, k_choice, update_topk, grad_dtype,
   if mu == 'array':
     mu = jnp.asarray(np.random.default_rng(seed).uniform(0, 1), jnp.float32)
   rng = np.random.default_rng(seed)
-  values, indices, exponents = _history(rng, n, m, k, index_dtype)
+  values, indices, exponents = kernel_cases.history(rng, n, m, k, index_dtype)
   # Chained steps: later ones start from a history the step itself wrote.
   for _ in range(steps):
-    grads = jnp.asarray(_gradient(rng, (n, m), kind)).astype(grad_dtype)
+    grads = jnp.asarray(kernel_cases.gradient(rng, (n, m), kind)).astype(grad_dtype)
     step = _check(grads, values, indices, exponents, mu, update_topk)
     values, indices, exponents = step.values, step.indices, step.exponents
 
@@ -123,7 +78,7 @@ def test_matches_reference(seed, kind, n, m, k_choice, update_topk, grad_dtype,
 @pytest.mark.parametrize('grad_dtype', [jnp.float32, jnp.bfloat16])
 def test_non_finite_gradient_keeps_history(bad, grad_dtype):
   rng = np.random.default_rng(1)
-  values, indices, exponents = _history(rng, 8, 64, 16, np.int32)
+  values, indices, exponents = kernel_cases.history(rng, 8, 64, 16, np.int32)
   grads = rng.standard_normal((8, 64)).astype(np.float32)
   grads[5, 17] = bad  # one entry of one row poisons the whole leaf
   step = jax.jit(_cpu_kernel.cpu_column_step, static_argnums=5)(
@@ -140,8 +95,8 @@ def test_non_finite_gradient_keeps_history(bad, grad_dtype):
 @pytest.mark.parametrize('m,k', [(50_000, 16), (50_000, 1), (4097, 4097)])
 def test_long_rows(m, k):
   rng = np.random.default_rng(m + k)
-  values, indices, exponents = _history(rng, 1, m, k, np.int32)
-  grads = jnp.asarray(_gradient(rng, (1, m), 'wide'))
+  values, indices, exponents = kernel_cases.history(rng, 1, m, k, np.int32)
+  grads = jnp.asarray(kernel_cases.gradient(rng, (1, m), 'wide'))
   _check(grads, values, indices, exponents, 0.95, 1)
   _check(grads, values, indices, exponents, 0.95, min(2, k))
 
@@ -160,7 +115,7 @@ def test_floor_rises_through_the_row(k, grad_dtype):
   rows = np.stack([ramp, -ramp[::-1], rng.permutation(ramp),
                    np.where(rng.random(m) < 0.5, -1, 1) * ramp,
                    np.repeat(ramp[::10], 10)])  # ties: equal runs of 10
-  values, indices, exponents = _history(rng, len(rows), m, k, np.int32)
+  values, indices, exponents = kernel_cases.history(rng, len(rows), m, k, np.int32)
   small = jnp.full_like(exponents, -120)  # history values near 2**-120
   grads = jnp.asarray(rows).astype(grad_dtype)
   _check(grads, values, indices, small, 0.95, 1)
@@ -222,7 +177,7 @@ def test_one_minus_mu_is_rounded_like_the_reference(mu):
   # For these mu, f32(1 - mu) (float64 first) is not 1.0f - f32(mu).
   assert np.float32(1 - mu) != np.float32(1) - np.float32(mu)
   rng = np.random.default_rng(2)
-  values, indices, exponents = _history(rng, 64, 128, 16, np.int32)
+  values, indices, exponents = kernel_cases.history(rng, 64, 128, 16, np.int32)
   grads = jnp.asarray(rng.standard_normal((64, 128)).astype(np.float32))
   _check(grads, values, indices, exponents, mu, 2)
   _check(grads, values, indices, exponents, jnp.float32(mu), 2)
@@ -233,8 +188,8 @@ def test_python_zero_mu():
   # XLA folds (1 - 0.0) * g to g, so subnormal gradients survive; the
   # kernel would flush them, so this case runs the reference.
   rng = np.random.default_rng(5)
-  values, indices, exponents = _history(rng, 4, 40, 2, np.int32)
-  grads = jnp.asarray(_gradient(rng, (4, 40), 'subnormal'))
+  values, indices, exponents = kernel_cases.history(rng, 4, 40, 2, np.int32)
+  grads = jnp.asarray(kernel_cases.gradient(rng, (4, 40), 'subnormal'))
   _check(grads, values, indices, exponents, 0.0, 1)
   lowered = jax.jit(_cpu_kernel.cpu_column_step, static_argnums=(4, 5)).lower(
       grads, values, indices, exponents, 0.0, 1)
@@ -244,7 +199,7 @@ def test_python_zero_mu():
 @needs_kernel
 def test_donated_history():
   rng = np.random.default_rng(3)
-  values, indices, exponents = _history(rng, 32, 300, 16, np.int16)
+  values, indices, exponents = kernel_cases.history(rng, 32, 300, 16, np.int16)
   grads = jnp.asarray(rng.standard_normal((32, 300)).astype(np.float32))
   expected = _column_step.reference_column_step(
       grads, values, indices, exponents, 0.95, 1)
@@ -257,7 +212,7 @@ def test_donated_history():
 @needs_kernel
 def test_vmap_treats_each_entry_as_a_leaf():
   rng = np.random.default_rng(4)
-  histories = [_history(rng, 8, 96, 16, np.int32) for _ in range(3)]
+  histories = [kernel_cases.history(rng, 8, 96, 16, np.int32) for _ in range(3)]
   values, indices, exponents = (jnp.stack(parts) for parts in zip(*histories))
   grads = rng.standard_normal((3, 8, 96)).astype(np.float32)
   grads[1, 2, 3] = np.nan  # only entry 1 keeps its history

@@ -8,85 +8,28 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 import pytest
 
 from taco_optax import _column_step
 from taco_optax import _kernels
 from taco_optax import _pallas_kernel
+from tests import kernel_cases
 from tests.bitwise import assert_bitwise_equal
 
-_HISTORY_FIELDS = ('values', 'exponents', 'indices', 'finite')
-_KINDS = ('normal', 'ties', 'zero', 'constant', 'subnormal', 'wide', 'huge',
-          'nan', 'inf')
 
 
-def _gradient(rng, shape, kind):
-  """Gradient rows of one hard kind (a numpy float32 array)."""
-  if kind == 'normal':
-    return rng.standard_normal(shape).astype(np.float32)
-  if kind == 'ties':  # few distinct magnitudes, both signs, zeros
-    levels = np.array([0.0, -0.0, 1.5, -1.5, 0.25, -0.25], np.float32)
-    return rng.choice(levels, shape)
-  if kind == 'zero':
-    return np.where(rng.random(shape) < 0.5, 0.0, -0.0).astype(np.float32)
-  if kind == 'constant':
-    return np.full(shape, rng.choice([-3.0, 2.0**-20, 7e20]), np.float32)
-  if kind == 'subnormal':  # below, at and just above float32's normal range
-    scale = rng.choice([1e-45, 1e-40, 1.2e-38, 1e-36])
-    return (rng.standard_normal(shape) * scale).astype(np.float32)
-  if kind == 'wide':  # 1e-30 .. 1e30 within one row
-    exponents = rng.uniform(-30, 30, shape)
-    return (rng.choice([-1.0, 1.0], shape) * 10.0**exponents).astype(np.float32)
-  if kind == 'huge':  # near float32's largest: the merge may overflow to inf
-    return (rng.choice([-1.0, 1.0], shape) * 3.3e38).astype(np.float32)
-  grads = rng.standard_normal(shape).astype(np.float32)
-  grads[rng.integers(shape[0]), rng.integers(shape[1])] = (
-      np.nan if kind == 'nan' else -np.inf)
-  return grads
 
 
-def _history(rng, n, m, k, index_dtype=np.int32):
-  """A valid stored history: distinct in-range indices, finite FP8 values."""
-  indices = np.stack([rng.permutation(m)[:k] for _ in range(n)])
-  values = np.clip(rng.standard_normal((n, k)) * 100, -448, 448)
-  values[rng.random((n, k)) < 0.2] = 0.0
-  exponents = rng.integers(-126, 120, n)
-  return (jnp.asarray(values.astype(ml_dtypes.float8_e4m3fn)),
-          jnp.asarray(indices.astype(index_dtype)),
-          jnp.asarray(exponents.astype(np.int8)))
 
 
-@functools.lru_cache(maxsize=None)
-def _jitted(step, update_topk, mu):
-  """``step`` under jit; ``mu=None`` means mu is a traced argument."""
-  if mu is None:
-    return jax.jit(lambda *args: step(*args[:4], args[4], update_topk))
-  return jax.jit(lambda *args: step(*args, mu, update_topk))
 
 
 _interpreted = functools.partial(_pallas_kernel.pallas_column_step,
                                  interpret=True)
+_check = functools.partial(kernel_cases.check, _interpreted)
 
 
-def _check(grads, values, indices, exponents, mu, update_topk):
-  """Asserts kernel == reference (all outputs, or the history if not finite)."""
-  static_mu = mu if isinstance(mu, float) else None
-  args = (grads, values, indices, exponents)
-  if static_mu is None:
-    args += (mu,)
-  expected = _jitted(_column_step.reference_column_step, update_topk,
-                     static_mu)(*args)
-  actual = _jitted(_interpreted, update_topk, static_mu)(*args)
-  fields = _column_step.ColumnStep._fields
-  if not bool(expected.finite):
-    # The winners are meaningless then (callers emit a NaN update).
-    fields = _HISTORY_FIELDS
-    assert_bitwise_equal(actual[:3], (values, exponents, indices))
-  for field in fields:
-    assert_bitwise_equal(getattr(actual, field), getattr(expected, field))
-  return expected
 
 
 # (rows, m, k, r, gradient dtype): every m, k and r of the brief, rows that
@@ -107,11 +50,11 @@ _SHAPES = [
 def test_matches_reference(n, m, k, update_topk, grad_dtype):
   rng = np.random.default_rng(n * 7919 + m)
   mu = jnp.asarray(0.95, jnp.float32)
-  for kind in _KINDS:
-    values, indices, exponents = _history(rng, n, m, k)
+  for kind in kernel_cases.KINDS:
+    values, indices, exponents = kernel_cases.history(rng, n, m, k)
     # Chained steps: the second starts from a history the step wrote.
     for _ in range(2):
-      grads = jnp.asarray(_gradient(rng, (n, m), kind)).astype(grad_dtype)
+      grads = jnp.asarray(kernel_cases.gradient(rng, (n, m), kind)).astype(grad_dtype)
       step = _check(grads, values, indices, exponents, mu, update_topk)
       values, indices, exponents = step.values, step.indices, step.exponents
 
@@ -123,9 +66,9 @@ def test_python_and_array_mu(mu):
   if mu == 'array0':
     mu = jnp.asarray(0.0, jnp.float32)
   rng = np.random.default_rng(3)
-  values, indices, exponents = _history(rng, 5, 40, 16, np.int16)
+  values, indices, exponents = kernel_cases.history(rng, 5, 40, 16, np.int16)
   for kind in ('normal', 'subnormal', 'ties'):
-    grads = jnp.asarray(_gradient(rng, (5, 40), kind))
+    grads = jnp.asarray(kernel_cases.gradient(rng, (5, 40), kind))
     _check(grads, values, indices, exponents, mu, 2)
 
 
@@ -135,13 +78,13 @@ def _contains_pallas_call(function, *args):
 
 def test_kernel_runs_and_long_rows_fall_back():
   rng = np.random.default_rng(4)
-  values, indices, exponents = _history(rng, 2, 64, 2)
+  values, indices, exponents = kernel_cases.history(rng, 2, 64, 2)
   step = functools.partial(_interpreted, mu=0.9, update_topk=1)
-  grads = jnp.asarray(_gradient(rng, (2, 64), 'normal'))
+  grads = jnp.asarray(kernel_cases.gradient(rng, (2, 64), 'normal'))
   assert _contains_pallas_call(step, grads, values, indices, exponents)
-  long_grads = jnp.asarray(_gradient(
+  long_grads = jnp.asarray(kernel_cases.gradient(
       rng, (1, _pallas_kernel.MAX_ROW_LENGTH + 1), 'normal'))
-  values, indices, exponents = _history(
+  values, indices, exponents = kernel_cases.history(
       rng, 1, _pallas_kernel.MAX_ROW_LENGTH + 1, 1)
   assert not _contains_pallas_call(step, long_grads, values, indices,
                                    exponents)
@@ -149,7 +92,7 @@ def test_kernel_runs_and_long_rows_fall_back():
 
 
 def test_rejects_unsupported_inputs():
-  values, indices, exponents = _history(np.random.default_rng(5), 2, 8, 2)
+  values, indices, exponents = kernel_cases.history(np.random.default_rng(5), 2, 8, 2)
   with pytest.raises(ValueError, match='Pallas kernel takes'):
     _interpreted(jnp.zeros((2, 8), jnp.float16), values, indices, exponents,
                  0.9, 1)
@@ -179,22 +122,22 @@ def test_selected_by_environment(monkeypatch):
   monkeypatch.setenv('TACO_OPTAX_KERNEL', 'pallas')
   assert _kernels.status()[0] == 'pallas'
   rng = np.random.default_rng(6)
-  values, indices, exponents = _history(rng, 3, 33, 2)
-  grads = jnp.asarray(_gradient(rng, (3, 33), 'ties'), jnp.bfloat16)
+  values, indices, exponents = kernel_cases.history(rng, 3, 33, 2)
+  grads = jnp.asarray(kernel_cases.gradient(rng, (3, 33), 'ties'), jnp.bfloat16)
   step = functools.partial(_kernels.column_step, mu=0.95, update_topk=2)
   args = (grads, values, indices, exponents)
   assert _contains_pallas_call(step, *args)
   assert_bitwise_equal(jax.jit(step)(*args),
-                       _jitted(_column_step.reference_column_step, 2,
+                       kernel_cases.jitted(_column_step.reference_column_step, 2,
                                0.95)(*args))
 
 
 def test_vmap_batch_entries_are_leaves():
   # Under vmap each batch entry has its own mu and its own finite flag.
   rng = np.random.default_rng(7)
-  histories = [_history(rng, 5, 40, 4) for _ in range(3)]
+  histories = [kernel_cases.history(rng, 5, 40, 4) for _ in range(3)]
   values, indices, exponents = (jnp.stack(parts) for parts in zip(*histories))
-  grads = jnp.asarray(_gradient(rng, (3, 5, 40), 'ties'))
+  grads = jnp.asarray(kernel_cases.gradient(rng, (3, 5, 40), 'ties'))
   grads = grads.at[1, 2, 3].set(jnp.nan)
   mu = jnp.asarray([0.9, 0.5, 0.99], jnp.float32)
   args = (grads, values, indices, exponents, mu)
@@ -202,7 +145,7 @@ def test_vmap_batch_entries_are_leaves():
   actual = run(_interpreted)
   expected = run(_column_step.reference_column_step)
   assert np.asarray(expected.finite).tolist() == [True, False, True]
-  for field in _HISTORY_FIELDS:
+  for field in kernel_cases.HISTORY_FIELDS:
     assert_bitwise_equal(getattr(actual, field), getattr(expected, field))
   finite = np.array([0, 2])
   for field in ('winner_indices', 'winner_signs'):
