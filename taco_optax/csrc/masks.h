@@ -38,38 +38,6 @@ bool MasksPortable(const G* row, int64_t blocks, float one_minus_mu,
 }
 
 #if defined(__x86_64__)
-inline __m128 LoadSse2(const float* p) { return _mm_loadu_ps(p); }
-inline __m128 LoadSse2(const uint16_t* p) {  // 4 bf16 -> f32
-  const __m128i half = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
-  return _mm_castsi128_ps(_mm_unpacklo_epi16(_mm_setzero_si128(), half));
-}
-
-template <typename G>
-bool MasksSse2(const G* row, int64_t blocks, float one_minus_mu, int32_t bound,
-               uint16_t* masks) {
-  const __m128 scale = _mm_set1_ps(one_minus_mu);
-  const __m128i abs_mask = _mm_set1_epi32(int32_t(kAbsMask));
-  const __m128i exponent_mask = _mm_set1_epi32(int32_t(kExponentMask));
-  const __m128i below = _mm_set1_epi32(bound - 1);  // keys are < 2**31
-  __m128i nonfinite = _mm_setzero_si128();
-  for (int64_t block = 0; block < blocks; ++block) {
-    uint32_t mask = 0;
-    for (int quarter = 0; quarter < 4; ++quarter) {
-      const __m128 g = LoadSse2(row + block * kBlock + quarter * 4);
-      const __m128i bits = _mm_castps_si128(g);
-      nonfinite = _mm_or_si128(nonfinite, _mm_cmpeq_epi32(
-          _mm_and_si128(bits, exponent_mask), exponent_mask));
-      const __m128i key = _mm_and_si128(
-          _mm_castps_si128(_mm_mul_ps(g, scale)), abs_mask);
-      const int hits = _mm_movemask_ps(
-          _mm_castsi128_ps(_mm_cmpgt_epi32(key, below)));
-      mask |= uint32_t(hits) << (4 * quarter);
-    }
-    masks[block] = uint16_t(mask);
-  }
-  return _mm_movemask_epi8(nonfinite) != 0;
-}
-
 __attribute__((target("avx2"))) inline __m256 LoadAvx2(const float* p) {
   return _mm256_loadu_ps(p);
 }
@@ -113,10 +81,9 @@ template <typename G>
 MaskFunction<G> ChooseMasks() {
 #if defined(__x86_64__)
   if (__builtin_cpu_supports("avx2")) return MasksAvx2<G>;
-  return MasksSse2<G>;
-#else
-  return MasksPortable<G>;
 #endif
+  // Baseline: plain C++, which -O3 vectorises for the baseline ISA (SSE2).
+  return MasksPortable<G>;
 }
 
 }  // namespace taco_kernel
