@@ -9,8 +9,11 @@ the flag. The CLI checks every flag before any model or data is read, so a
 careless value costs seconds and writes nothing.
 """
 
+import contextlib
 import dataclasses
+import io
 import math
+import re
 import typing
 from typing import Annotated, Literal, Optional, Union
 
@@ -227,8 +230,64 @@ def from_command_line(args=None) -> RunConfig:
   """Parses ``args`` (default: ``sys.argv[1:]``) into a :class:`RunConfig`.
 
   Raises:
-    FinetuneError: a value outside its flag's accepted range. Malformed
-      values (``--steps x``) and unknown flags are reported by ``tyro``,
-      which exits with code 2.
+    FinetuneError: a malformed or unknown flag, a missing value, or a value
+      outside its flag's accepted range, as one line that names the flag.
+      ``tyro``'s own report of a parse error (a box written to stderr) is
+      read back and put in that line; ``--help`` still exits 0.
   """
-  return tyro.cli(RunConfig, args=args, prog='python -m examples.finetune')
+  report = io.StringIO()
+  try:
+    with contextlib.redirect_stderr(report):
+      return tyro.cli(RunConfig, args=args, prog='python -m examples.finetune')
+  except SystemExit as e:
+    if e.code in (0, None):
+      raise
+    raise FinetuneError(parse_error_line(report.getvalue())) from None
+
+
+_BOX_EDGES = '\u2502\u256d\u256e\u2570\u256f'  # the sides and corners of a box
+_RULE = '\u2500'  # a rule separating a box's sections
+_REWRITES = (
+    (r'Error parsing (--[\w-]+): .*invalid literal for int\(\) with base '
+     r'10: (.*)', r'\1 must be an integer, got \2'),
+    (r'Error parsing (--[\w-]+): .*could not convert string to float: (.*)',
+     r'\1 must be a number, got \2'),
+    (r'Error parsing (--[\w-]+): (.*)', r'\1: \2'),
+    (r"invalid choice (\S+) for argument '(--[\w-]+)'\. Expected one of "
+     r'\((.*)\)\.?', r'\2 must be one of \3, got \1'),
+    (r"Missing value for argument '(--[\w-]+)'.*", r'\1 needs a value'),
+    (r'Unrecognized options: (.*)', r'unknown flag(s): \1'),
+)
+
+
+def parse_error_line(report: str) -> str:
+  """One line from ``tyro``'s boxed parse-error report.
+
+  The first section of the box (the sentence before the first rule) is the
+  error; a "Perhaps you meant" suggestion from a later section is kept as
+  "did you mean ...". Known sentences are put in the CLI's own words (``--steps
+  must be an integer, got 'abc'``); others are kept as tyro wrote them.
+  """
+  sections, current = [], []
+  for raw in report.splitlines():
+    line = raw.strip()
+    if line[:1] in ('\u256d', '\u2570'):  # a box's top or bottom edge
+      continue
+    line = line.strip(_BOX_EDGES).strip()
+    if line and set(line) <= {_RULE, ' '}:
+      sections.append(current)
+      current = []
+    elif line:
+      current.append(line)
+  sections.append(current)
+  message = ' '.join(next((s for s in sections if s), ['invalid arguments']))
+  for pattern, replacement in _REWRITES:
+    rewritten, count = re.subn(f'^{pattern}$', replacement, message)
+    if count:
+      message = rewritten
+      break
+  rest = ' '.join(' '.join(section) for section in sections[1:])
+  suggestion = re.search(r'Perhaps you meant:\s*(--[\w-]+)', rest)
+  if suggestion:
+    message += f' (did you mean {suggestion.group(1)}?)'
+  return f'{message}; python -m examples.finetune --help lists the flags'

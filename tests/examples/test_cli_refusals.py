@@ -37,9 +37,27 @@ _REFUSALS = [
     (['--batch-size', '-2'], '--batch-size must be an integer >= 1, got -2'),
 ]
 
+_HELP = '; python -m examples.finetune --help lists the flags'
+# Values tyro itself cannot parse: its boxed report becomes one line.
+_MALFORMED = [
+    (['--steps', 'abc'], "--steps must be an integer, got 'abc'" + _HELP),
+    (['--steps', '1e3'], "--steps must be an integer, got '1e3'" + _HELP),
+    (['--lr', 'x'], "--lr must be a number, got 'x'" + _HELP),
+    (['--warmup-steps', 'x'],
+     "--warmup-steps must be an integer, got 'x'" + _HELP),
+    (['--optimizer', 'sgd'],
+     "--optimizer must be one of 'taco', 'adamw', 'adafactor', 'lion', "
+     "'muon', 'sophia', 'galore', got 'sgd'" + _HELP),
+    (['--optimizr', 'adamw'],
+     'unknown flag(s): --optimizr, adamw (did you mean --optimizer?)' + _HELP),
+    (['--remat', 'maybe'], "--remat: expected on or off, got 'maybe'" + _HELP),
+    (['--steps'], '--steps needs a value' + _HELP),
+]
 
-@pytest.mark.parametrize('args,message', _REFUSALS,
-                         ids=[' '.join(args) for args, _ in _REFUSALS])
+
+@pytest.mark.parametrize('args,message', _REFUSALS + _MALFORMED,
+                         ids=[' '.join(args) for args, _ in
+                              _REFUSALS + _MALFORMED])
 def test_refused_before_anything_is_written(tmp_path, args, message):
   process = subprocess.run(
       [sys.executable, '-m', 'examples.finetune', *args],
@@ -89,6 +107,19 @@ def test_every_ranged_field_refuses_just_outside_its_bounds():
   assert checked >= {'lr', 'steps', 'batch_size', 'seq_len', 'warmup_steps',
                      'eval_every', 'eval_size', 'eval_batch_size', 'seed',
                      'max_new_tokens', 'taco_k', 'taco_mu', 'memory_limit_gb'}
+
+
+def test_parse_error_line_keeps_unknown_reports_whole():
+  box = ('\u256d\u2500 Odd error \u2500\u256e\n'
+         '\u2502 Something new went wrong with    \u2502\n'
+         '\u2502 --flag here.                     \u2502\n'
+         '\u2502 \u2500\u2500\u2500\u2500\u2500\u2500 \u2502\n'
+         '\u2502 For full helptext, see --help    \u2502\n'
+         '\u2570\u2500\u2500\u2500\u256f\n')
+  assert run_config.parse_error_line(box) == (
+      'Something new went wrong with --flag here.' + _HELP)
+  assert run_config.parse_error_line('plain words\n') == 'plain words' + _HELP
+  assert run_config.parse_error_line('') == 'invalid arguments' + _HELP
 
 
 def test_choices_and_types_are_checked_for_python_callers():
