@@ -14,6 +14,7 @@ from flax import nnx
 import jax.numpy as jnp
 
 from examples.finetune import layers as layers_lib
+from examples.finetune import model as model_lib
 import taco_optax
 
 
@@ -45,12 +46,14 @@ def _positions(attention_mask):
   return jnp.maximum(jnp.cumsum(attention_mask, axis=1) - 1, 0)
 
 
-def layered_model(model, loss_of_logits: Callable) -> LayeredModel:
+def layered_model(model, loss_of_hidden: Callable) -> LayeredModel:
   """Splits ``model`` into ``embed``/``layer``/``head`` pure functions.
 
   Args:
     model: a :class:`model.DecoderLM`.
-    loss_of_logits: ``(logits [B, T, V] float32, batch) -> scalar``.
+    loss_of_hidden: ``(hidden [B, T, d], project, batch) -> scalar``, as
+      ``losses.batch_loss``; ``project(hidden, token_ids=None)`` gives the
+      float32 logits of any states.
 
   Returns:
     A :class:`LayeredModel`.
@@ -89,12 +92,12 @@ def layered_model(model, loss_of_logits: Callable) -> LayeredModel:
   def head(outer_params, hidden, batch):
     hidden = module('final_norm', outer_params)(hidden)
     if config.tie_word_embeddings:
-      table = outer_params['embed']['embedding'].astype(model.dtype)
-      logits = jnp.einsum('btd,vd->btv', hidden, table,
-                          preferred_element_type=jnp.float32)
+      table = outer_params['embed']['embedding']
     else:
-      logits = module('lm_head', outer_params)(hidden)
-    return loss_of_logits(logits.astype(jnp.float32), batch)
+      table = outer_params['lm_head']['kernel'].T
+    def project(states, token_ids=None):
+      return model_lib.project(states, table, model.dtype, token_ids)
+    return loss_of_hidden(hidden, project, batch)
 
   def write_back(params):
     outer_params, layer_params = params

@@ -33,28 +33,42 @@ def completion_nll(logits, batch: data_lib.Batch):
   return -(log_probs * mask).sum() / jnp.maximum(mask.sum(), 1.0)
 
 
-def candidate_nll(logits, batch: data_lib.ChoiceBatch):
+def candidate_nll(scores, labels):
   """Cross-entropy of the correct candidate among the candidate tokens.
 
   The classification objective of MeZO's prompt-based fine-tuning: a softmax
-  over the label words' logits after the prompt, so no step is spent on the
-  label words' prior probability.
+  over the label words' logits after the prompt (``scores``, ``[B, C]``), so
+  no step is spent on the label words' prior probability.
   """
-  last = batch.attention_mask.sum(-1).astype(jnp.int32) - 1
-  rows = jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0]
-  scores = jnp.take_along_axis(rows.astype(jnp.float32), batch.candidate_ids,
-                               -1)
-  log_probs = jax.nn.log_softmax(scores, axis=-1)
-  return -jnp.take_along_axis(log_probs, batch.labels[:, None], -1).mean()
+  log_probs = jax.nn.log_softmax(scores.astype(jnp.float32), axis=-1)
+  return -jnp.take_along_axis(log_probs, labels[:, None], -1).mean()
 
 
-def batch_loss(logits, batch):
-  """The loss a batch asks for: candidates (``ChoiceBatch``) or completion."""
+def last_positions(hidden, attention_mask):
+  """``[B, hidden]``: each row's state at its last real (right-padded) token.
+  """
+  last = attention_mask.sum(-1).astype(jnp.int32) - 1
+  return jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]
+
+
+def batch_loss(hidden, project, batch):
+  """The loss a batch asks for, from the final-normed ``hidden`` states.
+
+  Args:
+    hidden: ``[B, T, hidden]`` (``DecoderLM.hidden_states``).
+    project: ``project(hidden, token_ids=None)`` -> float32 logits
+      (``DecoderLM.project``).
+    batch: a ``ChoiceBatch`` (candidates: only the last position is
+      projected, and only onto the candidate tokens, so no ``[B, T, vocab]``
+      logits exist) or a ``Batch`` (completion: every position).
+  """
   if isinstance(batch, data_lib.ChoiceBatch):
-    return candidate_nll(logits, batch)
-  return completion_nll(logits, batch)
+    last = last_positions(hidden, batch.attention_mask)
+    return candidate_nll(project(last, batch.candidate_ids), batch.labels)
+  return completion_nll(project(hidden), batch)
 
 
 def completion_loss(model, batch):
   """The training loss of ``model`` on ``batch`` (see :func:`batch_loss`)."""
-  return batch_loss(model(batch.input_ids, batch.attention_mask), batch)
+  return batch_loss(model.hidden_states(batch.input_ids, batch.attention_mask),
+                    model.project, batch)

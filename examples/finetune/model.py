@@ -115,6 +115,16 @@ class DecoderLM(nnx.Module):
       ``float32[B, T, vocab_size]`` logits; position ``t`` predicts token
       ``t + 1``.
     """
+    return self.project(self.hidden_states(input_ids, attention_mask))
+
+  def hidden_states(self, input_ids: jax.Array,
+                    attention_mask: Optional[jax.Array] = None) -> jax.Array:
+    """``[B, T, hidden]`` final-normed states that :meth:`project` scores.
+
+    A loss or an evaluation that needs a few positions (the prompt's last)
+    or a few tokens (the label words) projects only those, instead of the
+    ``[B, T, vocab]`` logits of :meth:`__call__`.
+    """
     config = self.config
     if attention_mask is None:
       attention_mask = jnp.ones(input_ids.shape, bool)
@@ -127,14 +137,21 @@ class DecoderLM(nnx.Module):
                                   layers.rotary_inverse_frequencies(config))
     mask = layers.attention_mask(attention_mask, config.sliding_window)
     x = self._run_blocks(x, rotary, mask)
-    x = self.final_norm(x)
-    if config.tie_word_embeddings:
-      logits = jnp.einsum('btd,vd->btv', x,
-                          self.embed.embedding[...].astype(self.dtype),
-                          preferred_element_type=jnp.float32)
-    else:
-      logits = self.lm_head(x)
-    return logits.astype(jnp.float32)
+    return self.final_norm(x)
+
+  def project(self, hidden: jax.Array,
+              token_ids: Optional[jax.Array] = None) -> jax.Array:
+    """float32 logits of ``hidden`` (``[..., hidden]``) over the vocabulary,
+    or over ``token_ids`` only (``[..., C]``, same leading shape: ``C``
+    tokens per row)."""
+    return project(hidden, self._output_matrix(), self.dtype, token_ids)
+
+  def _output_matrix(self) -> jax.Array:
+    """``[vocab, hidden]``: the tied embedding or the head's kernel."""
+    if self.config.tie_word_embeddings:
+      return self.embed.embedding[...]
+    return self.lm_head.kernel[...].T
+
 
   def _run_blocks(self, x: jax.Array, rotary: tuple[jax.Array, jax.Array],
                   mask: jax.Array) -> jax.Array:
@@ -236,3 +253,22 @@ def taco_update_scale(params_state: Any) -> Any:
     names = path_names(path)
     return 1.0 if names[-2:] == ('embed', 'embedding') else None
   return jax.tree_util.tree_map_with_path(scale, params_state)
+
+
+def project(hidden: jax.Array, table: jax.Array, dtype,
+            token_ids: Optional[jax.Array] = None) -> jax.Array:
+  """float32 logits ``hidden . table[v]`` for every ``v`` of the vocabulary,
+  or for ``token_ids`` (``[..., C]``) only.
+
+  Args:
+    hidden: ``[..., hidden]`` states.
+    table: ``[vocab, hidden]`` output embedding.
+    dtype: computation dtype of the model.
+    token_ids: optional ``int32[..., C]`` tokens to score per row.
+  """
+  table = table.astype(dtype)
+  if token_ids is None:
+    return jnp.einsum('...d,vd->...v', hidden, table,
+                      preferred_element_type=jnp.float32)
+  return jnp.einsum('...d,...cd->...c', hidden, table[token_ids],
+                    preferred_element_type=jnp.float32)
