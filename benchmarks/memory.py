@@ -30,7 +30,10 @@ on random weights and prints the measured peak and tokens/s.
 """
 
 import argparse
+import contextlib
 import dataclasses
+import io
+import sys
 import time
 
 import jax
@@ -39,6 +42,7 @@ import optax
 from flax import nnx
 
 from benchmarks import presets
+from benchmarks import provenance
 from examples.finetune import config as config_lib
 from examples.finetune import data as data_lib
 from examples.finetune import layerwise
@@ -81,12 +85,14 @@ def layerwise_taco(decoder, config):
           optimizers_lib.TacoSettings(), optimizers_lib.decoder_hints(config)))
 
 
-def abstract_decoder(hf_config, *, dtype, scan_layers, num_layers=None):
+def abstract_decoder(hf_config, *, dtype, scan_layers, num_layers=None,
+                     remat=True):
   config = config_lib.ModelConfig.from_hf_config(hf_config)
   if num_layers is not None:
     config = dataclasses.replace(config, num_layers=num_layers)
   model = nnx.eval_shape(lambda: model_lib.DecoderLM(
-      config, dtype=dtype, param_dtype=dtype, remat='block',
+      config, dtype=dtype, param_dtype=dtype,
+      remat='block' if remat else None,
       scan_layers=scan_layers, rngs=nnx.Rngs(0)))
   return config, layerwise.layered_model(model, losses_lib.batch_loss)
 
@@ -98,11 +104,11 @@ def token_batch(input_ids, attention_mask):
 
 
 def measure(hf_config, *, dtype, scan_layers, batch, seq, num_layers=None,
-            paths=('forward', 'adamw', 'taco', 'taco layerwise')):
+            paths=('forward', 'adamw', 'taco', 'taco layerwise'), remat=True):
   """Rows of (path, peak, state, temp) bytes, and the weight bytes."""
   config, decoder = abstract_decoder(hf_config, dtype=dtype,
                                      scan_layers=scan_layers,
-                                     num_layers=num_layers)
+                                     num_layers=num_layers, remat=remat)
   params = decoder.params
   tokens = jax.eval_shape(token_batch,
                           jax.ShapeDtypeStruct((batch, seq), jnp.int32),
@@ -205,6 +211,9 @@ def main():
   parser.add_argument('--unrolled', action='store_true',
                       help='with --execute: unrolled instead of scanned layers')
   parser.add_argument('--steps', type=int, default=5)
+  parser.add_argument('--write', metavar='PATH', default=None,
+                      help='also write the output, with its provenance, as '
+                      'Markdown')
   args = parser.parse_args()
   dtype = jnp.dtype(args.dtype)
   if args.execute:
@@ -214,6 +223,26 @@ def main():
                              seq=args.seq, num_layers=args.layers,
                              steps=args.steps)))
     return
+  output = _Tee()
+  with contextlib.redirect_stdout(output):
+    compiled_tables(args, dtype)
+  if args.write:
+    command = ' '.join(['python -m benchmarks.memory'] + sys.argv[1:])
+    with open(args.write, 'w') as f:
+      f.write(f'# Compiled peak memory (written by `{command}`)\n\n'
+              f'{provenance.stamp()}.\n\n```\n{output.getvalue()}```\n')
+
+
+class _Tee(io.StringIO):
+  """Standard output that is also kept, for ``--write``."""
+
+  def write(self, text):
+    sys.__stdout__.write(text)
+    return super().write(text)
+
+
+def compiled_tables(args, dtype):
+  """Prints the tables and the summary line of the compiled analysis."""
   print(f'SmolLM2-135M shapes, dtype={dtype.name}, batch={args.batch}, '
         f'seq={args.seq}, layers={args.layers or 30}, remat on, '
         f'backend={jax.default_backend()}')

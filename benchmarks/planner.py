@@ -46,7 +46,8 @@ def abstract_params(config, dtype):
       rngs=nnx.Rngs(0))))
 
 
-def plan(hf_config, *, batch, seq, dtype=jnp.bfloat16, scan_layers=True):
+def plan(hf_config, *, batch, seq, dtype=jnp.bfloat16, scan_layers=True,
+         remat=True):
   """Predicted peak bytes of TACO and AdamW for a Hugging Face config.
 
   Args:
@@ -55,6 +56,7 @@ def plan(hf_config, *, batch, seq, dtype=jnp.bfloat16, scan_layers=True):
     seq: tokens per sequence.
     dtype: parameter (and compute) dtype.
     scan_layers: stacked layers (``lax.scan``) or unrolled ones.
+    remat: recompute each block in the backward pass of the plain step.
 
   Returns:
     A dict of the model ``config``, the bytes of ``weights``, ``taco_state``,
@@ -65,7 +67,8 @@ def plan(hf_config, *, batch, seq, dtype=jnp.bfloat16, scan_layers=True):
   params = abstract_params(config, dtype)
   itemsize = jnp.dtype(dtype).itemsize
   plan_terms = memory_plan.terms(config, params, batch=batch, seq=seq,
-                                 itemsize=itemsize, scan_layers=scan_layers)
+                                 itemsize=itemsize, scan_layers=scan_layers,
+                                 remat=remat)
   taco = taco_optax.taco(3e-5, **optimizers_lib.taco_kwargs(
       optimizers_lib.TacoSettings(), optimizers_lib.decoder_hints(config)))
   taco_state = memory_plan.tree_bytes(jax.eval_shape(taco.init, params))
@@ -113,27 +116,32 @@ def print_plan(name, result, gpu_gb):
 
 
 def validate():
-  """Formula vs compiled memory analysis on small models (CPU, float32)."""
+  """Formula vs compiled memory analysis on small models (CPU, float32), with
+  and without remat, stacked and unrolled layers."""
   print('\nvalidation: formula vs XLA compiled peak (float32, batch 4, seq 64)')
-  print(f'  {"model":<22}{"method":<16}{"compiled MB":>12}{"formula MB":>12}'
-        f'{"ratio":>7}')
+  print(f'  {"model":<22}{"layers":<10}{"remat":<7}{"method":<16}'
+        f'{"compiled MB":>12}{"formula MB":>12}{"ratio":>7}')
   ratios = []
   for name, layers in (('smollm2-135m', None), ('opt-30b', 2)):
     hf = dict(presets.PRESETS[name])
     if layers:
       hf['num_hidden_layers'] = layers
-    _, _, rows = memory.measure(hf, dtype=jnp.float32, scan_layers=True,
-                                batch=4, seq=64,
-                                paths=('forward', 'taco layerwise', 'adamw'))
-    predicted = plan(hf, batch=4, seq=64,
-                                 dtype=jnp.float32)['peaks']
-    for path, peak, *_ in rows[1:]:
-      formula = predicted['taco layerwise' if 'taco' in path
-                          else 'adamw plain']
-      ratios.append(formula / peak)
-      print(f'  {name + (f" L={layers}" if layers else ""):<22}{path:<16}'
-            f'{peak / 1e6:>12.1f}{formula / 1e6:>12.1f}'
-            f'{formula / peak:>7.3f}')
+    label = name + (f' L={layers}' if layers else '')
+    for scan_layers, remat in ((True, True), (False, True), (True, False),
+                               (False, False)):
+      _, _, rows = memory.measure(hf, dtype=jnp.float32,
+                                  scan_layers=scan_layers, batch=4, seq=64,
+                                  paths=('forward', 'taco layerwise', 'adamw'),
+                                  remat=remat)
+      predicted = plan(hf, batch=4, seq=64, dtype=jnp.float32,
+                       scan_layers=scan_layers, remat=remat)['peaks']
+      for path, peak, *_ in rows[1:]:
+        formula = predicted['taco layerwise' if 'taco' in path
+                            else 'adamw plain']
+        ratios.append(formula / peak)
+        print(f'  {label:<22}{"stacked" if scan_layers else "unrolled":<10}'
+              f'{"on" if remat else "off":<7}{path:<16}{peak / 1e6:>12.1f}'
+              f'{formula / 1e6:>12.1f}{formula / peak:>7.3f}')
   return ratios
 
 

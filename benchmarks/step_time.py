@@ -14,13 +14,13 @@ table and, on its last line,
 import argparse
 import datetime
 import os
-import subprocess
 import time
 
 import jax
 import jax.numpy as jnp
 import optax
 
+from benchmarks import provenance
 import taco_optax
 
 # name: (vocab, hidden, layers, ffn, q heads * head dim, kv heads * head dim)
@@ -129,15 +129,6 @@ def time_read(grads, repeats):
   return time_fn(read, (grads,), repeats)
 
 
-def _commit() -> str:
-  try:
-    return subprocess.run(['git', 'rev-parse', '--short', 'HEAD'],
-                          capture_output=True, text=True, check=True,
-                          timeout=30).stdout.strip()
-  except (OSError, subprocess.SubprocessError):
-    return 'unknown'
-
-
 def write_markdown(path, args, rows, read, summary):
   """The run's table as Markdown, with what it was measured on."""
   load = ', '.join(f'{x:.1f}' for x in os.getloadavg())
@@ -147,7 +138,7 @@ def write_markdown(path, args, rows, read, summary):
       f'--dtype {args.dtype} --repeats {args.repeats} --kernels '
       f'{args.kernels}{" --same-gradient" if args.same_gradient else ""}'
       f'{" --only " + args.only if args.only else ""}`  ',
-      f'Commit {_commit()}, {datetime.date.today().isoformat()}, '
+      f'Commit {provenance.commit()}, {datetime.date.today().isoformat()}, '
       f'{jax.devices()[0].device_kind}, {os.cpu_count()} cores, load average '
       f'{load} (a shared machine: times are noisy; ratios come from one run).',
       '', '| update | ms | × one read of the gradients | state MiB |',

@@ -9,7 +9,11 @@ Formula (bytes; b = parameter dtype size, B batch, T sequence, d width,
 L layers, V vocabulary):
 
 * weights ``P * b``; optimizer state exact;
-* saved layer inputs (remat per layer) ``L * B * T * d * b``;
+* saved for the backward pass: with remat per layer each layer's input
+  ``L * B * T * d * b``; without remat every layer's residuals, ``L`` times
+  twice one layer's recomputed activations (below), as measured on the
+  scanned model (``--validate`` checks both; with unrolled layers XLA frees
+  them earlier, so the formula is conservative there);
 * head phase: float32 logits and their gradient ``2 * B * T * V * 4``;
 * one layer's backward: its gradients ``P_layer * b`` plus its recomputed
   activations ``B * T * (4 d + 3 ffn) * b + 2 * B * heads * T^2 * 4``, plus,
@@ -21,7 +25,8 @@ L layers, V vocabulary):
   head right after the head's backward; the plain step keeps every
   gradient.
 
-The formula assumes per-block remat; without it the true peak is higher.
+The layer-wise step always runs each block's backward from its saved input
+(its own per-block recomputation), so only the plain step depends on remat.
 """
 
 import math
@@ -55,7 +60,9 @@ class Terms(NamedTuple):
 
   Attributes:
     weights: every parameter.
-    saved_inputs: each layer's input, kept for the backward pass.
+    saved_inputs: what the plain step keeps for the backward pass: each
+      layer's input (remat), or every layer's residuals (no remat).
+    layer_inputs: each layer's input (what the layer-wise step keeps).
     head_phase: float32 logits and their gradient.
     layer_activations: one layer's recomputed activations.
     slice_copy: one layer's weights copied out of the stack (scanned layers).
@@ -65,6 +72,7 @@ class Terms(NamedTuple):
   """
   weights: int
   saved_inputs: int
+  layer_inputs: int
   head_phase: int
   layer_activations: int
   slice_copy: int
@@ -74,7 +82,7 @@ class Terms(NamedTuple):
 
 
 def terms(config: config_lib.ModelConfig, params, *, batch: int, seq: int,
-          itemsize: int, scan_layers: bool) -> Terms:
+          itemsize: int, scan_layers: bool, remat: bool = True) -> Terms:
   """The formula's terms for ``params = (outer, layers)``."""
   outer, layers = params
   d, ffn = config.hidden_size, config.intermediate_size
@@ -82,9 +90,12 @@ def terms(config: config_lib.ModelConfig, params, *, batch: int, seq: int,
   layer_activations = (batch * seq * (4 * d + 3 * ffn) * itemsize
                        + 2 * batch * config.num_heads * seq * seq * 4)
   slice_copy = layer_bytes if scan_layers else 0
+  layer_inputs = config.num_layers * batch * seq * d * itemsize
   return Terms(
       weights=tree_bytes(params),
-      saved_inputs=config.num_layers * batch * seq * d * itemsize,
+      saved_inputs=(layer_inputs if remat
+                    else 2 * config.num_layers * layer_activations),
+      layer_inputs=layer_inputs,
       head_phase=2 * batch * seq * config.vocab_size * 4,
       layer_activations=layer_activations,
       slice_copy=slice_copy,
@@ -99,7 +110,7 @@ def terms(config: config_lib.ModelConfig, params, *, batch: int, seq: int,
 def layerwise_peak(plan_terms: Terms, state_bytes: int) -> int:
   """Peak of ``taco_optax.layerwise_train_step``: one block's gradients."""
   t = plan_terms
-  return (t.weights + state_bytes + t.saved_inputs
+  return (t.weights + state_bytes + t.layer_inputs
           + max(t.head_phase + t.outer_matrix_grads,
                 t.layer_phase + t.embed_matrix_grads))
 
@@ -139,6 +150,7 @@ def model_peak(model, params, state_bytes: int, *, batch: int, seq: int,
   """
   plan_terms = terms(model.config, params, batch=batch, seq=seq,
                      itemsize=jnp.dtype(model.dtype).itemsize,
-                     scan_layers=model.scan_layers)
+                     scan_layers=model.scan_layers,
+                     remat=model.remat is not None)
   peak = layerwise_peak if layerwise else plain_peak
   return peak(plan_terms, state_bytes)

@@ -1,0 +1,25 @@
+"""Where a benchmark's figures come from: commit, date, machine, jax."""
+
+import datetime
+import os
+import subprocess
+
+import jax
+
+
+def commit() -> str:
+  """The checked-out commit (short hash), ``unknown`` outside a git tree."""
+  try:
+    return subprocess.run(['git', 'rev-parse', '--short', 'HEAD'],
+                          capture_output=True, text=True, check=True,
+                          timeout=30).stdout.strip()
+  except (OSError, subprocess.SubprocessError):
+    return 'unknown'
+
+
+def stamp() -> str:
+  """``Commit abc1234, 2026-12-01, jax 0.x, <device>, N cores, load ...``."""
+  load = ', '.join(f'{x:.1f}' for x in os.getloadavg())
+  return (f'Commit {commit()}, {datetime.date.today().isoformat()}, jax '
+          f'{jax.__version__}, {jax.devices()[0].device_kind}, '
+          f'{os.cpu_count()} cores, load average {load}')
