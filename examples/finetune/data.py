@@ -10,7 +10,7 @@ import importlib.util
 import json
 import os
 import re
-from typing import Iterator, NamedTuple, Optional, Sequence
+from typing import Iterable, Iterator, NamedTuple, Optional, Sequence
 
 import numpy as np
 
@@ -103,19 +103,31 @@ def read_tweets(path: Optional[str] = None) -> list[dict]:
 
 def split_tweets(records: Sequence[dict], test_per_class: int,
                  split_seed: int = 0) -> tuple[list[dict], list[dict]]:
+  """The tweets' deterministic train / balanced held-out split.
+
+  ``split_seed`` is fixed so every run (any ``--seed``, any optimizer) is
+  scored on the same held-out tweets; see :func:`balanced_split`.
+  """
+  return balanced_split(records, test_per_class, TWEETS_LABEL_WORDS,
+                        split_seed)
+
+
+def balanced_split(records: Sequence[dict], test_per_class: int,
+                   labels: Iterable[str], split_seed: int = 0
+                   ) -> tuple[list[dict], list[dict]]:
   """A deterministic train / balanced held-out split.
 
   Args:
     records: ``{'text', 'label'}`` records.
     test_per_class: held-out records of each label.
-    split_seed: seed of the shuffle; fixed so every run (any ``--seed``,
-      any optimizer) is scored on the same held-out tweets.
+    labels: every label.
+    split_seed: seed of the shuffle.
 
   Returns:
     ``(train, test)``; ``test`` has ``test_per_class`` of each label.
   """
   order = np.random.default_rng(split_seed).permutation(len(records))
-  taken = {label: 0 for label in TWEETS_LABEL_WORDS}
+  taken = {label: 0 for label in labels}
   train, test = [], []
   for i in order:
     record = records[i]
@@ -126,7 +138,7 @@ def split_tweets(records: Sequence[dict], test_per_class: int,
       train.append(record)
   short = {k: v for k, v in taken.items() if v < test_per_class}
   if short:
-    raise DataError(f'not enough tweets for a balanced test set: {short}')
+    raise DataError(f'not enough records for a balanced test set: {short}')
   return train, test
 
 

@@ -3,16 +3,19 @@
 Every entry takes the same arguments (learning-rate schedule, what the model
 tells an optimizer, TACO's own settings) and returns an
 :class:`optax.GradientTransformation`, so the training loop never branches on
-the optimizer. Default learning rates:
-TACO's is the paper's; AdamW's is the usual full fine-tuning rate (MeZO's
-fine-tuning baseline); the others follow their papers' advice relative to
-AdamW. Only TACO's and AdamW's were checked on the embedded demo, which
-runs 40 steps instead of the paper's 2000 and so gives TACO a larger rate
-(``demo_lr``).
+the optimizer.
+
+Default learning rates depend on the budget: ``rate = reference * (40 /
+steps) ** steps_exponent * (batch / 4) ** batch_exponent``, the peak of the
+example's warm-up + linear-decay schedule. TACO's and AdamW's references and
+exponents come from the sweep in ``docs/learning_rate.md`` (two real tasks,
+three budgets, ``python -m benchmarks.lr_sweep``); the other optimizers keep
+their papers' rate relative to AdamW and scale with AdamW's exponents (not
+swept).
 """
 
 import dataclasses
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import jax
 import optax
@@ -22,26 +25,61 @@ from examples.finetune import model as model_lib
 import taco_optax
 
 
+# The budget every reference rate is given at: the CLI's default run.
+REFERENCE_STEPS = 40
+REFERENCE_BATCH = 4
+
+
+class DefaultRate(NamedTuple):
+  """A budget's default peak learning rate and where it comes from."""
+  lr: float
+  why: str
+
+
+@dataclasses.dataclass(frozen=True)
+class BudgetRule:
+  """``lr = reference * (40 / steps) ** steps_exponent *
+  (batch / 4) ** batch_exponent``.
+
+  Attributes:
+    reference: the rate at 40 steps x batch 4.
+    steps_exponent: how fast the rate falls with more steps.
+    batch_exponent: how fast it grows with a larger batch.
+    source: where the numbers come from.
+  """
+  reference: float
+  steps_exponent: float
+  batch_exponent: float
+  source: str
+
+  def rate(self, steps: int, batch: int) -> DefaultRate:
+    lr = (self.reference * (REFERENCE_STEPS / steps) ** self.steps_exponent
+          * (batch / REFERENCE_BATCH) ** self.batch_exponent)
+    return DefaultRate(float(f'{lr:.2g}'), (
+        f'budget rule: {self.reference:g} x (40/{steps})^'
+        f'{self.steps_exponent:g} x ({batch}/4)^{self.batch_exponent:g}, '
+        f'{self.source}'))
+
+
 @dataclasses.dataclass(frozen=True)
 class OptimizerSpec:
   """How to build one optimizer.
 
   Attributes:
     name: the ``--optimizer`` value.
-    default_lr: peak learning rate when ``--lr`` is not given.
+    rule: its default learning rate as a function of the budget.
     factory: ``(schedule, hints, taco settings) -> GradientTransformation``.
     needs_loss: the update needs ``obj_fn`` (Sophia's Hessian estimate).
-    note: where the default comes from.
-    demo_lr: peak learning rate of the embedded tweet demo (40 steps on a
-      CPU, not the paper's 2000), when it differs from ``default_lr``.
   """
   name: str
-  default_lr: float
+  rule: BudgetRule
   factory: Callable[[optax.Schedule, 'ModelHints', 'TacoSettings'],
                     optax.GradientTransformation]
   needs_loss: bool = False
-  note: str = ''
-  demo_lr: Optional[float] = None
+
+  def default_rate(self, steps: int, batch: int) -> DefaultRate:
+    """The peak learning rate when ``--lr`` is not given, and why."""
+    return self.rule.rate(steps, batch)
 
   def build(self, schedule: optax.ScalarOrSchedule, hints: 'ModelHints',
             taco: Optional['TacoSettings'] = None
@@ -168,25 +206,33 @@ def _galore(schedule, hints, taco):
                                             hints))
 
 
+# Fitted on the sweep of docs/learning_rate.md (``benchmarks.lr_sweep``).
+_SWEEP = 'docs/learning_rate.md'
+TACO_RULE = BudgetRule(1.7e-4, 0.5, 0.0, _SWEEP)
+ADAMW_RULE = BudgetRule(1.8e-5, 0.5, 0.0, _SWEEP)
+
+
+def _relative_to_adamw(factor: float, why: str) -> BudgetRule:
+  return BudgetRule(ADAMW_RULE.reference * factor, ADAMW_RULE.steps_exponent,
+                    ADAMW_RULE.batch_exponent,
+                    f'{why}; AdamW\'s budget exponents (not swept)')
+
+
 OPTIMIZERS: dict[str, OptimizerSpec] = {
     spec.name: spec for spec in (
-        # Measured on the 40-step tweet demo (SmolLM2-135M, batch 4, 200
-        # held-out): lr 3e-5 -> 61.5%, 1e-4 -> 70.5%, 3e-4 -> 69.5%, 1e-3
-        # collapses to one label; zero-shot 51.5%.
-        OptimizerSpec('taco', 3e-5, _taco,
-                      note='paper: lr 3e-5, mu 0.95, k 16', demo_lr=1e-4),
-        OptimizerSpec('adamw', 1e-5, _adamw,
-                      note='full fine-tuning rate of MeZO\'s FT baseline'),
-        OptimizerSpec('adafactor', 1e-5, _adafactor,
-                      note='AdamW rate; no parameter scaling'),
-        OptimizerSpec('lion', 3e-6, _lion,
-                      note='Lion paper: 3-10x below AdamW'),
-        OptimizerSpec('muon', 1e-5, _muon,
-                      note='AdamW rate with consistent_rms=0.2'),
-        OptimizerSpec('sophia', 1e-5, _sophia, needs_loss=True,
-                      note='optax defaults, AdamW rate'),
-        OptimizerSpec('galore', 1e-5, _galore,
-                      note='GaLore paper: rank 128, projection every 200'),
+        OptimizerSpec('taco', TACO_RULE, _taco),
+        OptimizerSpec('adamw', ADAMW_RULE, _adamw),
+        OptimizerSpec('adafactor', _relative_to_adamw(
+            1.0, 'AdamW\'s rate, no parameter scaling'), _adafactor),
+        OptimizerSpec('lion', _relative_to_adamw(
+            0.3, 'Lion paper: 3-10x below AdamW'), _lion),
+        OptimizerSpec('muon', _relative_to_adamw(
+            1.0, 'AdamW\'s rate with consistent_rms=0.2'), _muon),
+        OptimizerSpec('sophia', _relative_to_adamw(
+            1.0, 'optax defaults at AdamW\'s rate'), _sophia,
+                      needs_loss=True),
+        OptimizerSpec('galore', _relative_to_adamw(
+            1.0, 'GaLore paper: rank 128, projection every 200'), _galore),
     )
 }
 

@@ -205,11 +205,7 @@ def run(config: run_config_lib.RunConfig,
 
   lr, lr_source = config.lr, '--lr'
   if lr is None:
-    demo = config.task == 'tweets' and spec.demo_lr is not None
-    lr = spec.demo_lr if demo else spec.default_lr
-    lr_source = ('short-demo default; paper default '
-                 f'{spec.default_lr:g} for 2000-step runs') if demo else (
-                     spec.note or 'default')
+    lr, lr_source = spec.default_rate(config.steps, config.batch_size)
   warmup = (config.warmup_steps if config.warmup_steps is not None
             else min(50, config.steps // 10))
   schedule = optimizers_lib.linear_schedule(lr, config.steps, warmup)

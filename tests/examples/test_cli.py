@@ -13,6 +13,7 @@ safetensors_numpy = pytest.importorskip('safetensors.numpy')
 tokenizers = pytest.importorskip('tokenizers')
 
 from examples.finetune import __main__ as cli  # pylint: disable=g-import-not-at-top
+from examples.finetune import optimizers  # pylint: disable=g-import-not-at-top
 from examples.finetune import run_config  # pylint: disable=g-import-not-at-top
 from examples.finetune import train  # pylint: disable=g-import-not-at-top
 
@@ -133,7 +134,12 @@ def test_smoke_run_writes_results(workspace, optimizer, capsys):
     assert state >= 2 * results['parameter_bytes']
   else:
     assert 0 < state < results['parameter_bytes']
+  # No --lr: the budget rule's rate for 3 steps x batch 2, said in the log.
+  rate = optimizers.get(optimizer).default_rate(3, 2)
+  assert results['learning_rate'] == rate.lr
+  assert results['learning_rate_source'] == rate.why
   table = capsys.readouterr().out
+  assert f'lr {rate.lr:g} (budget rule: ' in table
   assert 'accuracy before' in table and 'optimizer state' in table
 
 

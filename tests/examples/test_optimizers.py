@@ -78,3 +78,21 @@ def test_taco_flags_reach_the_trainer(taco_step):
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6),
                nnx.state(trainer.model, nnx.Param),
                nnx.state(reference.model, nnx.Param))
+
+
+@pytest.mark.parametrize('name', sorted(optimizers.OPTIMIZERS))
+def test_default_rate_follows_the_budget_rule(name):
+  spec = optimizers.get(name)
+  rule = spec.rule
+  assert spec.default_rate(40, 4).lr == float(f'{rule.reference:.2g}')
+  for steps, batch in ((10, 4), (160, 4), (10, 16), (2000, 16)):
+    rate = spec.default_rate(steps, batch)
+    exact = (rule.reference * (40 / steps) ** rule.steps_exponent
+             * (batch / 4) ** rule.batch_exponent)
+    assert rate.lr == pytest.approx(exact, rel=0.05)
+    assert rate.why.startswith(f'budget rule: {rule.reference:g} x '
+                               f'(40/{steps})^')
+    assert rule.source in rate.why
+  # More steps never raise the rate; a larger batch never lowers it.
+  assert spec.default_rate(160, 4).lr <= spec.default_rate(40, 4).lr
+  assert spec.default_rate(40, 16).lr >= spec.default_rate(40, 4).lr
