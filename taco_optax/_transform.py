@@ -109,8 +109,11 @@ def scale_by_taco(
   where each device takes the top-k of its slice of every column and the
   ``k * shards`` candidates are all-gathered and merged, so results are
   bit-identical to one device and communication is ``O(k n)``, not ``O(m n)``.
-  With ``Auto`` axes XLA partitions the step itself; use
-  :func:`taco_optax.state_shardings` for the state's shardings either way.
+  With ``Auto`` axes XLA chooses the shardings and a
+  :func:`jax.experimental.custom_partitioning` rule runs the column step on
+  each device's rows (only a finiteness flag is combined) or, when a column's
+  candidates are split, merges ``k`` candidates per shard the same exact way;
+  use :func:`taco_optax.state_shardings` for the state's shardings either way.
 
   Args:
     k: history entries kept per column (the heavy-hitter threshold); ``None``
