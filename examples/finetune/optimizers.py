@@ -208,8 +208,8 @@ def _galore(schedule, hints, taco):
 
 # Fitted on the sweep of docs/learning_rate.md (``benchmarks.lr_sweep``).
 _SWEEP = 'docs/learning_rate.md'
-TACO_RULE = BudgetRule(1.7e-4, 0.5, 0.0, _SWEEP)
-ADAMW_RULE = BudgetRule(1.8e-5, 0.5, 0.0, _SWEEP)
+TACO_RULE = BudgetRule(1e-4, 0.5, 0.0, _SWEEP)
+ADAMW_RULE = BudgetRule(3.2e-5, 0.5, 0.0, _SWEEP)
 
 
 def _relative_to_adamw(factor: float, why: str) -> BudgetRule:
