@@ -15,6 +15,7 @@ swept).
 """
 
 import dataclasses
+import math
 from typing import Any, Callable, NamedTuple, Optional
 
 import jax
@@ -28,6 +29,9 @@ import taco_optax
 # The budget every reference rate is given at: the CLI's default run.
 REFERENCE_STEPS = 40
 REFERENCE_BATCH = 4
+# The budgets the sweep measured; the power law is not extrapolated past them.
+SWEPT_STEPS = (10, 40)
+SWEPT_BATCH = (4, 16)
 
 
 class DefaultRate(NamedTuple):
@@ -36,29 +40,51 @@ class DefaultRate(NamedTuple):
   why: str
 
 
+def _clip(value: float, bounds: tuple[float, float]) -> float:
+  return min(max(value, bounds[0]), bounds[1])
+
+
 @dataclasses.dataclass(frozen=True)
 class BudgetRule:
   """``lr = reference * (40 / steps) ** steps_exponent *
-  (batch / 4) ** batch_exponent``.
+  (batch / 4) ** batch_exponent`` on the swept budgets.
+
+  Outside them the power law is not extrapolated: ``steps`` and ``batch``
+  are clipped to the swept range, and beyond 40 steps the rate moves
+  log-linearly in ``steps`` to ``long_run`` (a long budget's known rate,
+  e.g. the paper's 3e-5 at 2000 steps) and stays there; without
+  ``long_run`` it stays at the 40-step rate.
 
   Attributes:
     reference: the rate at 40 steps x batch 4.
-    steps_exponent: how fast the rate falls with more steps.
-    batch_exponent: how fast it grows with a larger batch.
+    steps_exponent: how fast the rate falls with more steps (10-40).
+    batch_exponent: how fast it grows with a larger batch (4-16).
     source: where the numbers come from.
+    long_run: optional ``(steps, rate)`` of a long budget.
   """
   reference: float
   steps_exponent: float
   batch_exponent: float
   source: str
+  long_run: Optional[tuple[int, float]] = None
 
   def rate(self, steps: int, batch: int) -> DefaultRate:
-    lr = (self.reference * (REFERENCE_STEPS / steps) ** self.steps_exponent
-          * (batch / REFERENCE_BATCH) ** self.batch_exponent)
-    return DefaultRate(float(f'{lr:.2g}'), (
-        f'budget rule: {self.reference:g} x (40/{steps})^'
-        f'{self.steps_exponent:g} x ({batch}/4)^{self.batch_exponent:g}, '
-        f'{self.source}'))
+    swept_steps = _clip(steps, SWEPT_STEPS)
+    swept_batch = _clip(batch, SWEPT_BATCH)
+    lr = (self.reference
+          * (REFERENCE_STEPS / swept_steps) ** self.steps_exponent
+          * (swept_batch / REFERENCE_BATCH) ** self.batch_exponent)
+    why = (f'budget rule: {self.reference:g} x (40/{swept_steps})^'
+           f'{self.steps_exponent:g} x ({swept_batch}/4)^'
+           f'{self.batch_exponent:g}')
+    if steps > REFERENCE_STEPS and self.long_run is not None:
+      long_steps, long_lr = self.long_run
+      share = min(1.0, math.log(steps / REFERENCE_STEPS)
+                  / math.log(long_steps / REFERENCE_STEPS))
+      lr *= (long_lr / self.reference) ** share
+      why += (f', then {share:.0%} of the way (log steps) to {long_lr:g} '
+              f'at {long_steps} steps')
+    return DefaultRate(float(f'{lr:.2g}'), f'{why}; {self.source}')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -208,7 +234,8 @@ def _galore(schedule, hints, taco):
 
 # Fitted on the sweep of docs/learning_rate.md (``benchmarks.lr_sweep``).
 _SWEEP = 'docs/learning_rate.md'
-TACO_RULE = BudgetRule(1e-4, 0.5, 0.0, _SWEEP)
+TACO_RULE = BudgetRule(1e-4, 0.5, 0.0, _SWEEP,
+                       long_run=(2000, 3e-5))  # the paper's rate at 2000 steps
 ADAMW_RULE = BudgetRule(3.2e-5, 0.5, 0.0, _SWEEP)
 
 

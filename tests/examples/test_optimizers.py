@@ -85,7 +85,7 @@ def test_default_rate_follows_the_budget_rule(name):
   spec = optimizers.get(name)
   rule = spec.rule
   assert spec.default_rate(40, 4).lr == float(f'{rule.reference:.2g}')
-  for steps, batch in ((10, 4), (160, 4), (10, 16), (2000, 16)):
+  for steps, batch in ((10, 4), (20, 8), (10, 16), (40, 16)):  # swept range
     rate = spec.default_rate(steps, batch)
     exact = (rule.reference * (40 / steps) ** rule.steps_exponent
              * (batch / 4) ** rule.batch_exponent)
@@ -93,6 +93,19 @@ def test_default_rate_follows_the_budget_rule(name):
     assert rate.why.startswith(f'budget rule: {rule.reference:g} x '
                                f'(40/{steps})^')
     assert rule.source in rate.why
-  # More steps never raise the rate; a larger batch never lowers it.
-  assert spec.default_rate(160, 4).lr <= spec.default_rate(40, 4).lr
-  assert spec.default_rate(40, 16).lr >= spec.default_rate(40, 4).lr
+  # Not extrapolated: outside the swept steps and batches the rate is the
+  # rate at the nearest swept budget (or moves to the long-run anchor).
+  assert spec.default_rate(2, 1) == spec.default_rate(10, 4)._replace(
+      why=spec.default_rate(2, 1).why)
+  assert spec.default_rate(40, 64).lr == spec.default_rate(40, 16).lr
+  if rule.long_run is None:
+    assert spec.default_rate(5000, 4).lr == spec.default_rate(40, 4).lr
+
+
+def test_taco_reaches_the_papers_rate_at_its_budget():
+  taco = optimizers.get('taco')
+  assert taco.default_rate(2000, 4).lr == 3e-5
+  assert taco.default_rate(16000, 4).lr == 3e-5
+  middle = taco.default_rate(280, 4)
+  assert 3e-5 < middle.lr < taco.default_rate(40, 4).lr
+  assert 'of the way (log steps) to 3e-05 at 2000 steps' in middle.why
