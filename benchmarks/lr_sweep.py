@@ -238,7 +238,7 @@ def fit(table: dict) -> dict:
   return fits
 
 
-def write(path: str) -> None:
+def write(path: str, note: str = '') -> None:
   table = collected()
   lines = [
       '# Default learning rates: the sweep behind the budget rule',
@@ -260,6 +260,7 @@ def write(path: str) -> None:
       'seed and 100 held-out examples: one standard error is about 4-5 '
       'points, so neighbouring rates within that are not told apart.',
       '',
+  ] + ([note, ''] if note else []) + [
       '| task | optimizer | steps x batch | accuracy after, by peak lr | '
       'before (zero-shot) | best lr (refined) | rule picks |',
       '| --- | --- | --- | --- | ---: | ---: | ---: |',
@@ -306,9 +307,12 @@ def main(argv=None) -> None:
       f'{s}x{b}' for s, b in BUDGETS), help='STEPSxBATCH, comma separated')
   parser.add_argument('--write', metavar='PATH',
                       help='write the table of finished runs and stop')
+  parser.add_argument('--note', default='',
+                      help='with --write: a paragraph on how the runs were '
+                      'made (e.g. which commit)')
   args = parser.parse_args(argv)
   if args.write:
-    write(args.write)
+    write(args.write, args.note)
     return
   budgets = [tuple(int(v) for v in b.split('x'))
              for b in args.budgets.split(',')]
