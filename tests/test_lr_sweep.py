@@ -1,0 +1,45 @@
+"""The learning-rate sweep's fit: which rate the budget rule is written from."""
+
+import math
+
+import pytest
+
+from benchmarks import lr_sweep
+
+
+def _scores(*pairs):
+  return {lr: (accuracy, 0.5) for lr, accuracy in pairs}
+
+
+def test_robust_rate_minimises_the_mean_shortfall_over_tasks():
+  tweets = _scores((1e-5, 0.66), (3e-5, 0.71), (1e-4, 0.54))
+  bbc = _scores((3e-6, 0.85), (1e-5, 0.91), (3e-5, 0.89))
+  # Shortfalls: 1e-5: (0.05 + 0) / 2; 3e-5: (0 + 0.02) / 2; 1e-4 is not on
+  # both tasks.
+  assert lr_sweep.robust_rate([tweets, bbc]) == 3e-5
+  assert lr_sweep.robust_rate([tweets]) == 3e-5
+  assert lr_sweep.robust_rate([bbc]) == 1e-5
+  assert lr_sweep.robust_rate([]) is None
+  assert lr_sweep.robust_rate([_scores((1e-3, 0.5)), bbc]) is None
+
+
+def test_fit_gives_the_reference_and_the_exponents_between_budgets():
+  table = {
+      ('tweets', 'taco', 40, 4): _scores((1e-4, 0.71), (3e-4, 0.70)),
+      ('bbc', 'taco', 40, 4): _scores((1e-4, 0.89), (3e-4, 0.88)),
+      ('tweets', 'taco', 10, 4): _scores((1e-4, 0.58), (3e-4, 0.70)),
+      ('tweets', 'taco', 10, 16): _scores((1e-4, 0.60), (3e-4, 0.55)),
+  }
+  fitted = lr_sweep.fit(table)['taco']
+  assert fitted['reference'] == 1e-4
+  assert fitted['rates'] == {(10, 4): 3e-4, (10, 16): 1e-4, (40, 4): 1e-4}
+  assert fitted['steps_exponent'] == pytest.approx(math.log(3) / math.log(4))
+  assert fitted['batch_exponent'] == pytest.approx(-math.log(3) / math.log(4))
+
+
+def test_peak_refines_inside_the_bracket_and_stays_on_an_edge():
+  inside = lr_sweep.peak(_scores((1e-5, 0.80), (1e-4, 0.90), (1e-3, 0.80)))
+  assert inside == pytest.approx(1e-4)
+  skewed = lr_sweep.peak(_scores((1e-5, 0.86), (1e-4, 0.90), (1e-3, 0.80)))
+  assert 1e-5 < skewed < 1e-4
+  assert lr_sweep.peak(_scores((1e-5, 0.9), (1e-4, 0.8))) == 1e-5
