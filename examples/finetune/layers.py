@@ -118,7 +118,7 @@ def attention_mask(attention_mask_bt: jax.Array, sliding_window: int | None
   return visible[None] & attention_mask_bt[:, None, :]
 
 
-def _explicit_mesh() -> bool:
+def explicit_mesh() -> bool:
   """A mesh with ``Explicit`` axes is set (``--mesh``)."""
   mesh = jax.sharding.get_abstract_mesh()
   return not mesh.empty and bool(mesh.explicit_axes)
@@ -135,7 +135,7 @@ def partitioned_by_xla(call: Callable) -> Callable:
   """
   @functools.wraps(call)
   def wrapped(self, x, *args):
-    if not _explicit_mesh():
+    if not explicit_mesh():
       return call(self, x, *args)
     graphdef, state = nnx.split(self)
     batch = jax.typeof(x).sharding.spec[:1]
@@ -155,7 +155,7 @@ class Embed(nnx.Embed):
   """
 
   def __call__(self, inputs: jax.Array, out_sharding=None) -> jax.Array:
-    if out_sharding is not None or not _explicit_mesh():
+    if out_sharding is not None or not explicit_mesh():
       return super().__call__(inputs, out_sharding)
     (table,) = self.promote_dtype((self.embedding[...],), dtype=self.dtype,
                                   inexact=False)

@@ -13,6 +13,7 @@ from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 from flax import nnx
 
 import taco_optax
@@ -260,15 +261,26 @@ def project(hidden: jax.Array, table: jax.Array, dtype,
   """float32 logits ``hidden . table[v]`` for every ``v`` of the vocabulary,
   or for ``token_ids`` (``[..., C]``) only.
 
+  On a mesh with ``Explicit`` axes (``--mesh``) XLA partitions the projection
+  (as :func:`layers.partitioned_by_xla` does for the LM head) and the logits
+  come out split like ``hidden`` along the batch axis, whole elsewhere.
+
   Args:
     hidden: ``[..., hidden]`` states.
     table: ``[vocab, hidden]`` output embedding.
     dtype: computation dtype of the model.
     token_ids: optional ``int32[..., C]`` tokens to score per row.
   """
-  table = table.astype(dtype)
-  if token_ids is None:
-    return jnp.einsum('...d,vd->...v', hidden, table,
+  def logits(hidden, table, token_ids):
+    table = table.astype(dtype)
+    if token_ids is None:
+      return jnp.einsum('...d,vd->...v', hidden, table,
+                        preferred_element_type=jnp.float32)
+    return jnp.einsum('...d,...cd->...c', hidden, table[token_ids],
                       preferred_element_type=jnp.float32)
-  return jnp.einsum('...d,...cd->...c', hidden, table[token_ids],
-                    preferred_element_type=jnp.float32)
+
+  if not layers.explicit_mesh():
+    return logits(hidden, table, token_ids)
+  batch = jax.typeof(hidden).sharding.spec[:1]
+  return jax.sharding.auto_axes(logits, out_sharding=P(*batch))(
+      hidden, table, token_ids)
