@@ -11,9 +11,10 @@ Parameter rule, for kernels laid out ``(in, out)``:
 * ``q``/``k``/``v``/``qkv``/``gate``/``up``/``fc1``/``lm_head``:
   ``P('fsdp', 'tensor')`` (column parallel);
 * ``o``/``down``/``fc2``: ``P('tensor', 'fsdp')`` (row parallel);
-* embedding tables ``(vocab, d)``: ``P('tensor', 'fsdp')``, except a token
-  embedding tied to the output head, which stays replicated: the loss picks
-  entries out of the vocabulary axis of the logits, which must then be whole;
+* embedding tables ``(vocab, d)``: ``P('tensor', 'fsdp')``, a token
+  embedding tied to the output head too (the output projection,
+  ``model.project``, is partitioned by XLA and gives logits split only
+  along the batch);
 * norm scales and biases: replicated.
 
 A leading scanned-layer axis is never split, and an axis that its mesh axes do
@@ -99,11 +100,13 @@ def param_spec(names: tuple[str, ...], shape: tuple[int, ...],
     names: the parameter's path (``model.path_names``).
     shape: its shape.
     mesh_shape: mesh axis name to size.
-    tied_embedding: the token embedding is also the output head.
+    tied_embedding: the token embedding is also the output head. Kept for
+      callers; a tied table is split like any embedding, since the output
+      projection (``model.project``) is partitioned by XLA and its logits
+      come out whole along the vocabulary.
   """
+  del tied_embedding
   module = names[-2] if len(names) >= 2 else ''
-  if names[-1] == 'embedding' and tied_embedding and module == 'embed':
-    return P()
   if names[-1] == 'embedding':
     trailing = ('tensor', 'fsdp')
   elif names[-1] == 'kernel' and module in _COLUMN_PARALLEL:

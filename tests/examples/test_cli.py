@@ -37,8 +37,10 @@ def _byte_level_tokenizer() -> 'tokenizers.Tokenizer':
 
 
 def _write_tiny_llama(directory: str, vocab_size: int, *,
-                      architecture: str = 'LlamaForCausalLM') -> None:
-  """config.json, model.safetensors (HF names, (out, in)) and tokenizer.json.
+                      architecture: str = 'LlamaForCausalLM',
+                      tied: bool = False) -> None:
+  """config.json, model.safetensors (HF names, (out, in)) and tokenizer.json;
+  ``tied``: the output projection is the token embedding (no lm_head).
   """
   os.makedirs(directory, exist_ok=True)
   head_dim = _HIDDEN // _HEADS
@@ -49,7 +51,7 @@ def _write_tiny_llama(directory: str, vocab_size: int, *,
       'num_attention_heads': _HEADS, 'num_key_value_heads': _KV_HEADS,
       'head_dim': head_dim, 'max_position_embeddings': _MAX_POSITIONS,
       'rms_norm_eps': 1e-5, 'rope_theta': 10000.0, 'hidden_act': 'silu',
-      'tie_word_embeddings': False, 'bos_token_id': 256, 'eos_token_id': 257,
+      'tie_word_embeddings': tied, 'bos_token_id': 256, 'eos_token_id': 257,
       'torch_dtype': 'float32',
   }
   with open(os.path.join(directory, 'config.json'), 'w') as f:
@@ -58,8 +60,9 @@ def _write_tiny_llama(directory: str, vocab_size: int, *,
   normal = lambda *shape: (0.05 * rng.standard_normal(shape)).astype(
       np.float32)
   weights = {'model.embed_tokens.weight': normal(vocab_size, _HIDDEN),
-             'model.norm.weight': np.ones(_HIDDEN, np.float32),
-             'lm_head.weight': normal(vocab_size, _HIDDEN)}
+             'model.norm.weight': np.ones(_HIDDEN, np.float32)}
+  if not tied:
+    weights['lm_head.weight'] = normal(vocab_size, _HIDDEN)
   for layer in range(_LAYERS):
     prefix = f'model.layers.{layer}.'
     weights.update({

@@ -43,7 +43,7 @@ _MESH_SHAPE = {'data': 2, 'fsdp': 2, 'tensor': 2}
     (('lm_head', 'kernel'), (32, 258), False, P('fsdp', 'tensor')),
     (('lm_head', 'kernel'), (32, 257), False, P('fsdp', None)),  # odd vocab
     (('embed', 'embedding'), (258, 32), False, P('tensor', 'fsdp')),
-    (('embed', 'embedding'), (258, 32), True, P()),
+    (('embed', 'embedding'), (258, 32), True, P('tensor', 'fsdp')),  # tied
     (('positions', 'embedding'), (130, 32), True, P('tensor', 'fsdp')),
     (('final_norm', 'scale'), (32,), False, P()),
     (('layers', '1', 'attn', 'q', 'bias'), (64,), False, P()),
@@ -90,6 +90,14 @@ def test_loaded_model_and_batch_are_split_over_the_mesh(workspace):
     assert logits.sharding.spec == P(('data', 'fsdp'), None, None)
 
 
+@needs_mesh
+def test_a_tied_embedding_is_split_like_any_embedding(tied_model):
+  with jax.set_mesh(sharding.make_mesh(MESH)):
+    model, _, config = loading.load_pretrained(tied_model, dtype=jnp.float32)
+    assert config.tie_word_embeddings and not hasattr(model, 'lm_head')
+    assert model.embed.embedding[...].sharding.spec == P('tensor', 'fsdp')
+
+
 def _run(workspace, name, *extra):
   output_dir = workspace['root'] / name
   assert cli.main(test_cli._text_args(workspace, output_dir, *extra)) == 0  # pylint: disable=protected-access
@@ -106,12 +114,23 @@ def _final_state(workspace, name):
           jax.tree_util.tree_flatten_with_path(checkpoint.restore(saved))[0]}
 
 
+@pytest.fixture(scope='module')
+def tied_model(workspace):
+  """A tiny Llama whose output projection is its token embedding."""
+  directory = str(workspace['root'] / 'tiny-llama-tied')
+  test_cli._write_tiny_llama(directory, vocab_size=264, tied=True)  # pylint: disable=protected-access
+  return directory
+
+
 @needs_mesh
 @pytest.mark.parametrize('extra', [(), ('--scan-layers', 'on'),
-                                   ('--taco-step', 'optax')])
-def test_cli_on_a_mesh_matches_one_device(workspace, extra):
+                                   ('--taco-step', 'optax'), ('tied',),
+                                   ('tied', '--taco-step', 'optax')])
+def test_cli_on_a_mesh_matches_one_device(workspace, tied_model, extra):
   one_device, mesh = ('one-device-' + '-'.join(extra),
                       'mesh-' + '-'.join(extra))
+  if extra[:1] == ('tied',):  # the tied table is split over the mesh too
+    extra = ('--model', tied_model) + extra[1:]
   expected = _run(workspace, one_device, *extra)
   got = _run(workspace, mesh, '--mesh', MESH, *extra)
   assert len(got['losses']) == 3
