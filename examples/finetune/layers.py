@@ -124,24 +124,30 @@ def explicit_mesh() -> bool:
   return not mesh.empty and bool(mesh.explicit_axes)
 
 
-def partitioned_by_xla(call: Callable) -> Callable:
-  """Runs a module's ``__call__(x, ...)`` with the mesh's axes ``Auto``.
+def by_xla(fn: Callable, x: jax.Array, *args):
+  """``fn(x, *args)``, with the mesh's axes ``Auto`` when they are Explicit.
 
   On a mesh with ``Explicit`` axes (``--mesh``) every op needs a sharding rule,
-  and matmuls against FSDP/tensor-parallel kernels or a vocab-split embedding
-  lookup have none; inside this wrapper XLA partitions the module instead. The
-  output is split like ``x`` along its batch axis and whole elsewhere, and the
-  parameters keep their explicit shardings, which TACO reads.
+  and matmuls against FSDP/tensor-parallel kernels or a vocab-split table
+  have none; inside this wrapper XLA partitions ``fn`` instead. The output is
+  split like ``x`` along its batch axis and whole elsewhere, and the
+  arguments keep their explicit shardings, which TACO reads.
   """
+  if not explicit_mesh():
+    return fn(x, *args)
+  batch = jax.typeof(x).sharding.spec[:1]
+  return jax.sharding.auto_axes(fn, out_sharding=P(*batch))(x, *args)
+
+
+def partitioned_by_xla(call: Callable) -> Callable:
+  """A module's ``__call__(x, ...)`` run through :func:`by_xla`."""
   @functools.wraps(call)
   def wrapped(self, x, *args):
     if not explicit_mesh():
       return call(self, x, *args)
     graphdef, state = nnx.split(self)
-    batch = jax.typeof(x).sharding.spec[:1]
-    pure = lambda state, x, *args: call(nnx.merge(graphdef, state), x, *args)
-    return jax.sharding.auto_axes(pure, out_sharding=P(*batch))(state, x,
-                                                                 *args)
+    pure = lambda x, state, *args: call(nnx.merge(graphdef, state), x, *args)
+    return by_xla(pure, x, state, *args)
   return wrapped
 
 
@@ -163,11 +169,6 @@ class Embed(nnx.Embed):
     spec += (None,) * (inputs.ndim + 1 - len(spec))
     return jax.sharding.reshard(table, P()).at[inputs].get(
         out_sharding=P(*spec))
-
-
-class Linear(nnx.Linear):
-  """:class:`nnx.Linear` that also runs on an explicit mesh."""
-  __call__ = partitioned_by_xla(nnx.Linear.__call__)
 
 
 class Attention(nnx.Module):

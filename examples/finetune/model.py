@@ -13,7 +13,6 @@ from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec as P
 from flax import nnx
 
 import taco_optax
@@ -99,7 +98,7 @@ class DecoderLM(nnx.Module):
                               for _ in range(config.num_layers)])
     self.final_norm = layers.norm(config, config.hidden_size, **kwargs)
     if not config.tie_word_embeddings:
-      self.lm_head = layers.Linear(config.hidden_size, config.vocab_size,
+      self.lm_head = nnx.Linear(config.hidden_size, config.vocab_size,
                                 use_bias=False, **kwargs)
 
   def __call__(self, input_ids: jax.Array,
@@ -262,8 +261,8 @@ def project(hidden: jax.Array, table: jax.Array, dtype,
   or for ``token_ids`` (``[..., C]``) only.
 
   On a mesh with ``Explicit`` axes (``--mesh``) XLA partitions the projection
-  (as :func:`layers.partitioned_by_xla` does for the LM head) and the logits
-  come out split like ``hidden`` along the batch axis, whole elsewhere.
+  (:func:`layers.by_xla`): the logits come out split like ``hidden`` along
+  the batch axis, whole elsewhere.
 
   Args:
     hidden: ``[..., hidden]`` states.
@@ -279,8 +278,4 @@ def project(hidden: jax.Array, table: jax.Array, dtype,
     return jnp.einsum('...d,...cd->...c', hidden, table[token_ids],
                       preferred_element_type=jnp.float32)
 
-  if not layers.explicit_mesh():
-    return logits(hidden, table, token_ids)
-  batch = jax.typeof(hidden).sharding.spec[:1]
-  return jax.sharding.auto_axes(logits, out_sharding=P(*batch))(
-      hidden, table, token_ids)
+  return layers.by_xla(logits, hidden, table, token_ids)
