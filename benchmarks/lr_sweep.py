@@ -143,12 +143,7 @@ def run(point: Point, eval_size: int) -> dict:
   return done
 
 
-def accuracy(point: Point) -> Optional[float]:
-  done = result(point)
-  return None if done is None else done['after']['accuracy']
-
-
-def grid_rates(centre: float, steps: int, batch: int) -> list[float]:
+def grid_rates(centre: float, steps: int) -> list[float]:
   """Three rates half a decade apart around the default budget's centre,
   shifted up half a decade for budgets with 4x fewer steps."""
   shift = 1 if steps < 40 else 0
@@ -157,7 +152,7 @@ def grid_rates(centre: float, steps: int, batch: int) -> list[float]:
 
 def sweep_one(task: str, optimizer: str, steps: int, batch: int,
               eval_size: int, max_points: int) -> None:
-  rates = grid_rates(CENTRE[optimizer], steps, batch)
+  rates = grid_rates(CENTRE[optimizer], steps)
   while True:
     scores = [run(Point(task, optimizer, steps, batch, lr),
                   eval_size)['after']['accuracy'] for lr in rates]
