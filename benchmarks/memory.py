@@ -94,7 +94,7 @@ def abstract_decoder(hf_config, *, dtype, scan_layers, num_layers=None,
       config, dtype=dtype, param_dtype=dtype,
       remat='block' if remat else None,
       scan_layers=scan_layers, rngs=nnx.Rngs(0)))
-  return config, layerwise.layered_model(model, losses_lib.batch_loss)
+  return config, layerwise.layered_model(model)
 
 
 def token_batch(input_ids, attention_mask):
@@ -160,7 +160,7 @@ def execute(path, *, dtype, scan_layers, batch, seq, num_layers, steps,
   model = model_lib.DecoderLM(config, dtype=dtype, param_dtype=dtype,
                               remat='block', scan_layers=scan_layers,
                               rngs=nnx.Rngs(0))
-  decoder = layerwise.layered_model(model, losses_lib.batch_loss)
+  decoder = layerwise.layered_model(model)
   params = decoder.params
   del model
   tokens = jax.random.randint(jax.random.key(1), (batch, seq), 0,

@@ -13,6 +13,8 @@ from taco_optax._layered_loss import LayeredLoss
 from taco_optax._layerwise import layerwise_train_step
 from taco_optax._layerwise import LayerwiseTrainStep
 from taco_optax._state_shardings import state_shardings
+from taco_optax._token_table import TableLookup
+from taco_optax._token_table import TableProjection
 from taco_optax._transform import scale_by_taco
 from taco_optax._transform import TacoState
 
@@ -32,6 +34,8 @@ __all__ = (
     'LayeredLoss',
     'LayerwiseTrainStep',
     'TACO_LABEL',
+    'TableLookup',
+    'TableProjection',
     'TacoDimensionNumbers',
     'TacoParts',
     'TacoState',

@@ -19,6 +19,11 @@ class LayeredLoss:
   either one tree whose leaves have a leading layer axis (layers stacked for
   ``lax.scan`` / ``nnx.scan``) or a list of per-layer trees (unrolled).
 
+  A language model's token tables are best given as a
+  :class:`TableLookup` ``embed`` and a :class:`TableProjection` ``head``: the
+  layer-wise step then never forms their dense gradient (it keeps each use's
+  small factors and forms the gradient a block of columns at a time).
+
   Attributes:
     embed: ``embed(outer, batch) -> hidden``.
     layer: ``layer(layer_params, hidden, batch) -> hidden``; ``hidden`` is an

@@ -22,6 +22,7 @@ from taco_optax import _alias
 from taco_optax import _backward
 from taco_optax import _leaf
 from taco_optax import _leaf_update
+from taco_optax import _token_table
 from taco_optax import _transform
 from taco_optax._layered_loss import LayeredLoss
 
@@ -59,6 +60,35 @@ def _used_inputs(fn: Callable[[Any], Any], tree: Any) -> list[bool]:
           if isinstance(v, jax_core.Var)}
   read |= {v for v in jaxpr.outvars if isinstance(v, jax_core.Var)}
   return [v in read for v in jaxpr.invars]
+
+
+def _sum_grads(a, b):
+  if a is None or b is None:
+    return b if a is None else a
+  return a + b
+
+
+def _head_backward(head, outer, hidden, batch):
+  """``(value, outer grads, d_hidden, {leaf: TableGradient})`` of the head.
+  """
+  if isinstance(head, _token_table.TableProjection):
+    value, grads, d_hidden, index, table = _token_table.head_backward(
+        head, outer, hidden, batch)
+    return value, grads, d_hidden, {index: table}
+  value, head_vjp = jax.vjp(lambda o, h: head(o, h, batch), outer, hidden)
+  outer_grads, d_hidden = head_vjp(jnp.ones_like(value))
+  return value, jax.tree.leaves(outer_grads), d_hidden, {}
+
+
+def _embed_backward(embed, outer, batch, d_hidden):
+  """``(outer grads, {leaf: TableGradient})`` of the embedding."""
+  if isinstance(embed, _token_table.TableLookup):
+    grads, index, table = _token_table.embed_backward(embed, outer,
+                                                      batch)(d_hidden)
+    return grads, {index: table}
+  _, embed_vjp = jax.vjp(lambda o: embed(o, batch), outer)
+  (grads,) = embed_vjp(d_hidden)
+  return jax.tree.leaves(grads), {}
 
 
 def layerwise_train_step(loss: LayeredLoss, *taco_args: Any,
@@ -153,11 +183,9 @@ def layerwise_train_step(loss: LayeredLoss, *taco_args: Any,
     run_layer = lambda p, h: loss.layer(p, h, batch)
     hidden_out, layer_inputs = _backward.forward(
         run_layer, loss.embed(outer, batch), layers, loss.scan_layers)
-    value, head_vjp = jax.vjp(lambda o, h: loss.head(o, h, batch), outer,
-                              hidden_out)
-    outer_grads, d_hidden = head_vjp(jnp.ones_like(value))
+    value, outer_grads, d_hidden, tables = _head_backward(loss.head, outer,
+                                                          hidden_out, batch)
     outer_leaves = jax.tree.leaves(outer)
-    outer_grads = jax.tree.leaves(outer_grads)
     new_leaves = list(jax.tree.leaves(params))
     new_states = list(leaf_states)
 
@@ -172,7 +200,7 @@ def layerwise_train_step(loss: LayeredLoss, *taco_args: Any,
     early = [i for i in range(num_outer)
              if plans[i] is not None and not embed_uses[i]]
     for i in early:
-      update_outer(i, outer_grads[i])
+      update_outer(i, tables.get(i, outer_grads[i]))
       d_hidden = jax.tree.map(
           lambda x, i=i: _leaf_update.data_dependency(x, new_leaves[i]),
           d_hidden)
@@ -185,11 +213,16 @@ def layerwise_train_step(loss: LayeredLoss, *taco_args: Any,
     new_leaves[num_outer:] = layer_leaves
     new_states[num_outer:] = layer_states
 
-    _, embed_vjp = jax.vjp(lambda o: loss.embed(o, batch), outer)
-    (embed_grads,) = embed_vjp(d_hidden)
-    outer_grads = [g if i in early else g + e for i, (g, e) in enumerate(
-        zip(outer_grads, jax.tree.leaves(embed_grads)))]
+    embed_grads, embed_tables = _embed_backward(loss.embed, outer, batch,
+                                                d_hidden)
+    for i, table in embed_tables.items():
+      tables[i] = table.plus(tables.get(i) if i not in early else None)
+    outer_grads = [_sum_grads(g, e) if i not in early else g
+                   for i, (g, e) in enumerate(zip(outer_grads, embed_grads))]
     for i in range(num_outer):
+      if i in tables and (plans[i] is None or i not in early):
+        outer_grads[i] = tables[i] if plans[i] is not None else (
+            tables[i].dense())
       if plans[i] is not None and i not in early:
         update_outer(i, outer_grads[i])
 

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from taco_optax import _dimension_numbers as dn
 from taco_optax import _leaf
 from taco_optax import _mesh
+from taco_optax import _token_table
 
 
 def data_dependency(values: jax.Array, after: Any) -> jax.Array:
@@ -59,12 +60,16 @@ def taco_leaf_update(param, grad, values, indices, exponents, *, plan, mu,
   ``optax.apply_updates`` on the winners; every other entry is ``p + 0``. A
   parameter split over an explicit mesh is updated per device in
   :func:`jax.shard_map`, as ``scale_by_taco`` does (exact merged top-k).
+  ``grad`` may be a ``TableGradient``: a column-chunked update then forms it
+  one block of columns at a time, never whole.
 
   Returns:
     ``(param, values, indices, exponents)``, updated.
   """
   local_update = functools.partial(_local_leaf_update, lr_tx=lr_tx)
   sharded = _mesh.leaf_sharding_of(param, plan.dim_num)
+  if sharded is not None and isinstance(grad, _token_table.TableGradient):
+    grad = grad.dense()
   if sharded is None:
     return local_update(param, grad, values, indices, exponents, plan=plan,
                         mu=mu, lr_state=lr_state, after=after)
@@ -138,6 +143,9 @@ def _local_leaf_update(param, grad, values, indices, exponents, *, plan, mu,
   """
   layout = plan.local_layout(param.shape)
   chunk = column_chunk(layout)
+  if isinstance(grad, _token_table.TableGradient) and (
+      chunk is None or grad.axis != _column_axis(layout)):
+    grad = grad.dense()
   if chunk is not None:
     return _chunked_leaf_update(param, grad, values, indices, exponents,
                                 layout, plan, mu, lr_tx, lr_state, after,
@@ -156,6 +164,11 @@ def _local_leaf_update(param, grad, values, indices, exponents, *, plan, mu,
   return (new_param,) + state
 
 
+def _column_axis(layout: dn.MatrixLayout) -> int:
+  """The axis of a 2-D leaf that holds its columns (the paper's ``n``)."""
+  return 0 if layout.transpose == (0, 1) else 1
+
+
 def _chunked_leaf_update(param, grad, values, indices, exponents, layout,
                          plan, mu, lr_tx, lr_state, after, shards, chunk):
   """:func:`_local_leaf_update` of a 2-D leaf, ``chunk`` columns at a time.
@@ -163,14 +176,19 @@ def _chunked_leaf_update(param, grad, values, indices, exponents, layout,
   Columns are independent in TACO, so a ``lax.scan`` over column blocks gives
   the same result with block-sized transients; the weight and state are
   updated in place in the carry. Finiteness is judged on the whole leaf, as
-  the optax path does.
+  the optax path does. A ``TableGradient`` is formed a block at a time; its
+  finiteness is known only after the last block, so the state is chosen then.
   """
   rows_are_axis0 = layout.transpose == (0, 1)
-  finite = jnp.all(jnp.isfinite(grad))
-  if shards is not None:
-    finite = _mesh.all_finite(finite, shards)
+  formed = isinstance(grad, _token_table.TableGradient)
+  if formed:
+    finite = jnp.array(True)
+  else:
+    finite = jnp.all(jnp.isfinite(grad))
+    if shards is not None:
+      finite = _mesh.all_finite(finite, shards)
 
-  axis = 0 if rows_are_axis0 else 1
+  axis = _column_axis(layout)
   # XLA:CPU slices and updates 16-bit floats in float32 (converting the whole
   # array on every iteration): the loop moves their bits as integers instead.
   bits_dtype = (jnp.dtype(f'uint{8 * param.dtype.itemsize}')
@@ -189,30 +207,44 @@ def _chunked_leaf_update(param, grad, values, indices, exponents, layout,
     block = as_bits(block if rows_are_axis0 else block.T)
     return jax.lax.dynamic_update_slice_in_dim(x, block, start, axis=axis)
 
-  grad_bits = as_bits(grad)
+  if formed:
+    def grad_rows(start):
+      block = grad.columns(start, chunk)
+      return block if rows_are_axis0 else block.T
+  else:
+    grad_bits = as_bits(grad)
+    grad_rows = lambda start: rows(grad_bits, start, grad.dtype)
 
   def body(carry, block):
-    param_bits, values, indices, exponents = carry
+    param_bits, values, indices, exponents, finite = carry
     start = block * chunk
     columns = lambda x: jax.lax.dynamic_slice_in_dim(x, start, chunk, axis=-1)
+    block_grad = grad_rows(start)
+    if formed:
+      finite = finite & jnp.all(jnp.isfinite(block_grad))
     step, new_state = _leaf.history_step(
-        rows(grad_bits, start, grad.dtype), columns(values), columns(indices),
-        columns(exponents), plan, mu, shards)
+        block_grad, columns(values), columns(indices), columns(exponents),
+        plan, mu, shards)
     delta = _winner_delta(step, plan.scale, grad.dtype, lr_tx, lr_state, after)
     block = _add_at_winners(rows(param_bits, start, param.dtype),
                             _local_winners(step.winner_indices, shards), delta)
     param_bits = put_rows(param_bits, block, start)
+    keep = (lambda old, new: new) if formed else (
+        lambda old, new: jnp.where(finite, new, columns(old)))
     put = lambda old, new: jax.lax.dynamic_update_slice_in_dim(
-        old, jnp.where(finite, new, columns(old)), start, axis=-1)
+        old, keep(old, new), start, axis=-1)
     return (param_bits,) + tuple(
         put(old, new) for old, new in zip((values, indices, exponents),
-                                          new_state)), None
+                                          new_state)) + (finite,), None
 
-  (param_bits, values, indices, exponents), _ = jax.lax.scan(
-      body, (as_bits(param), values, indices, exponents),
+  old_state = (values, indices, exponents)
+  (param_bits, *state, finite), _ = jax.lax.scan(
+      body, (as_bits(param),) + old_state + (finite,),
       jnp.arange(layout.n // chunk, dtype=jnp.int32))
+  if formed:  # the history is kept when the gradient was not finite
+    state = [jnp.where(finite, new, old) for new, old in zip(state, old_state)]
   param = from_bits(param_bits, param.dtype)
-  return jnp.where(finite, param, jnp.nan), values, indices, exponents
+  return (jnp.where(finite, param, jnp.nan),) + tuple(state)
 
 
 def drop_leading_axis(plan: Optional[_leaf.LeafPlan], shape: tuple[int, ...]

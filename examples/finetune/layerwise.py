@@ -14,6 +14,7 @@ from flax import nnx
 import jax.numpy as jnp
 
 from examples.finetune import layers as layers_lib
+from examples.finetune import losses as losses_lib
 from examples.finetune import model as model_lib
 import taco_optax
 
@@ -46,14 +47,17 @@ def _positions(attention_mask):
   return jnp.maximum(jnp.cumsum(attention_mask, axis=1) - 1, 0)
 
 
-def layered_model(model, loss_of_hidden: Callable) -> LayeredModel:
+def layered_model(model) -> LayeredModel:
   """Splits ``model`` into ``embed``/``layer``/``head`` pure functions.
+
+  The embedding is a ``taco_optax.TableLookup`` and the head a
+  ``taco_optax.TableProjection`` (final norm, the scored positions, the
+  projection onto the tied table or the LM head's kernel, then
+  ``losses.logits_loss``), so the layer-wise step never forms the token
+  table's dense gradient.
 
   Args:
     model: a :class:`model.DecoderLM`.
-    loss_of_hidden: ``(hidden [B, T, d], project, batch) -> scalar``, as
-      ``losses.batch_loss``; ``project(hidden, token_ids=None)`` gives the
-      float32 logits of any states.
 
   Returns:
     A :class:`LayeredModel`.
@@ -75,29 +79,36 @@ def layered_model(model, loss_of_hidden: Callable) -> LayeredModel:
   def module(name, outer_params):
     return nnx.merge(outer_defs[name], outer_params[name])
 
-  def embed(outer_params, batch):
-    mask = batch.attention_mask.astype(bool)
-    hidden = module('embed', outer_params)(batch.input_ids)
+  def gather(table, ids):  # the model's own lookup (dtype, mesh)
+    return module('embed', {'embed': {'embedding': table}})(ids)
+
+  def embed_rows(outer_params, rows, batch):
     if config.learned_positions:
-      hidden = hidden + module('positions', outer_params)(
+      mask = batch.attention_mask.astype(bool)
+      rows = rows + module('positions', outer_params)(
           _positions(mask) + config.position_offset)
-    return hidden
+    return rows
+
+  def features(outer_params, hidden, batch):
+    hidden = module('final_norm', outer_params)(hidden)
+    return losses_lib.scored_states(hidden, batch)
+
+  tied = config.tie_word_embeddings
+  head = taco_optax.TableProjection(
+      table=('embed', 'embedding') if tied else ('lm_head', 'kernel'),
+      features=features, loss=losses_lib.logits_loss,
+      project=lambda states, table: model_lib.project(
+          states, table if tied else table.T, model.dtype),
+      table_axis=1 if tied else 0)
+  embed = taco_optax.TableLookup(table=('embed', 'embedding'),
+                                 ids=lambda batch: batch.input_ids,
+                                 apply=embed_rows, gather=gather)
 
   def layer(block_params, hidden, batch):
     mask = batch.attention_mask.astype(bool)
     rotary = layers_lib.rotary_angles(_positions(mask), inverse_frequencies)
     attention = layers_lib.attention_mask(mask, config.sliding_window)
     return nnx.merge(block_def, block_params)(hidden, rotary, attention)
-
-  def head(outer_params, hidden, batch):
-    hidden = module('final_norm', outer_params)(hidden)
-    if config.tie_word_embeddings:
-      table = outer_params['embed']['embedding']
-    else:
-      table = outer_params['lm_head']['kernel'].T
-    def project(states, token_ids=None):
-      return model_lib.project(states, table, model.dtype, token_ids)
-    return loss_of_hidden(hidden, project, batch)
 
   def write_back(params):
     outer_params, layer_params = params

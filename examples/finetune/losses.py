@@ -14,22 +14,32 @@ def next_token_log_probs(model, input_ids, attention_mask):
   return jnp.take_along_axis(log_probs, input_ids[:, 1:, None], -1)[..., 0]
 
 
-def completion_nll(logits, batch: data_lib.Batch):
-  """Mean negative log-likelihood of the completion tokens, from logits.
+def _token_log_probs(logits, targets):
+  """float32 ``log_softmax(logits)[targets]`` along the last axis.
 
-  ``jax.nn.log_softmax``'s steps, with each next token's entry picked before
-  the normaliser is subtracted: the value and gradient are the same bits, but
-  no ``[B, T, V]`` log-probability array (and no one-hot cotangent of it) is
-  materialised, which was 0.09 x weights of the layer-wise step's peak for
-  SmolLM2-135M (``benchmarks/memory.py``).
+  ``jax.nn.log_softmax``'s steps, with each target's entry picked before the
+  normaliser is subtracted: the value and gradient are the same bits, but no
+  log-probability array as large as the logits (and no one-hot cotangent of
+  it) is materialised, which was 0.09 x weights of the layer-wise step's peak
+  for SmolLM2-135M (``benchmarks/memory.py``).
   """
-  logits = logits[:, :-1].astype(jnp.float32)
+  logits = logits.astype(jnp.float32)
   shifted = logits - jax.lax.stop_gradient(
       jnp.max(logits, -1, initial=-jnp.inf, keepdims=True))
   log_norm = jnp.log(jnp.sum(jnp.exp(shifted), -1, keepdims=True))
-  picked = jnp.take_along_axis(shifted, batch.input_ids[:, 1:, None], -1)
-  log_probs = (picked - log_norm)[..., 0]
+  picked = jnp.take_along_axis(shifted, targets[..., None], -1)
+  return (picked - log_norm)[..., 0]
+
+
+def completion_nll(logits, batch: data_lib.Batch):
+  """Mean negative log-likelihood of the completion tokens.
+
+  ``logits`` are those of every position but the last (``[B, T - 1, V]``,
+  each scoring the next token; :func:`scored_states` drops the last state
+  before the projection, so no sliced copy of the logits is made).
+  """
   mask = batch.loss_mask[:, 1:]
+  log_probs = _token_log_probs(logits, batch.input_ids[:, 1:])
   return -(log_probs * mask).sum() / jnp.maximum(mask.sum(), 1.0)
 
 
@@ -51,21 +61,37 @@ def last_positions(hidden, attention_mask):
   return jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]
 
 
+def scored_states(hidden, batch):
+  """The final-normed states that a batch's loss projects onto the vocabulary.
+
+  A ``ChoiceBatch`` (candidates) scores only each row's last position
+  (``[B, hidden]``), so no ``[B, T, vocab]`` logits exist; a ``Batch``
+  (completion) scores every position that has a next token
+  (``[B, T - 1, hidden]``).
+  """
+  if isinstance(batch, data_lib.ChoiceBatch):
+    return last_positions(hidden, batch.attention_mask)
+  return hidden[:, :-1]
+
+
+def logits_loss(logits, batch):
+  """The loss of a batch from the logits of its :func:`scored_states`."""
+  if isinstance(batch, data_lib.ChoiceBatch):
+    scores = jnp.take_along_axis(logits, batch.candidate_ids, axis=-1)
+    return candidate_nll(scores, batch.labels)
+  return completion_nll(logits, batch)
+
+
 def batch_loss(hidden, project, batch):
   """The loss a batch asks for, from the final-normed ``hidden`` states.
 
   Args:
     hidden: ``[B, T, hidden]`` (``DecoderLM.hidden_states``).
-    project: ``project(hidden, token_ids=None)`` -> float32 logits
+    project: ``project(states)`` -> float32 logits over the vocabulary
       (``DecoderLM.project``).
-    batch: a ``ChoiceBatch`` (candidates: only the last position is
-      projected, and only onto the candidate tokens, so no ``[B, T, vocab]``
-      logits exist) or a ``Batch`` (completion: every position).
+    batch: a ``ChoiceBatch`` or a ``Batch`` (see :func:`scored_states`).
   """
-  if isinstance(batch, data_lib.ChoiceBatch):
-    last = last_positions(hidden, batch.attention_mask)
-    return candidate_nll(project(last, batch.candidate_ids), batch.labels)
-  return completion_nll(project(hidden), batch)
+  return logits_loss(project(scored_states(hidden, batch)), batch)
 
 
 def completion_loss(model, batch):

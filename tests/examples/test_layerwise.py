@@ -40,7 +40,7 @@ def _hints(config):
 def test_layered_loss_equals_model_loss(family, scan_layers):
   model = _model(family, scan_layers)
   batch = _batch(model.config.vocab_size)
-  layered = layerwise.layered_model(model, losses.batch_loss)
+  layered = layerwise.layered_model(model)
   np.testing.assert_allclose(layered.loss(layered.params, batch),
                              losses.completion_loss(model, batch), rtol=1e-5)
   choices = data.collate_choices(

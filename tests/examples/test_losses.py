@@ -72,5 +72,9 @@ def test_completion_nll_counts_only_completion_tokens():
   logits[0, 1, 3] = 2.0  # position 1 predicts token 3 (the completion)
   logits[0, 0, 0] = 50.0  # predicting a prompt token: not in the loss
   expected = -jax.nn.log_softmax(logits[0, 1])[3]
-  np.testing.assert_allclose(losses.completion_nll(logits, batch), expected,
-                             rtol=1e-6)
+  # The logits of every position that has a next token (scored_states).
+  np.testing.assert_allclose(losses.completion_nll(logits[:, :-1], batch),
+                             expected, rtol=1e-6)
+  np.testing.assert_allclose(
+      losses.batch_loss(logits, _identity_project, batch), expected,
+      rtol=1e-6)

@@ -1,0 +1,264 @@
+"""A language model's token tables: read by a row lookup and a projection.
+
+A decoder reads its ``[vocab, d]`` token table twice: ``embed`` looks rows up,
+and the head projects the final states onto it (tied), or onto an untied
+``[d, vocab]`` kernel. Left to ``jax.vjp`` both uses produce a dense
+vocabulary-sized gradient, which the layer-wise step would hold through the
+whole backward pass (0.21 x the weights of SmolLM2-135M). Written as
+:class:`TableLookup` and :class:`TableProjection`, the step instead keeps each
+use's small factors (the looked-up rows' cotangent; the features and the
+logits' cotangent) and forms the table's gradient a block of columns at a
+time, inside the column-block update (:class:`TableGradient`).
+
+Both are plain callables with the signatures of ``LayeredLoss.embed`` and
+``LayeredLoss.head``, so the plain ``jax.grad`` path computes the same loss.
+"""
+
+import dataclasses
+from typing import Any, Callable, Optional
+
+import jax
+import jax.numpy as jnp
+
+Params = Any
+Batch = Any
+Path = tuple[Any, ...]
+
+
+def table_at(outer: Params, path: Path) -> jax.Array:
+  """The leaf of ``outer`` at ``path`` (dict keys, sequence indices)."""
+  for key in path:
+    outer = outer[key]
+  return outer
+
+
+def leaf_index(outer: Params, path: Path) -> int:
+  """The position of ``path``'s leaf in ``jax.tree.leaves(outer)``."""
+  for i, (key_path, _) in enumerate(
+      jax.tree_util.tree_flatten_with_path(outer)[0]):
+    names = tuple(getattr(k, 'key', getattr(k, 'idx', getattr(k, 'name', k)))
+                  for k in key_path)
+    if names == tuple(path):
+      return i
+  raise ValueError(f'no leaf at {path} among the outer parameters.')
+
+
+def take_rows(table: jax.Array, ids: jax.Array) -> jax.Array:
+  """``table[ids]`` (rows; out-of-range ids give NaN rows, as ``jnp.take``)."""
+  return jnp.take(table, ids, axis=0)
+
+
+def project_rows(features: jax.Array, table: jax.Array) -> jax.Array:
+  """float32 logits ``features . table[v]`` for every row ``v`` of ``table``."""
+  return jnp.einsum('...d,vd->...v', features, table,
+                    preferred_element_type=jnp.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class TableLookup:
+  """``embed(outer, batch)`` that reads its table only as looked-up rows.
+
+  Calling it returns ``apply(outer, gather(table, ids(batch)), batch)``.
+
+  Attributes:
+    table: path of the ``[vocab, d]`` table in ``outer``, e.g.
+      ``('embed', 'embedding')``.
+    ids: ``ids(batch) -> int array`` of the rows to look up.
+    apply: ``apply(outer, rows, batch) -> hidden``: the rest of the embedding
+      (a dtype cast, position embeddings); it must not read the table.
+    gather: ``gather(table, ids) -> rows``: a row lookup, so that each column
+      of ``rows`` depends only on the same column of ``table`` (default
+      :func:`take_rows`; e.g. one that reshards on a mesh).
+  """
+  table: Path
+  ids: Callable[[Batch], jax.Array]
+  apply: Callable[[Params, jax.Array, Batch], Any]
+  gather: Callable[[jax.Array, jax.Array], jax.Array] = take_rows
+
+  def __call__(self, outer: Params, batch: Batch) -> Any:
+    rows = self.gather(table_at(outer, self.table), self.ids(batch))
+    return self.apply(outer, rows, batch)
+
+
+@dataclasses.dataclass(frozen=True)
+class TableProjection:
+  """``head(outer, hidden, batch)`` that projects features onto a table.
+
+  Calling it returns ``loss(project(features(outer, hidden, batch), table),
+  batch)``.
+
+  Attributes:
+    table: path of the output table in ``outer``: the token embedding when
+      tied (``[vocab, d]``), else the head's kernel.
+    features: ``features(outer, hidden, batch) -> [..., d]``, e.g. the final
+      norm (and the positions that are scored); it must not read the table.
+    loss: ``loss(logits, batch) -> scalar``.
+    project: ``project(features, table) -> logits``, a contraction of the
+      features' last axis with the table's ``table_axis`` (default
+      :func:`project_rows`, float32 logits for a ``[vocab, d]`` table).
+    table_axis: the table's ``d`` axis (1 for ``[vocab, d]``, 0 for a
+      ``[d, vocab]`` kernel).
+  """
+  table: Path
+  features: Callable[[Params, Any, Batch], jax.Array]
+  loss: Callable[..., jax.Array]
+  project: Callable[[jax.Array, jax.Array], jax.Array] = project_rows
+  table_axis: int = 1
+
+  def __call__(self, outer: Params, hidden: Any, batch: Batch) -> jax.Array:
+    logits = self.project(self.features(outer, hidden, batch),
+                          table_at(outer, self.table))
+    return self.loss(logits, batch)
+
+
+# use(table_columns, start, size) -> (output, cotangent of that output)
+Use = Callable[[jax.Array, jax.Array, int], tuple[Callable, Any]]
+
+
+@dataclasses.dataclass(frozen=True)
+class TableGradient:
+  """A table's gradient as the sum of its linear uses' transposes.
+
+  Each use is linear in the table and independent along ``axis`` (a lookup
+  copies columns, a projection contracts them with the features' columns), so
+  a block of columns of the gradient needs only that block of the table and
+  of the factors: :meth:`columns`. :meth:`dense` is the whole gradient, the
+  same operations as ``jax.vjp`` of the loss.
+
+  Attributes:
+    table: the table (its values are not read; only its shape and dtype).
+    axis: the axis the uses are independent along.
+    uses: ``use(start, size) -> (fn, cotangent)``: ``fn(table_block)`` is
+      the use restricted to columns ``[start, start + size)`` along
+      ``axis``, and ``cotangent`` the cotangent of its output.
+  """
+  table: jax.Array
+  axis: int
+  uses: tuple[Callable[[Any, int], tuple[Callable, Any]], ...]
+
+  @property
+  def shape(self) -> tuple[int, ...]:
+    return self.table.shape
+
+  @property
+  def dtype(self):
+    return self.table.dtype
+
+  def columns(self, start: jax.Array, size: int) -> jax.Array:
+    """The gradient's columns ``[start, start + size)`` along ``axis``."""
+    block = jax.lax.dynamic_slice_in_dim(self.table, start, size, self.axis)
+    return self._sum(block, start, size)
+
+  def dense(self) -> jax.Array:
+    """The whole gradient."""
+    return self._sum(self.table, 0, self.table.shape[self.axis])
+
+  def _sum(self, block, start, size):
+    total = None
+    for use in self.uses:
+      fn, cotangent = use(start, size)
+      _, vjp = jax.vjp(fn, block)
+      (grad,) = vjp(cotangent)
+      total = grad if total is None else total + grad
+    return total
+
+  def plus(self, other: 'Optional[TableGradient]') -> 'TableGradient':
+    """Both tables' uses (the same table, read twice: tied)."""
+    if other is None:
+      return self
+    if other.axis != self.axis:
+      raise ValueError('a table read along two different column axes.')
+    return dataclasses.replace(self, uses=self.uses + other.uses)
+
+
+def _columns(x, start, size, axis=-1):
+  if isinstance(start, int) and start == 0 and size == x.shape[axis]:
+    return x
+  return jax.lax.dynamic_slice_in_dim(x, start, size, axis)
+
+
+def lookup_gradient(lookup: TableLookup, table, ids, d_rows) -> TableGradient:
+  """The lookup's share of the table's gradient, from the rows' cotangent."""
+  def use(start, size):
+    return (lambda block: lookup.gather(block, ids),
+            _columns(d_rows, start, size))
+  return TableGradient(table, 1, (use,))
+
+
+def projection_gradient(head: TableProjection, table, features,
+                        d_logits) -> TableGradient:
+  """The projection's share of the table's gradient, from its factors."""
+  def use(start, size):
+    return (lambda block: head.project(_columns(features, start, size),
+                                       block), d_logits)
+  return TableGradient(table, head.table_axis, (use,))
+
+
+def _check_unread(fn, leaves, index, what):
+  """Raises unless ``fn(leaves)`` ignores ``leaves[index]`` (the table)."""
+  jaxpr = jax.make_jaxpr(fn)(leaves).jaxpr
+  table = jaxpr.invars[index]
+  if table in jaxpr.outvars or any(table in eqn.invars for eqn in jaxpr.eqns):
+    raise ValueError(
+        f'{what} reads the token table; its gradient would be missed. Read '
+        'the table only through the lookup and the projection.')
+
+
+def _without(leaves, index):
+  return [None if i == index else x for i, x in enumerate(leaves)]
+
+
+def _with(leaves, index, value):
+  return [value if i == index else x for i, x in enumerate(leaves)]
+
+
+def head_backward(head: TableProjection, outer: Params, hidden: Any,
+                  batch: Batch):
+  """The head's value and backward pass, without the table's dense gradient.
+
+  Returns:
+    ``(value, outer_grads, d_hidden, table_index, gradient)``: the loss, the
+    gradient of every other leaf of ``outer`` (``None`` at the table), the
+    cotangent of ``hidden``, and the table's :class:`TableGradient`.
+  """
+  leaves, treedef = jax.tree.flatten(outer)
+  index = leaf_index(outer, head.table)
+  table = leaves[index]
+  def features(rest, hidden):
+    return head.features(treedef.unflatten(_with(rest, index, table)), hidden,
+                         batch)
+  _check_unread(lambda ls: head.features(treedef.unflatten(ls), hidden, batch),
+                leaves, index, 'TableProjection.features')
+  feats, features_vjp = jax.vjp(features, _without(leaves, index), hidden)
+  logits, project_vjp = jax.vjp(lambda f: head.project(f, table), feats)
+  value, loss_vjp = jax.vjp(lambda x: head.loss(x, batch), logits)
+  (d_logits,) = loss_vjp(jnp.ones_like(value))
+  (d_features,) = project_vjp(d_logits)
+  outer_grads, d_hidden = features_vjp(d_features)
+  return (value, outer_grads, d_hidden, index,
+          projection_gradient(head, table, feats, d_logits))
+
+
+def embed_backward(lookup: TableLookup, outer: Params, batch: Batch):
+  """The embedding's backward pass, without the table's dense gradient.
+
+  Returns:
+    ``backward(d_hidden) -> (outer_grads, table_index, gradient)``, as
+    :func:`head_backward`.
+  """
+  leaves, treedef = jax.tree.flatten(outer)
+  index = leaf_index(outer, lookup.table)
+  table = leaves[index]
+  ids = lookup.ids(batch)
+  def apply(rest, rows):
+    return lookup.apply(treedef.unflatten(_with(rest, index, table)), rows,
+                        batch)
+  rows = lookup.gather(table, ids)
+  _check_unread(lambda ls: lookup.apply(treedef.unflatten(ls), rows, batch),
+                leaves, index, 'TableLookup.apply')
+  _, apply_vjp = jax.vjp(apply, _without(leaves, index), rows)
+
+  def backward(d_hidden):
+    outer_grads, d_rows = apply_vjp(d_hidden)
+    return outer_grads, index, lookup_gradient(lookup, table, ids, d_rows)
+  return backward
