@@ -27,8 +27,11 @@ Path = tuple[Any, ...]
 
 def table_at(outer: Params, path: Path) -> jax.Array:
   """The leaf of ``outer`` at ``path`` (dict keys, sequence indices)."""
-  for key in path:
-    outer = outer[key]
+  try:
+    for key in path:
+      outer = outer[key]
+  except (KeyError, IndexError, TypeError):
+    raise ValueError(f'no leaf at {path} among the outer parameters.') from None
   return outer
 
 
