@@ -22,6 +22,7 @@ from taco_optax import _alias
 from taco_optax import _backward
 from taco_optax import _leaf
 from taco_optax import _leaf_update
+from taco_optax import _table_update
 from taco_optax import _token_table
 from taco_optax import _transform
 from taco_optax._layered_loss import LayeredLoss
@@ -81,14 +82,22 @@ def _head_backward(head, outer, hidden, batch):
 
 
 def _embed_backward(embed, outer, batch, d_hidden):
-  """``(outer grads, {leaf: TableGradient})`` of the embedding."""
+  """``(outer grads, {leaf: (ids, d_rows)})`` of the embedding."""
   if isinstance(embed, _token_table.TableLookup):
-    grads, index, table = _token_table.embed_backward(embed, outer,
-                                                      batch)(d_hidden)
-    return grads, {index: table}
+    grads, index, ids, d_rows = _token_table.embed_backward(embed, outer,
+                                                            batch)(d_hidden)
+    return grads, {index: (ids, d_rows)}
   _, embed_vjp = jax.vjp(lambda o: embed(o, batch), outer)
   (grads,) = embed_vjp(d_hidden)
   return jax.tree.leaves(grads), {}
+
+
+def _tied_table(loss, outer, tables, batch):
+  """``(leaf, ids)`` of a table that the lookup and the projection share."""
+  if not isinstance(loss.embed, _token_table.TableLookup):
+    return None
+  index = _token_table.leaf_index(outer, loss.embed.table)
+  return (index, loss.embed.ids(batch)) if index in tables else None
 
 
 def layerwise_train_step(loss: LayeredLoss, *taco_args: Any,
@@ -205,6 +214,18 @@ def layerwise_train_step(loss: LayeredLoss, *taco_args: Any,
           lambda x, i=i: _leaf_update.data_dependency(x, new_leaves[i]),
           d_hidden)
 
+    # A tied table: select among the rows outside the batch's tokens now, so
+    # the logits' cotangent dies before the layers (_table_update).
+    tied = _tied_table(loss, outer, tables, batch)
+    two_phase = tied is not None and _table_update.applies(
+        outer_leaves[tied[0]], tables[tied[0]], plans[tied[0]], tied[1])
+    if two_phase:
+      i = tied[0]
+      kept = _table_update.head_phase(tables.pop(i), tied[1], outer_leaves[i],
+                                      leaf_states[i], plans[i], parts.mu)
+      d_hidden = jax.tree.map(
+          lambda x: _leaf_update.data_dependency(x, kept[2].values), d_hidden)
+
     backward = (_backward.scanned if loss.scan_layers
                 else _backward.unrolled)
     d_hidden, layer_leaves, layer_states, layer_grads = backward(
@@ -213,9 +234,17 @@ def layerwise_train_step(loss: LayeredLoss, *taco_args: Any,
     new_leaves[num_outer:] = layer_leaves
     new_states[num_outer:] = layer_states
 
-    embed_grads, embed_tables = _embed_backward(loss.embed, outer, batch,
-                                                d_hidden)
-    for i, table in embed_tables.items():
+    embed_grads, lookups = _embed_backward(loss.embed, outer, batch,
+                                           d_hidden)
+    for i, (ids, d_rows) in lookups.items():
+      if two_phase and i == tied[0]:
+        new_leaves[i], *state = _table_update.update(
+            outer_leaves[i], kept, loss.embed.gather, d_rows, leaf_states[i],
+            plans[i], parts.mu, parts.learning_rate, states.learning_rate)
+        new_states[i] = tuple(state)
+        continue
+      table = _token_table.lookup_gradient(loss.embed, outer_leaves[i], ids,
+                                           d_rows)
       tables[i] = table.plus(tables.get(i) if i not in early else None)
     outer_grads = [_sum_grads(g, e) if i not in early else g
                    for i, (g, e) in enumerate(zip(outer_grads, embed_grads))]
@@ -223,7 +252,8 @@ def layerwise_train_step(loss: LayeredLoss, *taco_args: Any,
       if i in tables and (plans[i] is None or i not in early):
         outer_grads[i] = tables[i] if plans[i] is not None else (
             tables[i].dense())
-      if plans[i] is not None and i not in early:
+      if plans[i] is not None and i not in early and not (
+          two_phase and i == tied[0]):
         update_outer(i, outer_grads[i])
 
     # Adam on the non-TACO leaves, as optax.partition would run it.

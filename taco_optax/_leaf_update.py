@@ -91,7 +91,7 @@ def _local_winners(winners, shards):
   return jnp.where(held, local, -1)
 
 
-def _scatter_add(x, where, delta, dropping):
+def scatter_add(x, where, delta, dropping):
   """``x`` with ``delta`` added at ``where``, rounded once to ``x.dtype``.
 
   In place on a donated ``x``; with ``dropping``, out-of-range positions
@@ -112,7 +112,7 @@ def _add_at_winners(rows: jax.Array, winners: jax.Array,
                     delta: jax.Array) -> jax.Array:
   """``rows`` with ``delta[i, s]`` added at ``rows[i, winners[i, s]]``.
 
-  As :func:`_scatter_add` (each sum rounded once to ``rows.dtype``, every
+  As :func:`scatter_add` (each sum rounded once to ``rows.dtype``, every
   other entry untouched), written as one elementwise pass over a block of
   rows: inside the chunked loop, where XLA:CPU would run a scatter of 16-bit
   floats in float32 by converting the whole weight on every iteration.
@@ -127,7 +127,7 @@ def _add_at_winners(rows: jax.Array, winners: jax.Array,
   return out
 
 
-def _winner_delta(step, scale, dtype, lr_tx, lr_state, after):
+def winner_delta(step, scale, dtype, lr_tx, lr_state, after):
   """What each winner adds to its weight: ``-lr * scale * sign``."""
   direction = (step.winner_signs * scale).astype(dtype)
   delta, _ = lr_tx.update(direction, lr_state)
@@ -144,7 +144,7 @@ def _local_leaf_update(param, grad, values, indices, exponents, *, plan, mu,
   layout = plan.local_layout(param.shape)
   chunk = column_chunk(layout)
   if isinstance(grad, _token_table.TableGradient) and (
-      chunk is None or grad.axis != _column_axis(layout)):
+      chunk is None or grad.axis != column_axis(layout)):
     grad = grad.dense()
   if chunk is not None:
     return _chunked_leaf_update(param, grad, values, indices, exponents,
@@ -152,11 +152,11 @@ def _local_leaf_update(param, grad, values, indices, exponents, *, plan, mu,
                                 shards, chunk)
   step, state = _leaf.history_step(layout.to_rows(grad), values, indices,
                                    exponents, plan, mu, shards)
-  delta = _winner_delta(step, plan.scale, grad.dtype, lr_tx, lr_state, after)
+  delta = winner_delta(step, plan.scale, grad.dtype, lr_tx, lr_state, after)
   rows = layout.to_rows(param)
   row_ids = jnp.arange(rows.shape[0], dtype=jnp.int32)[:, None]
   winners = _local_winners(step.winner_indices, shards)
-  rows = _scatter_add(rows, (row_ids, winners), delta,
+  rows = scatter_add(rows, (row_ids, winners), delta,
                       dropping=shards is not None and bool(shards.gather_axes))
   # The optax path turns a non-finite gradient into an all-NaN update.
   new_param = jnp.where(step.finite, layout.from_rows(rows, param.shape),
@@ -164,7 +164,7 @@ def _local_leaf_update(param, grad, values, indices, exponents, *, plan, mu,
   return (new_param,) + state
 
 
-def _column_axis(layout: dn.MatrixLayout) -> int:
+def column_axis(layout: dn.MatrixLayout) -> int:
   """The axis of a 2-D leaf that holds its columns (the paper's ``n``)."""
   return 0 if layout.transpose == (0, 1) else 1
 
@@ -188,7 +188,7 @@ def _chunked_leaf_update(param, grad, values, indices, exponents, layout,
     if shards is not None:
       finite = _mesh.all_finite(finite, shards)
 
-  axis = _column_axis(layout)
+  axis = column_axis(layout)
   # XLA:CPU slices and updates 16-bit floats in float32 (converting the whole
   # array on every iteration): the loop moves their bits as integers instead.
   bits_dtype = (jnp.dtype(f'uint{8 * param.dtype.itemsize}')
@@ -208,9 +208,7 @@ def _chunked_leaf_update(param, grad, values, indices, exponents, layout,
     return jax.lax.dynamic_update_slice_in_dim(x, block, start, axis=axis)
 
   if formed:
-    def grad_rows(start):
-      block = grad.columns(start, chunk)
-      return block if rows_are_axis0 else block.T
+    grad_rows = lambda start: grad.columns(start, chunk)
   else:
     grad_bits = as_bits(grad)
     grad_rows = lambda start: rows(grad_bits, start, grad.dtype)
@@ -225,7 +223,7 @@ def _chunked_leaf_update(param, grad, values, indices, exponents, layout,
     step, new_state = _leaf.history_step(
         block_grad, columns(values), columns(indices), columns(exponents),
         plan, mu, shards)
-    delta = _winner_delta(step, plan.scale, grad.dtype, lr_tx, lr_state, after)
+    delta = winner_delta(step, plan.scale, grad.dtype, lr_tx, lr_state, after)
     block = _add_at_winners(rows(param_bits, start, param.dtype),
                             _local_winners(step.winner_indices, shards), delta)
     param_bits = put_rows(param_bits, block, start)

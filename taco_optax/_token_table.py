@@ -148,19 +148,27 @@ class TableGradient:
     return self.table.dtype
 
   def columns(self, start: jax.Array, size: int) -> jax.Array:
-    """The gradient's columns ``[start, start + size)`` along ``axis``."""
+    """The gradient's columns ``[start, start + size)`` along ``axis``, as
+    ``(size, m)`` rows (the column step's layout: one row per column).
+
+    Differentiated with respect to the block in that layout, so XLA computes
+    each product in it too; transposing a gradient block computed in the
+    table's layout made XLA copy the logits' cotangent, transposed, once.
+    """
     block = jax.lax.dynamic_slice_in_dim(self.table, start, size, self.axis)
-    return self._sum(block, start, size)
+    if self.axis == 0:
+      return self._sum(block, start, size)
+    return self._sum(block.T, start, size, lambda rows: rows.T)
 
   def dense(self) -> jax.Array:
     """The whole gradient."""
     return self._sum(self.table, 0, self.table.shape[self.axis])
 
-  def _sum(self, block, start, size):
+  def _sum(self, block, start, size, layout=lambda block: block):
     total = None
     for use in self.uses:
       fn, cotangent = use(start, size)
-      _, vjp = jax.vjp(fn, block)
+      _, vjp = jax.vjp(lambda x, fn=fn: fn(layout(x)), block)
       (grad,) = vjp(cotangent)
       total = grad if total is None else total + grad
     return total
@@ -190,10 +198,19 @@ def lookup_gradient(lookup: TableLookup, table, ids, d_rows) -> TableGradient:
 
 def projection_gradient(head: TableProjection, table, features,
                         d_logits) -> TableGradient:
-  """The projection's share of the table's gradient, from its factors."""
+  """The projection's share of the table's gradient, from its factors.
+
+  Blocks are formed from the factors flattened to ``[rows, d]`` and ``[rows,
+  vocab]``: with the leading axes kept, XLA:CPU copied the logits' cotangent,
+  transposed, in every block.
+  """
+  flat_features = features.reshape(-1, features.shape[-1])
+  flat_d_logits = d_logits.reshape(flat_features.shape[0], -1)
   def use(start, size):
-    return (lambda block: head.project(_columns(features, start, size),
-                                       block), d_logits)
+    if isinstance(start, int) and start == 0 and size == features.shape[-1]:
+      return lambda block: head.project(features, block), d_logits
+    return (lambda block: head.project(_columns(flat_features, start, size),
+                                       block), flat_d_logits)
   return TableGradient(table, head.table_axis, (use,))
 
 
@@ -246,8 +263,9 @@ def embed_backward(lookup: TableLookup, outer: Params, batch: Batch):
   """The embedding's backward pass, without the table's dense gradient.
 
   Returns:
-    ``backward(d_hidden) -> (outer_grads, table_index, gradient)``, as
-    :func:`head_backward`.
+    ``backward(d_hidden) -> (outer_grads, table_index, ids, d_rows)``: as
+    :func:`head_backward`, with the looked-up ids and their rows' cotangent
+    in place of the gradient (:func:`lookup_gradient` forms it).
   """
   leaves, treedef = jax.tree.flatten(outer)
   index = leaf_index(outer, lookup.table)
@@ -263,5 +281,5 @@ def embed_backward(lookup: TableLookup, outer: Params, batch: Batch):
 
   def backward(d_hidden):
     outer_grads, d_rows = apply_vjp(d_hidden)
-    return outer_grads, index, lookup_gradient(lookup, table, ids, d_rows)
+    return outer_grads, index, ids, d_rows
   return backward

@@ -17,8 +17,10 @@ import optax
 import pytest
 
 import taco_optax
+from taco_optax import _column_step
 from taco_optax import _leaf
 from taco_optax import _leaf_update
+from taco_optax import _table_update
 from taco_optax import _token_table
 from tests import test_train_step as plain_case
 from tests.bitwise import assert_bitwise_equal
@@ -223,3 +225,91 @@ def test_one_non_finite_block_keeps_the_whole_history(monkeypatch,
   assert_bitwise_equal(formed, dense)
   assert_bitwise_equal(formed[1:], (history.values, history.indices,
                                     history.exponents))
+
+
+def _big_vocab_params(vocab):
+  outer, layers = plain_case._params(False, jnp.float32)
+  outer = dict(outer, embedding=jax.random.normal(
+      jax.random.key(3), (vocab, WIDTH)) / np.sqrt(WIDTH))
+  return outer, layers
+
+
+@pytest.mark.parametrize('update_topk', [1, 2])
+def test_tied_table_in_two_phases_equals_plain_optax_path(monkeypatch,
+                                                          update_topk):
+  # 256 rows, 32 looked-up tokens per batch (some repeated), 4-column
+  # blocks: the rows outside the batch are selected at the head and merged
+  # with the batch's rows after the layers (_table_update).
+  vocab = 256
+  monkeypatch.setattr(_leaf_update, 'CHUNK_ELEMENTS', vocab * 4)
+  calls = []
+  select = _table_update.select_outside
+  monkeypatch.setattr(_table_update, 'select_outside',
+                      lambda *args: calls.append(1) or select(*args))
+  params = _big_vocab_params(vocab)
+  # Each step looks up half new tokens: rows outside the batch carry
+  # history from the steps before and win on it, and rows in it merge their
+  # history with both shares of the gradient.
+  tokens = [jax.random.randint(jax.random.key(100 + s), (4, 8), 20 * s,
+                               20 * s + 40) for s in range(3)]
+  loss = taco_optax.LayeredLoss(EMBED, plain_case._layer, TIED,
+                                scan_layers=False)
+  train = taco_optax.layerwise_train_step(
+      loss, 1e-2, mu=0.9, k=3, update_topk=update_topk,
+      adam_learning_rate=1e-3,
+      weight_dimension_numbers=_embedding_rows_are_tokens)
+  plain = jax.jit(plain_case._plain_step(loss, train.optimizer))
+  fused = jax.jit(train.step)
+  expected = got = (params, train.optimizer.init(params))
+  for batch in tokens:
+    table_before = got[0][0]['embedding']
+    expected = plain(*expected[:2], batch)
+    got = fused(*got[:2], batch)
+  assert calls, 'the two-phase table update did not run'
+  plain_case._assert_same_step(got, expected, exact_params=False)
+  # The last step moved rows of its batch's tokens and rows outside it.
+  moved = np.asarray(got[0][0]['embedding'] != table_before).any(axis=1)
+  assert moved[40:80].any() and moved[:40].any(), np.flatnonzero(moved)
+
+
+@pytest.mark.parametrize('seed', range(4))
+def test_two_phases_equal_the_column_step_on_ties_and_zero_columns(seed):
+  # Gradients of few distinct values (many ties in magnitude, broken by the
+  # lower row), a zero column and an empty history: the merged selection
+  # must pick exactly the rows lax.top_k picks on the summed gradient.
+  vocab, width, k, r = 64, 8, 4, 2
+  rng = np.random.default_rng(seed)
+  levels = lambda shape: jnp.asarray(rng.integers(-2, 3, shape) * 0.5,
+                                     jnp.float32)
+  table = jnp.zeros((vocab, width))
+  ids = jnp.asarray(rng.integers(0, vocab, (3, 4)), jnp.int32)
+  features = jax.nn.one_hot(rng.integers(0, width, 10), width)
+  d_logits = levels((10, vocab))
+  d_rows = levels((3, 4, width)).at[..., 0].set(0.0)
+  features = features.at[:, 0].set(0.0)  # column 0 of the gradient is zero
+  lookup = _token_table.lookup_gradient(EMBED, table, ids, d_rows)
+  projection = _token_table.projection_gradient(TIED, table, features,
+                                                d_logits)
+  dims = taco_optax.TacoDimensionNumbers(1, 0)
+  (plan,) = _leaf.leaf_plans(table, dims, None, r)
+  tx = taco_optax.taco(1e-2, k=k, update_topk=r,
+                       weight_dimension_numbers=dims)
+  history = taco_optax.taco_states(tx.init(table)).direction
+  state = (history.values, history.indices, history.exponents)
+  if seed % 2:  # a history to merge with
+    dense = lookup.plus(projection).dense()
+    step = _column_step.reference_column_step(
+        dense.T * 3, state[0].T, state[1].T, state[2], 0.9, r)
+    state = (step.values.T, step.indices.T, step.exponents)
+  expected = _column_step.reference_column_step(
+      lookup.plus(projection).dense().T, state[0].T, state[1].T, state[2],
+      0.9, r)
+  rows, _ = _table_update.batch_rows(ids, vocab)
+  outside = _table_update.select_outside(projection, rows, state, plan, 0.9,
+                                         2)
+  inside = _token_table.lookup_gradient(EMBED, table, ids, d_rows).dense()
+  got = _table_update.finish(outside, rows, jnp.take(inside, rows, 0,
+                                                     mode='fill',
+                                                     fill_value=0).T,
+                             state, plan, 0.9)
+  assert_bitwise_equal(got, expected)

@@ -14,32 +14,58 @@ def next_token_log_probs(model, input_ids, attention_mask):
   return jnp.take_along_axis(log_probs, input_ids[:, 1:, None], -1)[..., 0]
 
 
+@jax.custom_vjp
 def _token_log_probs(logits, targets):
   """float32 ``log_softmax(logits)[targets]`` along the last axis.
 
   ``jax.nn.log_softmax``'s steps, with each target's entry picked before the
   normaliser is subtracted: the value and gradient are the same bits, but no
-  log-probability array as large as the logits (and no one-hot cotangent of
-  it) is materialised, which was 0.09 x weights of the layer-wise step's peak
-  for SmolLM2-135M (``benchmarks/memory.py``).
+  log-probability array as large as the logits is materialised, which was
+  0.09 x weights of the layer-wise step's peak for SmolLM2-135M
+  (``benchmarks/memory.py``). The backward pass keeps only ``exp(logits -
+  max)`` (autodiff kept the logits beside it) and picks the target by a
+  comparison, not a scatter into zeros, so the logits, their ``exp`` and
+  their gradient can each be written in the place of the one before.
   """
+  return _log_probs_forward(logits, targets)[0]
+
+
+def _log_probs_forward(logits, targets):
   logits = logits.astype(jnp.float32)
-  shifted = logits - jax.lax.stop_gradient(
-      jnp.max(logits, -1, initial=-jnp.inf, keepdims=True))
-  log_norm = jnp.log(jnp.sum(jnp.exp(shifted), -1, keepdims=True))
+  shifted = logits - jnp.max(logits, -1, initial=-jnp.inf, keepdims=True)
   picked = jnp.take_along_axis(shifted, targets[..., None], -1)
-  return (picked - log_norm)[..., 0]
+  # The exp reads the picked entries (adding 0), so it runs after the pick
+  # and can overwrite the logits; XLA otherwise picked after the exp's sum.
+  exp = jnp.exp(shifted + jnp.where(jnp.isfinite(picked), picked, 0.0) * 0.0)
+  total = jnp.sum(exp, -1, keepdims=True)
+  return (picked - jnp.log(total))[..., 0], (exp, total, targets)
+
+
+def _log_probs_backward(residuals, cotangent):
+  exp, total, targets = residuals
+  cotangent = cotangent[..., None]
+  vocab = jax.lax.broadcasted_iota(jnp.int32, exp.shape, exp.ndim - 1)
+  # The autodiff of the forward, term by term: d picked at the target, and
+  # d log(total) = -cotangent / total through exp(shifted).
+  d_logits = (jnp.where(vocab == targets[..., None], cotangent, 0.0)
+              + (-cotangent / total) * exp)
+  return d_logits, None
+
+
+_token_log_probs.defvjp(_log_probs_forward, _log_probs_backward)
 
 
 def completion_nll(logits, batch: data_lib.Batch):
   """Mean negative log-likelihood of the completion tokens.
 
-  ``logits`` are those of every position but the last (``[B, T - 1, V]``,
-  each scoring the next token; :func:`scored_states` drops the last state
-  before the projection, so no sliced copy of the logits is made).
+  ``logits`` are those of every position but the last (``[B, T - 1, V]``, or
+  flattened to ``[B * (T - 1), V]``, each scoring the next token;
+  :func:`scored_states` drops the last state before the projection, so no
+  sliced copy of the logits is made).
   """
-  mask = batch.loss_mask[:, 1:]
-  log_probs = _token_log_probs(logits, batch.input_ids[:, 1:])
+  rows = logits.shape[:-1]
+  mask = batch.loss_mask[:, 1:].reshape(rows)
+  log_probs = _token_log_probs(logits, batch.input_ids[:, 1:].reshape(rows))
   return -(log_probs * mask).sum() / jnp.maximum(mask.sum(), 1.0)
 
 
@@ -66,12 +92,13 @@ def scored_states(hidden, batch):
 
   A ``ChoiceBatch`` (candidates) scores only each row's last position
   (``[B, hidden]``), so no ``[B, T, vocab]`` logits exist; a ``Batch``
-  (completion) scores every position that has a next token
-  (``[B, T - 1, hidden]``).
+  (completion) scores every position that has a next token, flattened
+  (``[B * (T - 1), hidden]``: the logits, their exp and their gradient then
+  have one shape, so XLA writes each in the place of the one before).
   """
   if isinstance(batch, data_lib.ChoiceBatch):
     return last_positions(hidden, batch.attention_mask)
-  return hidden[:, :-1]
+  return hidden[:, :-1].reshape(-1, hidden.shape[-1])
 
 
 def logits_loss(logits, batch):
