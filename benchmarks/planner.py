@@ -61,7 +61,7 @@ def plan(hf_config, *, batch, seq, dtype=jnp.bfloat16, scan_layers=True,
   Returns:
     A dict of the model ``config``, the bytes of ``weights``, ``taco_state``,
     ``adamw_state``, ``saved_inputs``, ``head_phase``, ``layer_phase``,
-    ``outer_grads``, and ``peaks``: predicted peak bytes per method.
+    ``position_grads``, and ``peaks``: predicted peak bytes per method.
   """
   config = config_lib.ModelConfig.from_hf_config(hf_config)
   params = abstract_params(config, dtype)
@@ -81,7 +81,7 @@ def plan(hf_config, *, batch, seq, dtype=jnp.bfloat16, scan_layers=True,
       'saved_inputs': plan_terms.saved_inputs,
       'head_phase': plan_terms.head_phase,
       'layer_phase': plan_terms.layer_phase,
-      'outer_grads': plan_terms.embed_matrix_grads,
+      'position_grads': plan_terms.embed_matrix_grads,
       'peaks': {
           'taco layerwise': memory_plan.layerwise_peak(plan_terms,
                                                        taco_state),
@@ -107,8 +107,8 @@ def print_plan(name, result, gpu_gb):
         f'{result["adamw_state"] / GB:.2f} GB')
   print(f'  terms (GB): saved inputs {result["saved_inputs"] / GB:.3f}, head '
         f'{result["head_phase"] / GB:.3f}, one layer '
-        f'{result["layer_phase"] / GB:.3f}, embedding grads '
-        f'{result["outer_grads"] / GB:.3f}')
+        f'{result["layer_phase"] / GB:.3f}, position-table grads '
+        f'{result["position_grads"] / GB:.3f}')
   print(f'  {"method":<28}{"peak GB":>9}  fits {gpu_gb:g} GB')
   for method, peak in result['peaks'].items():
     print(f'  {method:<28}{peak / GB:>9.2f}  '

@@ -14,16 +14,20 @@ L layers, V vocabulary):
   twice one layer's recomputed activations (below), as measured on the
   scanned model (``--validate`` checks both; with unrolled layers XLA frees
   them earlier, so the formula is conservative there);
-* head phase: float32 logits and their gradient ``2 * B * T * V * 4``;
+* head phase: the float32 logits ``B * T * V * 4`` (their exp and their
+  gradient are written in their place: ``losses.completion_nll``), plus, in
+  the layer-wise step, the transients of the token table's (or untied
+  head's) column blocks, four float32 arrays of ``2**20`` elements (the
+  block size of ``taco_optax``'s chunked update);
 * one layer's backward: its gradients ``P_layer * b`` plus its recomputed
   activations ``B * T * (4 d + 3 ffn) * b + 2 * B * heads * T^2 * 4``, plus,
   with scanned layers, a copy of that layer's weights ``P_layer * b`` (XLA
   materialises the ``dynamic_slice`` of the stacked weights that feeds the
   matmuls; seen in the CPU buffer assignment, in the forward pass too);
-* the layerwise step keeps the dense gradients of the matrices the embedding
-  reads (token and position tables) until the end and updates an untied LM
-  head right after the head's backward; the plain step keeps every
-  gradient.
+* the layerwise step forms the token table's and an untied LM head's
+  gradients a block of columns at a time (never dense), keeps the dense
+  gradient of a learned position table until the end, and nothing of the
+  head's logits past the head; the plain step keeps every gradient.
 
 The layer-wise step always runs each block's backward from its saved input
 (its own per-block recomputation), so only the plain step depends on remat.
@@ -37,9 +41,11 @@ import jax
 import jax.numpy as jnp
 
 from examples.finetune import config as config_lib
-from examples.finetune import model as model_lib
 
 GB = 1e9
+# taco_optax updates a large matrix a block of columns at a time, about this
+# many float32 elements per block; its column step holds ~4 such arrays.
+COLUMN_BLOCK_ELEMENTS = 2**20
 
 
 def tree_bytes(tree) -> int:
@@ -63,21 +69,23 @@ class Terms(NamedTuple):
     saved_inputs: what the plain step keeps for the backward pass: each
       layer's input (remat), or every layer's residuals (no remat).
     layer_inputs: each layer's input (what the layer-wise step keeps).
-    head_phase: float32 logits and their gradient.
+    head_phase: the float32 logits (exp and gradient in their place).
+    table_blocks: the layer-wise step's column-block transients at the head.
     layer_activations: one layer's recomputed activations.
     slice_copy: one layer's weights copied out of the stack (scanned layers).
     layer_phase: one layer's backward (gradients, activations, slice copy).
-    outer_matrix_grads: gradients of the matrices outside the layers.
-    embed_matrix_grads: gradients of the tables the embedding reads.
+    embed_matrix_grads: dense gradients the layer-wise step keeps through
+      the layers: a learned position table (the token table's is formed
+      a block of columns at a time).
   """
   weights: int
   saved_inputs: int
   layer_inputs: int
   head_phase: int
+  table_blocks: int
   layer_activations: int
   slice_copy: int
   layer_phase: int
-  outer_matrix_grads: int
   embed_matrix_grads: int
 
 
@@ -96,22 +104,19 @@ def terms(config: config_lib.ModelConfig, params, *, batch: int, seq: int,
       saved_inputs=(layer_inputs if remat
                     else 2 * config.num_layers * layer_activations),
       layer_inputs=layer_inputs,
-      head_phase=2 * batch * seq * config.vocab_size * 4,
+      head_phase=batch * seq * config.vocab_size * 4,
+      table_blocks=4 * COLUMN_BLOCK_ELEMENTS * 4,
       layer_activations=layer_activations,
       slice_copy=slice_copy,
       layer_phase=layer_bytes + layer_activations + slice_copy,
-      outer_matrix_grads=sum(tree_bytes(x) for x in jax.tree.leaves(outer)
-                             if model_lib.is_matrix(x)),
-      embed_matrix_grads=sum(tree_bytes(outer[name])
-                             for name in ('embed', 'positions')
-                             if name in outer))
+      embed_matrix_grads=tree_bytes(outer.get('positions', {})))
 
 
 def layerwise_peak(plan_terms: Terms, state_bytes: int) -> int:
   """Peak of ``taco_optax.layerwise_train_step``: one block's gradients."""
   t = plan_terms
   return (t.weights + state_bytes + t.layer_inputs
-          + max(t.head_phase + t.outer_matrix_grads,
+          + max(t.head_phase + t.table_blocks,
                 t.layer_phase + t.embed_matrix_grads))
 
 
