@@ -217,11 +217,13 @@ def layerwise_train_step(loss: LayeredLoss, *taco_args: Any,
     # A tied table: select among the rows outside the batch's tokens now, so
     # the logits' cotangent dies before the layers (_table_update).
     tied = _tied_table(loss, outer, tables, batch)
-    two_phase = tied is not None and _table_update.applies(
-        outer_leaves[tied[0]], tables[tied[0]], plans[tied[0]], tied[1])
+    two_phase = tied is not None and plans[tied[0]] is not None
     if two_phase:
-      i = tied[0]
-      kept = _table_update.head_phase(tables.pop(i), tied[1], outer_leaves[i],
+      i, ids = tied
+      two_phase = _table_update.applies(outer_leaves[i], tables[i], plans[i],
+                                        ids, leaf_states[i][0].shape[-2])
+    if two_phase:
+      kept = _table_update.head_phase(tables.pop(i), ids, outer_leaves[i],
                                       leaf_states[i], plans[i], parts.mu)
       d_hidden = jax.tree.map(
           lambda x: _leaf_update.data_dependency(x, kept[2].values), d_hidden)

@@ -137,16 +137,17 @@ def finish(outside: Outside, rows: jax.Array, lookup_rows: jax.Array, state,
                              values, indices, exponents, plan.update_topk)
 
 
-def applies(param, gradient: _token_table.TableGradient, plan, ids) -> bool:
-  """Whether the two phases can run for this table on this device."""
-  if plan is None or _mesh.leaf_sharding_of(param, plan.dim_num) is not None:
+def applies(param, gradient: _token_table.TableGradient, plan, ids,
+            k: int) -> bool:
+  """Whether the two phases can run for this table (``k`` history entries
+  per column) on this device."""
+  if _mesh.leaf_sharding_of(param, plan.dim_num) is not None:
     return False
   layout = plan.local_layout(param.shape)
-  chunk = _leaf_update.column_chunk(layout)
-  keep = max(plan.update_topk, 1)
-  return (chunk is not None and param.ndim == 2
+  # Phase 1 must find max(k, r) rows outside the batch's tokens.
+  return (_leaf_update.column_chunk(layout) is not None and param.ndim == 2
           and gradient.axis == _leaf_update.column_axis(layout)
-          and layout.m >= ids.size + keep + 16)
+          and layout.m >= ids.size + max(k, plan.update_topk))
 
 
 def head_phase(gradient, ids, param, state, plan, mu) -> tuple[Any, ...]:

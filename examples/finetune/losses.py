@@ -31,6 +31,7 @@ def _token_log_probs(logits, targets):
 
 
 def _log_probs_forward(logits, targets):
+  dtype = jnp.zeros((0,), logits.dtype)  # the gradient's dtype, as a residual
   logits = logits.astype(jnp.float32)
   shifted = logits - jnp.max(logits, -1, initial=-jnp.inf, keepdims=True)
   picked = jnp.take_along_axis(shifted, targets[..., None], -1)
@@ -38,18 +39,18 @@ def _log_probs_forward(logits, targets):
   # and can overwrite the logits; XLA otherwise picked after the exp's sum.
   exp = jnp.exp(shifted + jnp.where(jnp.isfinite(picked), picked, 0.0) * 0.0)
   total = jnp.sum(exp, -1, keepdims=True)
-  return (picked - jnp.log(total))[..., 0], (exp, total, targets)
+  return (picked - jnp.log(total))[..., 0], (exp, total, targets, dtype)
 
 
 def _log_probs_backward(residuals, cotangent):
-  exp, total, targets = residuals
+  exp, total, targets, dtype = residuals
   cotangent = cotangent[..., None]
   vocab = jax.lax.broadcasted_iota(jnp.int32, exp.shape, exp.ndim - 1)
   # The autodiff of the forward, term by term: d picked at the target, and
   # d log(total) = -cotangent / total through exp(shifted).
   d_logits = (jnp.where(vocab == targets[..., None], cotangent, 0.0)
               + (-cotangent / total) * exp)
-  return d_logits, None
+  return d_logits.astype(dtype.dtype), None
 
 
 _token_log_probs.defvjp(_log_probs_forward, _log_probs_backward)

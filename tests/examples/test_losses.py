@@ -78,3 +78,32 @@ def test_completion_nll_counts_only_completion_tokens():
   np.testing.assert_allclose(
       losses.batch_loss(logits, _identity_project, batch), expected,
       rtol=1e-6)
+
+
+def _reference_completion_nll(logits, batch):
+  log_probs = jax.nn.log_softmax(logits.astype(np.float32), axis=-1)
+  picked = np.take_along_axis(log_probs, batch.input_ids[:, 1:, None], -1)
+  mask = batch.loss_mask[:, 1:]
+  return -(picked[..., 0] * mask).sum() / np.maximum(mask.sum(), 1.0)
+
+
+def test_completion_nll_value_and_gradient_equal_log_softmax():
+  # The loss's own VJP (exp kept, target picked by comparison) against
+  # autodiff of log_softmax, on flattened and unflattened logits, with a
+  # padded row and a target at a tied maximum.
+  batch = data.collate([data.TokenizedExample((1, 2), (3, 4)),
+                        data.TokenizedExample((5,), (6,))], seq_len=5)
+  rng = np.random.default_rng(0)
+  logits = rng.normal(size=(2, 4, 7)).astype(np.float32) * 3
+  logits[0, 1, [4, 6]] = 9.0  # the target (4) ties the row's maximum
+  expected, expected_grad = jax.value_and_grad(_reference_completion_nll)(
+      logits, batch)
+  for shape in [(2, 4, 7), (8, 7)]:
+    value, grad = jax.value_and_grad(losses.completion_nll)(
+        logits.reshape(shape), batch)
+    np.testing.assert_allclose(value, expected, rtol=1e-6)
+    np.testing.assert_allclose(grad.reshape(logits.shape), expected_grad,
+                               rtol=1e-5, atol=1e-7)
+  grad = jax.grad(losses.completion_nll)(logits.astype(jax.numpy.bfloat16),
+                                         batch)
+  assert grad.dtype == jax.numpy.bfloat16
