@@ -120,7 +120,12 @@ def layerwise_train_step(loss: LayeredLoss, *taco_args: Any,
   The parameters outside the layers (``outer``) and every non-TACO leaf (which
   are small) are updated at the end exactly as :func:`taco` does (AdamW).
   Peak memory is about the weights, the state, the saved layer inputs and one
-  layer's (plus the outer parameters') gradients.
+  layer's (plus the outer parameters') gradients. A token table given through
+  a :class:`TableLookup` embedding and a :class:`TableProjection` head never
+  has a dense gradient: it is formed a block of columns at a time, and a tied
+  table is selected in two phases (rows outside the batch's tokens at the
+  head, the batch's rows after the layers), so nothing vocabulary-sized
+  outlives the head.
 
   Takes the arguments of :func:`taco` after ``loss`` and builds the same
   transformation (:func:`taco_parts`); the new params and state
