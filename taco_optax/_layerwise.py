@@ -69,10 +69,21 @@ def _sum_grads(a, b):
   return a + b
 
 
+def _refuse_table_reads(fn: Callable[[Any], Any], outer: Any, path,
+                        what: str) -> None:
+  """Raises if ``fn(outer)`` reads the token table at ``path``."""
+  if _used_inputs(fn, outer)[_token_table.leaf_index(outer, path)]:
+    raise ValueError(
+        f'{what} reads the token table; its gradient would be missed. Read '
+        'the table only through the lookup and the projection.')
+
+
 def _head_backward(head, outer, hidden, batch):
   """``(value, outer grads, d_hidden, {leaf: TableGradient})`` of the head.
   """
   if isinstance(head, _token_table.TableProjection):
+    _refuse_table_reads(lambda o: head.features(o, hidden, batch), outer,
+                        head.table, 'TableProjection.features')
     value, grads, d_hidden, index, table = _token_table.head_backward(
         head, outer, hidden, batch)
     return value, grads, d_hidden, {index: table}
@@ -84,6 +95,10 @@ def _head_backward(head, outer, hidden, batch):
 def _embed_backward(embed, outer, batch, d_hidden):
   """``(outer grads, {leaf: (ids, d_rows)})`` of the embedding."""
   if isinstance(embed, _token_table.TableLookup):
+    rows = embed.gather(_token_table.table_at(outer, embed.table),
+                        embed.ids(batch))
+    _refuse_table_reads(lambda o: embed.apply(o, rows, batch), outer,
+                        embed.table, 'TableLookup.apply')
     grads, index, ids, d_rows = _token_table.embed_backward(embed, outer,
                                                             batch)(d_hidden)
     return grads, {index: (ids, d_rows)}

@@ -114,10 +114,6 @@ class TableProjection:
     return self.loss(logits, batch)
 
 
-# use(table_columns, start, size) -> (output, cotangent of that output)
-Use = Callable[[jax.Array, jax.Array, int], tuple[Callable, Any]]
-
-
 @dataclasses.dataclass(frozen=True)
 class TableGradient:
   """A table's gradient as the sum of its linear uses' transposes.
@@ -214,16 +210,6 @@ def projection_gradient(head: TableProjection, table, features,
   return TableGradient(table, head.table_axis, (use,))
 
 
-def _check_unread(fn, leaves, index, what):
-  """Raises unless ``fn(leaves)`` ignores ``leaves[index]`` (the table)."""
-  jaxpr = jax.make_jaxpr(fn)(leaves).jaxpr
-  table = jaxpr.invars[index]
-  if table in jaxpr.outvars or any(table in eqn.invars for eqn in jaxpr.eqns):
-    raise ValueError(
-        f'{what} reads the token table; its gradient would be missed. Read '
-        'the table only through the lookup and the projection.')
-
-
 def _without(leaves, index):
   return [None if i == index else x for i, x in enumerate(leaves)]
 
@@ -236,6 +222,8 @@ def head_backward(head: TableProjection, outer: Params, hidden: Any,
                   batch: Batch):
   """The head's value and backward pass, without the table's dense gradient.
 
+  ``head.features`` must not read the table (the layer-wise step checks).
+
   Returns:
     ``(value, outer_grads, d_hidden, table_index, gradient)``: the loss, the
     gradient of every other leaf of ``outer`` (``None`` at the table), the
@@ -247,8 +235,6 @@ def head_backward(head: TableProjection, outer: Params, hidden: Any,
   def features(rest, hidden):
     return head.features(treedef.unflatten(_with(rest, index, table)), hidden,
                          batch)
-  _check_unread(lambda ls: head.features(treedef.unflatten(ls), hidden, batch),
-                leaves, index, 'TableProjection.features')
   feats, features_vjp = jax.vjp(features, _without(leaves, index), hidden)
   logits, project_vjp = jax.vjp(lambda f: head.project(f, table), feats)
   value, loss_vjp = jax.vjp(lambda x: head.loss(x, batch), logits)
@@ -262,6 +248,8 @@ def head_backward(head: TableProjection, outer: Params, hidden: Any,
 def embed_backward(lookup: TableLookup, outer: Params, batch: Batch):
   """The embedding's backward pass, without the table's dense gradient.
 
+  ``lookup.apply`` must not read the table (the layer-wise step checks).
+
   Returns:
     ``backward(d_hidden) -> (outer_grads, table_index, ids, d_rows)``: as
     :func:`head_backward`, with the looked-up ids and their rows' cotangent
@@ -274,10 +262,8 @@ def embed_backward(lookup: TableLookup, outer: Params, batch: Batch):
   def apply(rest, rows):
     return lookup.apply(treedef.unflatten(_with(rest, index, table)), rows,
                         batch)
-  rows = lookup.gather(table, ids)
-  _check_unread(lambda ls: lookup.apply(treedef.unflatten(ls), rows, batch),
-                leaves, index, 'TableLookup.apply')
-  _, apply_vjp = jax.vjp(apply, _without(leaves, index), rows)
+  _, apply_vjp = jax.vjp(apply, _without(leaves, index),
+                         lookup.gather(table, ids))
 
   def backward(d_hidden):
     outer_grads, d_rows = apply_vjp(d_hidden)
