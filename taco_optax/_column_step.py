@@ -120,8 +120,8 @@ def reference_column_step(grad_rows: jax.Array, values: jax.Array,
   """
   k = values.shape[-1]
   grads = grad_rows.astype(jnp.float32)
-  previous = _codec.decode(_codec.EncodedRows(values, exponents))
-  candidates = selection.add_history((1 - mu) * grads, indices, mu * previous)
+  candidates = merged_candidates(grads, values, indices, exponents, mu,
+                                 selection.add_history)
   top_values, top_indices = selection.topk(candidates, max(k, update_topk))
   # Keep XLA from fusing the selection into its consumers and recomputing it.
   top_values, top_indices = jax.lax.optimization_barrier(
@@ -129,6 +129,21 @@ def reference_column_step(grad_rows: jax.Array, values: jax.Array,
   finite = selection.all_finite(jnp.all(jnp.isfinite(grads)))
   return finish(top_values[:, :k], top_indices[:, :k], finite, values,
                 indices, exponents, update_topk)
+
+
+def merged_candidates(grads: jax.Array, values: jax.Array, indices: jax.Array,
+                      exponents: jax.Array, mu: Union[float, jax.Array],
+                      add_history=scatter_add_rows) -> jax.Array:
+  """``mu * M_{t-1} + (1 - mu) * G_t`` on rows: every entry's candidate.
+
+  Args:
+    grads: ``(N, m)`` float32 gradient rows.
+    values, indices, exponents: the stored history of those rows.
+    mu: EMA decay.
+    add_history: how the decayed history is added (``Selection``'s).
+  """
+  previous = _codec.decode(_codec.EncodedRows(values, exponents))
+  return add_history((1 - mu) * grads, indices, mu * previous)
 
 
 def finish(top_values: jax.Array, top_indices: jax.Array, finite: jax.Array,

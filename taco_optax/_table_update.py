@@ -57,15 +57,8 @@ def batch_rows(ids: jax.Array, num_rows: int) -> tuple[jax.Array, jax.Array]:
   return rows.astype(jnp.int32), inverse.reshape(ids.shape)
 
 
-def _state_rows(x):  # (k, c) stored layout -> (c, k) rows
+def _state_rows(x):  # (k, c) stored layout <-> (c, k) rows
   return jnp.swapaxes(x, -1, -2)
-
-
-def _candidates(grads, values, indices, exponents, mu):
-  """The reference column step's candidates, ``(N, m)`` float32."""
-  previous = _codec.decode(_codec.EncodedRows(values, exponents))
-  return _column_step.scatter_add_rows(
-      (1 - mu) * grads.astype(jnp.float32), indices, mu * previous)
 
 
 def select_outside(gradient: _token_table.TableGradient, rows: jax.Array,
@@ -81,9 +74,9 @@ def select_outside(gradient: _token_table.TableGradient, rows: jax.Array,
   def body(finite, start):
     grads = gradient.columns(start, chunk)  # (chunk, m)
     columns = lambda x: jax.lax.dynamic_slice_in_dim(x, start, chunk, -1)
-    candidates = _candidates(grads, _state_rows(columns(values)),
-                             _state_rows(columns(indices)),
-                             columns(exponents), mu)
+    candidates = _column_step.merged_candidates(
+        grads.astype(jnp.float32), _state_rows(columns(values)),
+        _state_rows(columns(indices)), columns(exponents), mu)
     magnitude = jnp.where(excluded, -1.0, jnp.abs(candidates))
     _, top = jax.lax.top_k(magnitude, keep)
     inside = jnp.take(grads, jnp.minimum(rows, num_rows - 1), axis=1)
@@ -185,6 +178,5 @@ def update(param, kept, gather, d_rows, state, plan, mu, lr_tx, lr_state):
   where = ((step.winner_indices, columns) if axis == 1
            else (columns, step.winner_indices))
   param = _leaf_update.scatter_add(param, where, delta, dropping=False)
-  stored = lambda x: jnp.swapaxes(x, -1, -2)
-  return (jnp.where(step.finite, param, jnp.nan), stored(step.values),
-          stored(step.indices), step.exponents)
+  return (jnp.where(step.finite, param, jnp.nan), _state_rows(step.values),
+          _state_rows(step.indices), step.exponents)
