@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-import inspect
+import weakref
 from typing import Any, Callable, NamedTuple, Optional, Union
 
 import jax
 import optax
 
 from taco_optax import _dimension_numbers as dn
+from taco_optax import _kernels
+from taco_optax import _leaf
+from taco_optax import _prefix
 from taco_optax import _transform
 
 TACO_LABEL = 'taco'
@@ -16,12 +19,11 @@ ADAM_LABEL = 'adam'
 
 
 class TacoParts(NamedTuple):
-  """The pieces :func:`taco` partitions its parameters between.
+  """The pieces a :func:`taco` optimizer partitions its parameters between.
 
   :func:`taco` is ``optax.partition({TACO_LABEL: chain(direction,
-  learning_rate), ADAM_LABEL: adam}, param_labels)``; code that applies the
-  pieces by hand (the layer-wise train step) reads them here instead of
-  rebuilding them.
+  learning_rate), ADAM_LABEL: adam}, param_labels)``; the layer-wise train
+  step applies the pieces by hand and reads them here (:func:`parts_of`).
 
   Attributes:
     param_labels: ``params -> labels``, :data:`TACO_LABEL` for TACO matrices
@@ -33,8 +35,9 @@ class TacoParts(NamedTuple):
     adam: the transformation of every other leaf (Adam, or AdamW with
       ``adam_weight_decay``).
     mu: the history EMA decay.
-    update_topk: signs per column (``None`` = 1).
+    update_topk: signs per column.
     update_scale: the per-leaf scale override of :func:`scale_by_taco`.
+    implementation: what runs the column step (resolved).
   """
   param_labels: Callable[[Any], Any]
   dimension_numbers: Callable[[Any], Any]
@@ -42,8 +45,14 @@ class TacoParts(NamedTuple):
   learning_rate: optax.GradientTransformation
   adam: optax.GradientTransformation
   mu: Union[float, jax.Array]
-  update_topk: Optional[int]
+  update_topk: int
   update_scale: _transform.ScaleTree
+  implementation: str
+
+  def plans(self, params: Any) -> list[Optional[_leaf.LeafPlan]]:
+    """One :class:`LeafPlan` per leaf of ``params`` (``None``: Adam)."""
+    return _leaf.leaf_plans(params, self.dimension_numbers, self.update_scale,
+                            self.update_topk, self.implementation)
 
 
 class TacoStates(NamedTuple):
@@ -70,6 +79,29 @@ def with_taco_states(opt_state: Any, states: TacoStates) -> Any:
   })
 
 
+# taco(...)'s update function -> the parts it was built from.
+_PARTS: 'weakref.WeakKeyDictionary[Callable, TacoParts]' = (
+    weakref.WeakKeyDictionary())
+
+
+def parts_of(optimizer: optax.GradientTransformation) -> TacoParts:
+  """The :class:`TacoParts` of a transformation :func:`taco` returned.
+
+  Raises:
+    ValueError: for any other transformation (a wrapped or chained ``taco``
+      included: its pieces are not known from outside).
+  """
+  update = getattr(optimizer, 'update', None)
+  try:
+    return _PARTS[update]
+  except (KeyError, TypeError):
+    raise ValueError(
+        'Expected the transformation taco_optax.taco(...) returns, unwrapped '
+        f'(the layer-wise step applies its pieces itself); got {optimizer!r}. '
+        'Give learning-rate schedules to taco() itself, not through '
+        'optax.chain or optax.inject_hyperparams.') from None
+
+
 def taco(
     learning_rate: optax.ScalarOrSchedule,
     k: Optional[int] = 16,
@@ -86,6 +118,7 @@ def taco(
     adam_eps: float = 1e-8,
     adam_eps_root: float = 0.0,
     adam_weight_decay: Optional[float] = None,
+    implementation: Optional[str] = None,
 ) -> optax.GradientTransformation:
   r"""TACO for matrices, AdamW for vectors and scalars.
 
@@ -130,6 +163,9 @@ def taco(
       ``params=None``; the state has the same structure either way (also
       under :func:`optax.inject_hyperparams`, where a number becomes an array
       and then needs ``params``).
+    implementation: what runs TACO's column step (``'auto'``, ``'cpu'``,
+      ``'pallas'``, ``'reference'``; ``None`` reads ``$TACO_OPTAX_KERNEL``),
+      see :func:`scale_by_taco`.
 
   Returns:
     A :class:`optax.GradientTransformation`.
@@ -150,67 +186,52 @@ def taco(
     TACO: Ternary Absolute-max Column-wise One-sparse Optimizer for LLM
     Fine-Tuning, 2026.
   """
-  parts = taco_parts(
+  parts = _parts(
       learning_rate, k, mu, update_topk=update_topk,
       weight_dimension_numbers=weight_dimension_numbers,
       update_scale=update_scale, values_dtype=values_dtype,
       index_dtype=index_dtype, adam_learning_rate=adam_learning_rate,
-      adam_b1=adam_b1, adam_b2=adam_b2, adam_eps=adam_eps,
-      adam_eps_root=adam_eps_root, adam_weight_decay=adam_weight_decay)
-  return optax.partition(
+      adam=(adam_b1, adam_b2, adam_eps, adam_eps_root, adam_weight_decay),
+      implementation=implementation)
+  optimizer = optax.partition(
       transforms={
           TACO_LABEL: optax.chain(parts.direction, parts.learning_rate),
           ADAM_LABEL: parts.adam,
       },
       param_labels=parts.param_labels,
   )
+  _PARTS[optimizer.update] = parts
+  return optimizer
 
 
-def taco_parts(*args: Any, **kwargs: Any) -> TacoParts:
-  """The :class:`TacoParts` of ``taco(*args, **kwargs)``.
-
-  Takes exactly the arguments of :func:`taco`.
-
-  Examples:
-    >>> import jax.numpy as jnp, taco_optax
-    >>> parts = taco_optax.taco_parts(1e-3, k=4)
-    >>> parts.param_labels({'w': jnp.ones((4, 3)), 'b': jnp.zeros(3)})
-    {'b': 'adam', 'w': 'taco'}
-  """
-  bound = inspect.signature(taco).bind(*args, **kwargs)
-  bound.apply_defaults()
-  return _parts(**bound.arguments)
-
-
-def _parts(learning_rate, k, mu, update_topk, weight_dimension_numbers,
-           update_scale, values_dtype, index_dtype, adam_learning_rate,
-           adam_b1, adam_b2, adam_eps, adam_eps_root, adam_weight_decay):
-  """:func:`taco_parts` on bound arguments."""
+def _parts(learning_rate: optax.ScalarOrSchedule, k: Optional[int],
+           mu: Union[float, jax.Array], *, update_topk: Optional[int],
+           weight_dimension_numbers: dn.WeightDimNumOrFn | None,
+           update_scale: _transform.ScaleTree, values_dtype: Any,
+           index_dtype: Any,
+           adam_learning_rate: Optional[optax.ScalarOrSchedule],
+           adam: tuple[Any, ...], implementation: Optional[str]
+           ) -> TacoParts:
+  """:func:`taco`'s pieces; ``adam`` is ``(b1, b2, eps, eps_root, decay)``."""
   if adam_learning_rate is None:
     adam_learning_rate = learning_rate
   if weight_dimension_numbers is None:
     weight_dimension_numbers = dn.rank2_matrices
+  implementation = _kernels.resolve(implementation)
 
   def dims_tree(params):
     return dn.resolve(weight_dimension_numbers, params)
 
-  is_dims_leaf = lambda x: (x is None or dn.is_dimension_numbers(x)
-                            or isinstance(x, optax.MaskedNode))
+  def per_leaf(params, fn):
+    dims = _prefix.per_leaf(dims_tree(params), params, dn.is_prefix_leaf)
+    return jax.tree.structure(params).unflatten([fn(d) for d in dims])
 
   def param_labels(params):
-    return jax.tree.map(
-        lambda d, sub: jax.tree.map(
-            lambda _: ADAM_LABEL if d is None else TACO_LABEL, sub),
-        dims_tree(params), params, is_leaf=is_dims_leaf)
+    return per_leaf(params, lambda d: ADAM_LABEL if d is None else TACO_LABEL)
 
   def masked_dims(params):
     # Inside the partition the TACO branch sees MaskedNode for other leaves.
-    labels = param_labels(params)
-    return jax.tree.map(
-        lambda d, sub: jax.tree.map(
-            lambda label: d if label == TACO_LABEL else optax.MaskedNode(),
-            sub),
-        dims_tree(params), labels, is_leaf=is_dims_leaf)
+    return per_leaf(params, lambda d: optax.MaskedNode() if d is None else d)
 
   return TacoParts(
       param_labels=param_labels,
@@ -218,11 +239,12 @@ def _parts(learning_rate, k, mu, update_topk, weight_dimension_numbers,
       direction=_transform.scale_by_taco(
           k=k, mu=mu, update_topk=update_topk,
           weight_dimension_numbers=masked_dims, update_scale=update_scale,
-          values_dtype=values_dtype, index_dtype=index_dtype),
+          values_dtype=values_dtype, index_dtype=index_dtype,
+          implementation=implementation),
       learning_rate=optax.scale_by_learning_rate(learning_rate),
-      adam=_adam(adam_learning_rate, adam_b1, adam_b2, adam_eps,
-                 adam_eps_root, adam_weight_decay),
-      mu=mu, update_topk=update_topk, update_scale=update_scale)
+      adam=_adam(adam_learning_rate, *adam),
+      mu=mu, update_topk=1 if update_topk is None else update_topk,
+      update_scale=update_scale, implementation=implementation)
 
 
 def _adam(learning_rate, b1, b2, eps, eps_root, weight_decay):

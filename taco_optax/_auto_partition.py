@@ -8,11 +8,11 @@ fused CPU kernel (a custom call has no partitioning rule of its own).
 :func:`jax.experimental.custom_partitioning`, so XLA hands this module the
 shardings it chose for the ``(N, m)`` rows, and each device runs:
 
-* rows ``N`` split, the candidate axis ``m`` whole: the step on its own rows,
-  by the kernel or the reference; only the finiteness flag is combined;
-* ``m`` split as well: the reference arithmetic with ``_mesh``'s exact merged
-  top-k (the top ``k`` of each slice, ``k * shards`` candidates all-gathered
-  and merged in ``lax.top_k``'s order), as on an Explicit mesh.
+* rows ``N`` split, the candidate axis ``m`` whole: the local step (what
+  ``_kernels`` chose) on its own rows; only the finiteness flag is combined;
+* ``m`` split as well: ``_kernels``' sharded step (the exact merged top-k:
+  the top ``k`` of each slice, ``k * shards`` candidates all-gathered and
+  merged in ``lax.top_k``'s order), as on an Explicit mesh.
 
 Results equal the single-device step bit for bit. A sharding that does not
 split the arrays into equal blocks is replicated (correct, but it gathers).
@@ -40,15 +40,17 @@ from taco_optax import _mesh
 
 # (grad_rows, values, indices, exponents, mu, update_topk) -> ColumnStep.
 LocalStep = Callable[..., _column_step.ColumnStep]
+# The same plus the leaf's _mesh.LeafSharding: one device's slice of rows.
+ShardedStep = Callable[..., _column_step.ColumnStep]
 
 # Rows N, candidates m, history k, winners r; an empty entry is a scalar (mu
 # when it is an array, the finiteness flag).
 _RULE = 'N m, N k, N k, N{mu} -> N k, N, N k, N r, N r, '
 
 
-def _row_axes(sharding: Any, shape: tuple[int, ...]
-              ) -> tuple[Any, _mesh.MeshAxes, _mesh.MeshAxes]:
-  """``(mesh, row axes, candidate axes)`` of the gradient rows' sharding.
+def _split_axes(sharding: Any, shape: tuple[int, ...]
+                ) -> tuple[Any, _mesh.MeshAxes, _mesh.MeshAxes]:
+  """``(mesh, axes splitting N, axes splitting m)`` of the rows' sharding.
 
   Axes that do not split their dimension into equal blocks, and every axis of
   a sharding without mesh axis names, come back empty (replicated).
@@ -79,7 +81,8 @@ def _specs(rows: _mesh.MeshAxes, candidates: _mesh.MeshAxes, array_mu: bool
 
 def _per_device_step(local_step: LocalStep, update_topk: int, mesh: Any,
                      rows: _mesh.MeshAxes, candidates: _mesh.MeshAxes,
-                     shape: tuple[int, int]) -> Callable[..., tuple[Any, ...]]:
+                     shape: tuple[int, int], sharded_step: ShardedStep
+                     ) -> Callable[..., tuple[Any, ...]]:
   """The step on one device's block, with global results."""
   if candidates:
     shards = _mesh.leaf_sharding(
@@ -89,9 +92,8 @@ def _per_device_step(local_step: LocalStep, update_topk: int, mesh: Any,
 
   def step(mu, grad_rows, values, indices, exponents):
     if candidates:
-      return tuple(_column_step.reference_column_step(
-          grad_rows, values, indices, exponents, mu, update_topk,
-          _mesh.selection(shards)))
+      return tuple(sharded_step(grad_rows, values, indices, exponents, mu,
+                                update_topk, shards))
     result = local_step(grad_rows, values, indices, exponents, mu,
                         update_topk)
     if not rows:
@@ -109,7 +111,8 @@ def _per_device_step(local_step: LocalStep, update_topk: int, mesh: Any,
   return step
 
 
-def _make_op(local_step: LocalStep, static_mu: Any, update_topk: int
+def _make_op(local_step: LocalStep, sharded_step: ShardedStep,
+             static_mu: Any, update_topk: int
              ) -> Callable[..., tuple[jax.Array, ...]]:
   """The op for one step function, ``update_topk`` and (Python) ``mu``."""
   array_mu = static_mu is None
@@ -123,11 +126,11 @@ def _make_op(local_step: LocalStep, static_mu: Any, update_topk: int
   def partition(mesh, arg_shapes, result_shape):
     del result_shape
     grad = arg_shapes[0]
-    named_mesh, rows, candidates = _row_axes(grad.sharding, grad.shape)
+    named_mesh, rows, candidates = _split_axes(grad.sharding, grad.shape)
     mesh = named_mesh or mesh
     arguments, results = _specs(rows, candidates, array_mu)
     step = _per_device_step(local_step, update_topk, mesh, rows, candidates,
-                            grad.shape)
+                            grad.shape, sharded_step)
 
     def lower(*blocks):
       *blocks, mu = blocks if array_mu else (*blocks, static_mu)
@@ -139,7 +142,7 @@ def _make_op(local_step: LocalStep, static_mu: Any, update_topk: int
   def infer_sharding_from_operands(mesh, arg_shapes, result_shape):
     del result_shape
     grad = arg_shapes[0]
-    named_mesh, rows, candidates = _row_axes(grad.sharding, grad.shape)
+    named_mesh, rows, candidates = _split_axes(grad.sharding, grad.shape)
     _, results = _specs(rows, candidates, array_mu)
     return tuple(NamedSharding(named_mesh or mesh, s) for s in results)
 
@@ -166,8 +169,8 @@ _ops = {}
 
 def column_step(grad_rows: jax.Array, values: jax.Array, indices: jax.Array,
                 exponents: jax.Array, mu: Union[float, jax.Array],
-                update_topk: int, local_step: LocalStep
-                ) -> _column_step.ColumnStep:
+                update_topk: int, local_step: LocalStep,
+                sharded_step: ShardedStep) -> _column_step.ColumnStep:
   """``local_step`` on rows, partitioned per device on an Auto mesh.
 
   Same arguments and results as :func:`_column_step.reference_column_step`
@@ -182,8 +185,9 @@ def column_step(grad_rows: jax.Array, values: jax.Array, indices: jax.Array,
     mu: EMA decay: a Python number stays a constant (as on one device), an
       array enters replicated.
     update_topk: winners per row.
-    local_step: the single-device step to run per device (the fused kernel
-      or the reference); with the candidate axis split the reference runs.
+    local_step: the single-device step to run per device on whole rows.
+    sharded_step: the step to run per device when the candidate axis is
+      split (it takes the leaf's ``_mesh.LeafSharding`` last).
 
   Returns:
     A :class:`_column_step.ColumnStep`.
@@ -191,9 +195,9 @@ def column_step(grad_rows: jax.Array, values: jax.Array, indices: jax.Array,
   if jax.device_count() == 1:  # nothing to partition
     return local_step(grad_rows, values, indices, exponents, mu, update_topk)
   static_mu = None if isinstance(mu, jax.Array) else mu
-  key = (local_step, static_mu, update_topk)
+  key = (local_step, sharded_step, static_mu, update_topk)
   if key not in _ops:
-    _ops[key] = _make_op(local_step, static_mu, update_topk)
+    _ops[key] = _make_op(local_step, sharded_step, static_mu, update_topk)
   arrays = (grad_rows, values, indices, exponents)
   arrays += (jnp.asarray(mu),) if static_mu is None else ()
   return _column_step.ColumnStep(*_ops[key](*arrays))

@@ -127,8 +127,8 @@ def reference_column_step(grad_rows: jax.Array, values: jax.Array,
   top_values, top_indices = jax.lax.optimization_barrier(
       (top_values, top_indices))
   finite = selection.all_finite(jnp.all(jnp.isfinite(grads)))
-  return finish(top_values[:, :k], top_indices[:, :k], finite, values,
-                indices, exponents, update_topk)
+  return step_from_top_k(top_values[:, :k], top_indices[:, :k], finite,
+                         values, indices, exponents, update_topk)
 
 
 def merged_candidates(grads: jax.Array, values: jax.Array, indices: jax.Array,
@@ -146,9 +146,9 @@ def merged_candidates(grads: jax.Array, values: jax.Array, indices: jax.Array,
   return add_history((1 - mu) * grads, indices, mu * previous)
 
 
-def finish(top_values: jax.Array, top_indices: jax.Array, finite: jax.Array,
-           values: jax.Array, indices: jax.Array, exponents: jax.Array,
-           update_topk: int) -> ColumnStep:
+def step_from_top_k(top_values: jax.Array, top_indices: jax.Array,
+                    finite: jax.Array, values: jax.Array, indices: jax.Array,
+                    exponents: jax.Array, update_topk: int) -> ColumnStep:
   """The step's end from each row's top ``k`` (sorted, ``k >= r``).
 
   Encodes the new history, keeps the input history (``values``, ``indices``,

@@ -13,8 +13,8 @@ the handler always matches the runtime's FFI version. The library is cached
 per user in ``$TACO_OPTAX_CACHE_DIR``, else ``$XDG_CACHE_HOME/taco_optax``,
 else ``~/.cache/taco_optax``, under a name keyed by the source, jaxlib,
 compiler and machine. Without a working C++ compiler :func:`availability`
-says why and callers use the reference; nothing fails at import or install
-time.
+says why (``_kernels`` then chooses the reference); nothing fails at import or
+install time. This module never falls back on its own.
 """
 
 import ctypes
@@ -26,7 +26,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
-from typing import Union
+from typing import NamedTuple, Union
 
 import jax
 import jax.numpy as jnp
@@ -45,8 +45,21 @@ _BUILD_TIMEOUT_S = 600
 _GRAD_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 _INDEX_DTYPES = (jnp.dtype(jnp.int32), jnp.dtype(jnp.int16))
 
+
+
+class Availability(NamedTuple):
+  """Whether the kernel can run here, and why (or why not).
+
+  Attributes:
+    ok: the library was built (or found) and loaded.
+    reason: its path when ``ok``, else the error that stopped it.
+  """
+  ok: bool
+  reason: str
+
+
 _lock = threading.Lock()
-_status = None  # (available, reason) once tried in this process
+_status = None  # an Availability once tried in this process
 
 
 def cache_dir() -> pathlib.Path:
@@ -109,13 +122,10 @@ def _load(library: pathlib.Path) -> None:
                               platform='cpu')
 
 
-def availability() -> tuple[bool, str]:
+def availability() -> Availability:
   """Whether the CPU kernel can run, building and loading it on first call.
 
   Tried once per process; never raises.
-
-  Returns:
-    ``(available, reason)``: the library's path when available, else why not.
   """
   global _status
   with _lock:
@@ -123,9 +133,9 @@ def availability() -> tuple[bool, str]:
       try:
         library = _build()
         _load(library)
-        _status = (True, f'built in {library}')
+        _status = Availability(True, f'built in {library}')
       except Exception as error:  # pylint: disable=broad-except
-        _status = (False, f'{type(error).__name__}: {error}')
+        _status = Availability(False, f'{type(error).__name__}: {error}')
     return _status
 
 
@@ -162,9 +172,9 @@ def cpu_column_step(grad_rows: jax.Array, values: jax.Array,
 
   Same arguments and results as
   :func:`taco_optax._column_step.reference_column_step` (single device), for
-  the inputs :func:`supports` accepts. A Python ``mu`` with ``1 - mu``
-  rounding to 1 (``mu = 0``) runs the reference, whose arithmetic XLA
-  simplifies in that case. Works under ``jax.jit`` and
+  the inputs :func:`supports` accepts and a ``mu`` whose ``1 - mu`` XLA does
+  not fold away (``_column_step.decay_folds_away``; ``_kernels`` chooses the
+  reference then). Works under ``jax.jit`` and
   ``jax.vmap`` (batch axes are passed to the kernel, which treats each batch
   entry as its own leaf: its own ``mu`` and finiteness).
 
@@ -183,20 +193,16 @@ def cpu_column_step(grad_rows: jax.Array, values: jax.Array,
     RuntimeError: if the kernel is not available (see :func:`availability`).
     ValueError: for inputs :func:`supports` rejects.
   """
-  available, reason = availability()
-  if not available:
-    raise RuntimeError(f'The TACO CPU kernel is not available: {reason}')
+  available = availability()
+  if not available.ok:
+    raise RuntimeError(
+        f'The TACO CPU kernel is not available: {available.reason}')
   if not supports(grad_rows, values, indices, update_topk):
     raise ValueError(
         'The TACO CPU kernel takes (N, m) f32/bf16 gradients and (N, k) '
         'float8_e4m3fn/int32|int16 history with 1 <= update_topk <= k <= m; '
         f'got {grad_rows.shape} {grad_rows.dtype}, {values.shape} '
         f'{values.dtype}, {indices.dtype}, update_topk={update_topk}.')
-  if _column_step.decay_folds_away(mu):
-    # XLA folds the reference's (1 - mu) * g into g for such a constant mu,
-    # so subnormal gradients escape the flush the multiply would apply.
-    return _column_step.reference_column_step(grad_rows, values, indices,
-                                              exponents, mu, update_topk)
   n, k = values.shape
   # The reference's arithmetic: for a Python float, 1 - mu is formed in
   # float64 and rounded once to float32 (weak typing), not 1.0f - f32(mu).

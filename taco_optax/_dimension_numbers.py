@@ -13,6 +13,8 @@ from typing import Any, Callable, NamedTuple, Sequence, Union
 import jax
 import optax
 
+from taco_optax import _prefix
+
 Axes = Union[int, Sequence[int]]
 
 
@@ -140,20 +142,18 @@ def rank2_matrices(params: Any) -> Any:
       lambda x: TacoDimensionNumbers() if x.ndim == 2 else None, params)
 
 
+def is_prefix_leaf(x: Any) -> bool:
+  """The values of a dimension-numbers tree: entries, ``None``, masked."""
+  return (x is None or is_dimension_numbers(x)
+          or isinstance(x, optax.MaskedNode))
+
+
 def leaf_dimension_numbers(weight_dimension_numbers: WeightDimNumOrFn | None,
                            tree: Any) -> list[TacoDimensionNumbers | None]:
-  """Broadcasts the (prefix) dimension numbers to one entry per leaf of tree.
+  """The (prefix) dimension numbers broadcast to one entry per leaf of tree.
 
   ``None`` entries mean "not a TACO leaf". Masked leaves
   (:class:`optax.MaskedNode`) have no leaves and so get no entry.
   """
-  dims = resolve(weight_dimension_numbers, tree)
-  per_leaf = []
-
-  def visit(dim_num, subtree):
-    per_leaf.extend([dim_num] * len(jax.tree.leaves(subtree)))
-
-  jax.tree.map(visit, dims, tree,
-               is_leaf=lambda x: x is None or is_dimension_numbers(x)
-               or isinstance(x, optax.MaskedNode))
-  return per_leaf
+  return _prefix.per_leaf(resolve(weight_dimension_numbers, tree), tree,
+                          is_prefix_leaf)

@@ -1,138 +1,247 @@
-"""Which implementation runs TACO's column step: a fused kernel or the reference.
+"""The one place that chooses what runs TACO's column step, and runs it.
 
-The one place a kernel slots in. ``TACO_OPTAX_KERNEL`` chooses:
+The implementations are leaves that never call each other or fall back on
+their own: :func:`_column_step.reference_column_step` (plain ``jax.numpy``,
+the oracle), ``_cpu_kernel`` (fused C++ through XLA's FFI) and
+``_pallas_kernel`` (Pallas/Triton). :func:`choose` picks one from the
+``implementation`` argument of :func:`taco_optax.taco` /
+:func:`taco_optax.scale_by_taco`:
 
-* ``auto`` (default): the fused CPU kernel (``_cpu_kernel``, C++ through XLA's
-  FFI, built on first use) when the computation runs on CPU and the kernel is
-  available and supports the dtypes; otherwise the reference.
-* ``reference``: always :func:`_column_step.reference_column_step`.
-* ``cpu``: the CPU kernel, and an error if it cannot be built.
-* ``pallas``: the Pallas (Triton) kernel (``_pallas_kernel``), only when asked
-  for; off GPU it runs in interpret mode (slow: for tests). Its Triton build
-  and speed are not yet checked on a GPU, so ``auto`` never picks it.
+* ``'auto'``: the fused CPU kernel when the step runs on CPU, the kernel is
+  available and it takes the inputs; otherwise the reference (a warning when
+  the kernel should have run but cannot be built);
+* ``'cpu'``: the CPU kernel, and an error if it is unavailable or does not
+  take the inputs;
+* ``'pallas'``: the Pallas kernel (interpret mode off GPU; slow, for tests),
+  an error for inputs it does not take. Not yet checked on a GPU, so
+  ``'auto'`` never picks it;
+* ``'reference'``: always the reference.
 
-Which one runs is logged once per process. With more than one device the
-single-device step carries a partitioning rule (``_auto_partition``), so that
-on an Auto mesh each device runs it on its own block.
+``None`` reads ``$TACO_OPTAX_KERNEL`` (default ``'auto'``) when the
+transformation is built, so a built optimizer keeps one choice. Either kernel
+gives way to the reference, with a log line, where its result would not be
+the reference's bit for bit: a Python ``mu`` whose ``1 - mu`` rounds to 1
+(XLA folds the reference's multiply), Pallas rows over
+``_pallas_kernel.MAX_ROW_LENGTH``, and a leaf split over an Explicit mesh
+(per-shard selection). Each choice is logged once per process on the
+``taco_optax`` logger, and the traced step carries it as the name scope
+``taco_column_step_<implementation>``.
+
+The history's stored ``batch + (k, n)`` layout is converted to and from the
+kernels' ``(N, k)`` rows here too (:func:`history_rows`,
+:func:`stored_history`).
 """
 
 import logging
 import os
-from typing import Optional, Union
+from typing import NamedTuple, Optional, Union
 
 import jax
+import jax.numpy as jnp
 
 from taco_optax import _auto_partition
 from taco_optax import _column_step
 from taco_optax import _cpu_kernel
+from taco_optax import _mesh
 
-_ENV = 'TACO_OPTAX_KERNEL'
-_CHOICES = ('auto', 'cpu', 'reference', 'pallas')
+ENV = 'TACO_OPTAX_KERNEL'
+IMPLEMENTATIONS = ('auto', 'cpu', 'pallas', 'reference')
 _logger = logging.getLogger('taco_optax')
 _logged = set()
 
 
-def _log_once(message: str, level: int) -> None:
+def resolve(implementation: Optional[str]) -> str:
+  """``implementation``, or ``$TACO_OPTAX_KERNEL`` (default auto) for None.
+
+  Raises:
+    ValueError: for a name outside :data:`IMPLEMENTATIONS`.
+  """
+  source = 'implementation'
+  if implementation is None:
+    source = ENV
+    implementation = os.environ.get(ENV, '').strip().lower() or 'auto'
+  if implementation not in IMPLEMENTATIONS:
+    raise ValueError(f'{source}={implementation!r}; expected one of '
+                     f'{IMPLEMENTATIONS}.')
+  return implementation
+
+
+class Choice(NamedTuple):
+  """What runs a column step, and why.
+
+  Attributes:
+    implementation: ``'cpu'``, ``'pallas'`` or ``'reference'``.
+    reason: why, in words (for the log).
+    fallback: whether a kernel should have run but could not (logged as a
+      warning; every other choice is logged as info).
+  """
+  implementation: str
+  reason: str
+  fallback: bool = False
+
+
+def _pallas():
+  # Imported on use: Pallas adds ~0.4 s to import and only this choice uses it.
+  from taco_optax import _pallas_kernel  # pylint: disable=g-import-not-at-top
+  return _pallas_kernel
+
+
+def _unsupported(name: str, grad_rows, values, indices,
+                 update_topk: int) -> ValueError:
+  return ValueError(
+      f'implementation={name!r}, but that kernel does not take gradients '
+      f'{grad_rows.dtype} {grad_rows.shape} with a {values.dtype}/'
+      f'{indices.dtype} history and update_topk={update_topk}; use '
+      "implementation='auto' or 'reference'.")
+
+
+def choose(implementation: str, grad_rows: jax.Array, values: jax.Array,
+           indices: jax.Array, mu: Union[float, jax.Array],
+           update_topk: int) -> Choice:
+  """The implementation that runs the step on these whole rows.
+
+  Args:
+    implementation: a resolved name (:func:`resolve`).
+    grad_rows, values, indices, mu, update_topk: the step's inputs.
+
+  Returns:
+    A :class:`Choice`.
+
+  Raises:
+    RuntimeError: ``'cpu'`` asked for and the kernel cannot be built.
+    ValueError: ``'cpu'`` or ``'pallas'`` asked for and the kernel does not
+      take these dtypes or shapes.
+  """
+  if implementation == 'reference':
+    return Choice('reference', "implementation='reference'")
+  if implementation == 'pallas':
+    pallas = _pallas()
+    if not pallas.supports(grad_rows, values, indices, update_topk):
+      raise _unsupported('pallas', grad_rows, values, indices, update_topk)
+    if grad_rows.shape[1] > pallas.MAX_ROW_LENGTH:
+      return Choice('reference', f'rows of {grad_rows.shape[1]} exceed the '
+                    f'Pallas kernel\'s {pallas.MAX_ROW_LENGTH}')
+  elif implementation == 'auto' and jax.default_backend() != 'cpu':
+    return Choice('reference', f'no verified kernel for '
+                  f'{jax.default_backend()} yet')
+  else:  # 'cpu', or 'auto' on CPU
+    available = _cpu_kernel.availability()
+    if not available.ok:
+      if implementation == 'cpu':
+        raise RuntimeError(f"implementation='cpu', but the CPU kernel cannot "
+                           f'be built or loaded: {available.reason}')
+      return Choice('reference', f'the CPU kernel is unavailable '
+                    f'({available.reason})', fallback=True)
+    if not _cpu_kernel.supports(grad_rows, values, indices, update_topk):
+      if implementation == 'cpu':
+        raise _unsupported('cpu', grad_rows, values, indices, update_topk)
+      return Choice('reference', f'the CPU kernel does not take '
+                    f'{grad_rows.dtype} gradients with {values.dtype}/'
+                    f'{indices.dtype} history')
+    implementation = 'cpu'
+  if _column_step.decay_folds_away(mu):
+    return Choice('reference', f'mu={mu}: XLA folds the reference\'s '
+                  '(1 - mu) * g, which a kernel would round')
+  if implementation == 'cpu':
+    return Choice('cpu', f'fused C++ kernel, {available.reason}')
+  return Choice('pallas', 'Pallas Triton kernel' if jax.default_backend()
+                == 'gpu' else 'Pallas kernel in interpret mode (no GPU)')
+
+
+def _log(choice: Choice) -> None:
+  message = (f'taco_optax: TACO column step runs the {choice.implementation} '
+             f'implementation: {choice.reason}.')
   if message not in _logged:
     _logged.add(message)
-    _logger.log(level, message)
+    _logger.log(logging.WARNING if choice.fallback else logging.INFO, message)
 
 
-def requested() -> str:
-  """The implementation asked for by ``TACO_OPTAX_KERNEL`` (default auto)."""
-  choice = os.environ.get(_ENV, 'auto').strip().lower() or 'auto'
-  if choice not in _CHOICES:
-    raise ValueError(f'{_ENV}={choice!r}; expected one of {_CHOICES}.')
-  return choice
+def _pallas_step(grad_rows, values, indices, exponents, mu, update_topk):
+  return _pallas().pallas_column_step(
+      grad_rows, values, indices, exponents, mu, update_topk,
+      interpret=jax.default_backend() != 'gpu')
 
 
-def status() -> tuple[str, str]:
-  """``(implementation, why)`` of the single-device column step here.
+# Module-level functions: the Auto-mesh op is cached per step function.
+_LOCAL_STEPS = {
+    'cpu': _cpu_kernel.cpu_column_step,
+    'pallas': _pallas_step,
+    'reference': _column_step.reference_column_step,
+}
 
-  ``implementation`` is ``'cpu'`` (the fused kernel), ``'pallas'`` (only on
-  request) or ``'reference'``; it is what runs for the supported dtypes
-  (float32/bfloat16 gradients, the default float8 history); other dtypes run
-  the reference (or raise for an explicit ``cpu`` or ``pallas``).
-  """
-  choice = requested()
-  if choice == 'reference':
-    return 'reference', f'{_ENV}=reference'
-  if choice == 'pallas':
-    return 'pallas', ('Pallas Triton kernel' if jax.default_backend() == 'gpu'
-                      else 'Pallas kernel in interpret mode (no GPU)')
-  if choice == 'auto' and jax.default_backend() != 'cpu':
-    return 'reference', f'no fused kernel for {jax.default_backend()} yet'
-  available, reason = _cpu_kernel.availability()
-  if available:
-    return 'cpu', f'fused C++ kernel, {reason}'
-  if choice == 'cpu':
-    raise RuntimeError(f'{_ENV}=cpu but the CPU kernel cannot be built or '
-                       f'loaded: {reason}')
-  return 'reference', f'the CPU kernel is unavailable ({reason})'
+
+def _sharded_step(grad_rows, values, indices, exponents, mu, update_topk,
+                  shards: _mesh.LeafSharding) -> _column_step.ColumnStep:
+  """The step on one device's slice of rows split over a mesh (exact)."""
+  return _column_step.reference_column_step(
+      grad_rows, values, indices, exponents, mu, update_topk,
+      _mesh.selection(shards))
 
 
 def column_step(grad_rows: jax.Array, values: jax.Array, indices: jax.Array,
                 exponents: jax.Array, mu: Union[float, jax.Array],
-                update_topk: int,
-                selection: Optional[_column_step.Selection] = None
+                update_topk: int, implementation: str = 'auto',
+                shards: Optional[_mesh.LeafSharding] = None
                 ) -> _column_step.ColumnStep:
-  """One TACO step on rows, by the fastest exact implementation available.
+  """One TACO step on rows by the chosen implementation.
 
-  Same arguments and results as
-  :func:`_column_step.reference_column_step`. ``selection=None`` means one
-  device (the rows are whole); a mesh's ``selection`` runs the reference
-  arithmetic per shard.
+  Same arguments and results as :func:`_column_step.reference_column_step`,
+  plus the resolved ``implementation`` and, inside ``shard_map`` on an
+  Explicit mesh, the leaf's ``shards`` (the rows are this device's slices).
+  On an Auto mesh XLA partitions the step through ``_auto_partition``'s rule.
   """
-  if selection is not None:
-    return _column_step.reference_column_step(
-        grad_rows, values, indices, exponents, mu, update_topk, selection)
-  # On an Auto mesh XLA partitions the step; the op tells it how (per device,
-  # merging k candidates per shard) instead of gathering the gradient.
-  return _auto_partition.column_step(grad_rows, values, indices, exponents,
-                                     mu, update_topk, _single_device_step)
+  if shards is not None:
+    choice = Choice('reference', 'a leaf split over an Explicit mesh merges '
+                    'each shard\'s top k (exact)')
+  else:
+    choice = choose(implementation, grad_rows, values, indices, mu,
+                    update_topk)
+  _log(choice)
+  with jax.named_scope(f'taco_column_step_{choice.implementation}'):
+    if shards is not None:
+      return _sharded_step(grad_rows, values, indices, exponents, mu,
+                           update_topk, shards)
+    return _auto_partition.column_step(
+        grad_rows, values, indices, exponents, mu, update_topk,
+        _LOCAL_STEPS[choice.implementation], _sharded_step)
 
 
-def _single_device_step(grad_rows: jax.Array, values: jax.Array,
-                        indices: jax.Array, exponents: jax.Array,
-                        mu: Union[float, jax.Array], update_topk: int
-                        ) -> _column_step.ColumnStep:
-  """The column step on whole rows: the fused kernel where it runs."""
-  implementation, why = status()
-  if implementation == 'pallas':
-    return _pallas_step(grad_rows, values, indices, exponents, mu, update_topk,
-                        why)
-  supported = _cpu_kernel.supports(grad_rows, values, indices, update_topk)
-  if implementation == 'cpu' and supported:
-    _log_once(f'taco_optax: TACO column step runs the {why}.',
-              logging.INFO)
-    return _cpu_kernel.cpu_column_step(grad_rows, values, indices, exponents,
-                                       mu, update_topk)
-  if requested() == 'cpu':
-    raise ValueError(
-        f'{_ENV}=cpu but the kernel does not take gradients {grad_rows.dtype} '
-        f'{grad_rows.shape} with a {values.dtype}/{indices.dtype} history.')
-  _log_once(
-      f'taco_optax: TACO column step runs the reference jax.numpy path: {why}.'
-      if implementation == 'reference' else
-      'taco_optax: TACO column step runs the reference jax.numpy path for '
-      f'{values.dtype} history values (the kernel takes float8_e4m3fn).',
-      logging.WARNING if 'unavailable' in why else logging.INFO)
-  return _column_step.reference_column_step(
-      grad_rows, values, indices, exponents, mu, update_topk)
+def history_rows(stored: jax.Array) -> jax.Array:
+  """The stored ``batch + (k, n)`` history as ``(N, k)`` rows, ``N = B n``."""
+  return jnp.swapaxes(stored, -1, -2).reshape(-1, stored.shape[-2])
 
 
-def _pallas_step(grad_rows: jax.Array, values: jax.Array, indices: jax.Array,
-                 exponents: jax.Array, mu: Union[float, jax.Array],
-                 update_topk: int, why: str) -> _column_step.ColumnStep:
-  """The Pallas kernel, run only on request (interpret mode off GPU)."""
-  # Imported here: Pallas adds ~0.4 s to import and only this choice uses it.
-  from taco_optax import _pallas_kernel  # pylint: disable=g-import-not-at-top
-  if not _pallas_kernel.supports(grad_rows, values, indices, update_topk):
-    raise ValueError(
-        f'{_ENV}=pallas but the kernel does not take gradients '
-        f'{grad_rows.dtype} {grad_rows.shape} with a '
-        f'{values.dtype}/{indices.dtype} history.')
-  _log_once(f'taco_optax: TACO column step runs the {why}.', logging.INFO)
-  return _pallas_kernel.pallas_column_step(
-      grad_rows, values, indices, exponents, mu, update_topk,
-      interpret=jax.default_backend() != 'gpu')
+def stored_history(rows: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+  """:func:`history_rows`' inverse, for a stored history of ``shape``."""
+  transposed = shape[:-2] + (shape[-1], shape[-2])
+  return jnp.swapaxes(rows.reshape(transposed), -1, -2)
+
+
+def history_step(grad_rows: jax.Array, values: jax.Array, indices: jax.Array,
+                 exponents: jax.Array, *, update_topk: int,
+                 mu: Union[float, jax.Array], implementation: str,
+                 shards: Optional[_mesh.LeafSharding] = None
+                 ) -> tuple[_column_step.ColumnStep, tuple[jax.Array, ...]]:
+  """The column step on rows, with the state in its stored layout.
+
+  Args:
+    grad_rows: ``(N, m)`` rows of the gradient (or of a block of columns).
+    values: ``batch + (k, n)`` history values for the same columns.
+    indices: ``batch + (k, n)`` their row indices.
+    exponents: ``batch + (n,)`` their scales.
+    update_topk: winners per row.
+    mu: EMA decay.
+    implementation: a resolved name (:func:`resolve`).
+    shards: set inside ``shard_map``: the rows are this device's slices.
+
+  Returns:
+    ``(step, (values, indices, exponents))``: the :class:`ColumnStep` on rows
+    and the new state in the stored layout.
+  """
+  step = column_step(grad_rows, history_rows(values), history_rows(indices),
+                     exponents.reshape(-1), mu, update_topk, implementation,
+                     shards)
+  return step, (stored_history(step.values, values.shape),
+                stored_history(step.indices, indices.shape),
+                step.exponents.reshape(exponents.shape))
+

@@ -1,10 +1,9 @@
 """One TACO leaf: its static plan, its history step, its dense direction.
 
 A :class:`LeafPlan` says once how a parameter maps to TACO's matrices (layout,
-dimension numbers, scale, signs per column). :func:`history_step` runs the
-column step on a leaf's rows with the state in its stored ``batch + (k, n)``
-layout; both the optax path (:func:`dense_direction`) and the layer-wise
-train step (``_leaf_update``) go through it.
+dimension numbers, scale, signs per column, implementation). Both the optax
+path (:func:`dense_direction`) and the layer-wise train step
+(``_leaf_update``) run its column step through ``_kernels.history_step``.
 """
 
 from typing import Any, NamedTuple, Optional, Union
@@ -13,10 +12,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from taco_optax import _column_step
 from taco_optax import _dimension_numbers as dn
 from taco_optax import _kernels
 from taco_optax import _mesh
+from taco_optax import _prefix
 
 ScaleTree = Union[float, None, Any]
 
@@ -30,34 +29,34 @@ class LeafPlan(NamedTuple):
       device's block on a mesh).
     scale: the update scale ``s`` (``m / n`` unless overridden).
     update_topk: signs per column, ``min(r, m)``.
+    implementation: what runs the column step (``_kernels.IMPLEMENTATIONS``,
+      resolved).
   """
   layout: dn.MatrixLayout
   dim_num: dn.TacoDimensionNumbers
   scale: float
   update_topk: int
+  implementation: str = 'auto'
 
   def local_layout(self, shape: tuple[int, ...]) -> dn.MatrixLayout:
     """The layout of a block of this leaf of ``shape`` (e.g. one device's)."""
     return dn.matrix_layout(shape, self.dim_num)
 
 
-def _leaf_scales(update_scale: ScaleTree, tree: Any,
-                 num_leaves: int) -> list[Optional[float]]:
-  """Broadcasts ``update_scale`` (a number, tree prefix or callable)."""
-  if update_scale is None or isinstance(update_scale, (int, float)):
-    return [update_scale] * num_leaves
-  scales = update_scale(tree) if callable(update_scale) else update_scale
-  per_leaf = []
-  jax.tree.map(
-      lambda s, sub: per_leaf.extend([s] * len(jax.tree.leaves(sub))),
-      scales, tree,
-      is_leaf=lambda x: x is None or isinstance(x, (int, float, optax.MaskedNode)))
-  return per_leaf
+def _is_scale_leaf(x: Any) -> bool:
+  return x is None or isinstance(x, (int, float, optax.MaskedNode))
+
+
+def _leaf_scales(update_scale: ScaleTree, tree: Any) -> list[Optional[float]]:
+  """``update_scale`` (a number, tree prefix or callable) for every leaf."""
+  if callable(update_scale):
+    update_scale = update_scale(tree)
+  return _prefix.per_leaf(update_scale, tree, _is_scale_leaf)
 
 
 def leaf_plans(tree: Any, weight_dimension_numbers: dn.WeightDimNumOrFn | None,
-               update_scale: ScaleTree, update_topk: int
-               ) -> list[Optional[LeafPlan]]:
+               update_scale: ScaleTree, update_topk: int,
+               implementation: str = 'auto') -> list[Optional[LeafPlan]]:
   """One :class:`LeafPlan` per leaf of ``tree`` (``None``: not a TACO leaf).
 
   Raises:
@@ -66,7 +65,7 @@ def leaf_plans(tree: Any, weight_dimension_numbers: dn.WeightDimNumOrFn | None,
   """
   leaves = jax.tree.leaves(tree)
   dims = dn.leaf_dimension_numbers(weight_dimension_numbers, tree)
-  scales = _leaf_scales(update_scale, tree, len(leaves))
+  scales = _leaf_scales(update_scale, tree)
   plans = []
   for leaf, dim_num, scale in zip(leaves, dims, scales):
     if dim_num is None:
@@ -82,39 +81,9 @@ def leaf_plans(tree: Any, weight_dimension_numbers: dn.WeightDimNumOrFn | None,
     plans.append(LeafPlan(
         layout=layout, dim_num=dim_num,
         scale=layout.m / layout.n if scale is None else scale,
-        update_topk=min(update_topk, layout.m)))
+        update_topk=min(update_topk, layout.m),
+        implementation=implementation))
   return plans
-
-
-def history_step(grad_rows: jax.Array, values: jax.Array, indices: jax.Array,
-                 exponents: jax.Array, plan: LeafPlan,
-                 mu: Union[float, jax.Array],
-                 shards: Optional[_mesh.LeafSharding] = None
-                 ) -> tuple[_column_step.ColumnStep, tuple[jax.Array, ...]]:
-  """The column step on rows, with the state in its stored layout.
-
-  Args:
-    grad_rows: ``(N, m)`` rows of the gradient (or of a block of its columns).
-    values: ``batch + (k, n)`` history values for the same columns.
-    indices: ``batch + (k, n)`` their row indices.
-    exponents: ``batch + (n,)`` their scales.
-    plan: the leaf's plan.
-    mu: EMA decay.
-    shards: set inside ``shard_map``: the rows are this device's slices.
-
-  Returns:
-    ``(step, (values, indices, exponents))``: the :class:`ColumnStep` on rows
-    and the new state in the stored layout.
-  """
-  keep = values.shape[-2]
-  to_rows = lambda x: jnp.swapaxes(x, -1, -2).reshape(-1, keep)
-  step = _kernels.column_step(
-      grad_rows, to_rows(values), to_rows(indices), exponents.reshape(-1), mu,
-      plan.update_topk, None if shards is None else _mesh.selection(shards))
-  stored = values.shape[:-2] + (values.shape[-1], keep)
-  from_rows = lambda x: jnp.swapaxes(x.reshape(stored), -1, -2)
-  return step, (from_rows(step.values), from_rows(step.indices),
-                step.exponents.reshape(exponents.shape))
 
 
 def one_sparse_rows(indices: jax.Array, signs: jax.Array, m: int,
@@ -148,8 +117,10 @@ def dense_direction(grad: jax.Array, values: jax.Array, indices: jax.Array,
     the gradient is not finite.
   """
   layout = plan.local_layout(grad.shape)
-  step, state = history_step(layout.to_rows(grad), values, indices, exponents,
-                             plan, mu, shards)
+  step, state = _kernels.history_step(
+      layout.to_rows(grad), values, indices, exponents,
+      update_topk=plan.update_topk, mu=mu,
+      implementation=plan.implementation, shards=shards)
   winners = step.winner_indices
   if shards is not None:
     winners, held = _mesh.local_rows(winners, shards)

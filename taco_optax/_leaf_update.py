@@ -1,7 +1,7 @@
 """Writing one matrix's TACO winners into its weight, as the gradient appears.
 
 The per-leaf half of the layer-wise train step: the same history step as
-``scale_by_taco`` (``_leaf.history_step``), then a scatter of each column's
+``scale_by_taco`` (``_kernels.history_step``), then a scatter of each column's
 ``<= r`` winners into the weight (no dense update), optionally a block of
 columns at a time, and per shard under ``shard_map`` when the weight is split
 over an explicit mesh.
@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from taco_optax import _dimension_numbers as dn
+from taco_optax import _kernels
 from taco_optax import _leaf
 from taco_optax import _mesh
 from taco_optax import _token_table
@@ -37,16 +38,16 @@ def data_dependency(values: jax.Array, after: Any) -> jax.Array:
 # A matrix whose column step would hold more float32 elements than this is
 # processed a block of columns at a time (the column step's transients, e.g.
 # the float32 candidates and their magnitudes, are each gradient-sized).
-CHUNK_ELEMENTS = 2**20
+COLUMN_BLOCK_ELEMENTS = 2**20
 
 
 def column_chunk(layout: dn.MatrixLayout) -> Optional[int]:
   """Columns per block for a chunked update, or None for one pass."""
-  if layout.batch_shape or layout.n * layout.m <= 2 * CHUNK_ELEMENTS:
+  if layout.batch_shape or layout.n * layout.m <= 2 * COLUMN_BLOCK_ELEMENTS:
     return None
   if layout.transpose not in ((0, 1), (1, 0)):
     return None
-  target = max(1, CHUNK_ELEMENTS // layout.m)
+  target = max(1, COLUMN_BLOCK_ELEMENTS // layout.m)
   chunk = max(c for c in range(1, min(target, layout.n) + 1)
               if layout.n % c == 0)
   return chunk if chunk < layout.n else None
@@ -150,8 +151,10 @@ def _local_leaf_update(param, grad, values, indices, exponents, *, plan, mu,
     return _chunked_leaf_update(param, grad, values, indices, exponents,
                                 layout, plan, mu, lr_tx, lr_state, after,
                                 shards, chunk)
-  step, state = _leaf.history_step(layout.to_rows(grad), values, indices,
-                                   exponents, plan, mu, shards)
+  step, state = _kernels.history_step(
+      layout.to_rows(grad), values, indices, exponents,
+      update_topk=plan.update_topk, mu=mu,
+      implementation=plan.implementation, shards=shards)
   delta = winner_delta(step, plan.scale, grad.dtype, lr_tx, lr_state, after)
   rows = layout.to_rows(param)
   row_ids = jnp.arange(rows.shape[0], dtype=jnp.int32)[:, None]
@@ -180,8 +183,8 @@ def _chunked_leaf_update(param, grad, values, indices, exponents, layout,
   finiteness is known only after the last block, so the state is chosen then.
   """
   rows_are_axis0 = layout.transpose == (0, 1)
-  formed = isinstance(grad, _token_table.TableGradient)
-  if formed:
+  blockwise = isinstance(grad, _token_table.TableGradient)
+  if blockwise:
     finite = jnp.array(True)
   else:
     finite = jnp.all(jnp.isfinite(grad))
@@ -207,7 +210,7 @@ def _chunked_leaf_update(param, grad, values, indices, exponents, layout,
     block = as_bits(block if rows_are_axis0 else block.T)
     return jax.lax.dynamic_update_slice_in_dim(x, block, start, axis=axis)
 
-  if formed:
+  if blockwise:
     grad_rows = lambda start: grad.columns(start, chunk)
   else:
     grad_bits = as_bits(grad)
@@ -218,16 +221,17 @@ def _chunked_leaf_update(param, grad, values, indices, exponents, layout,
     start = block * chunk
     columns = lambda x: jax.lax.dynamic_slice_in_dim(x, start, chunk, axis=-1)
     block_grad = grad_rows(start)
-    if formed:
+    if blockwise:
       finite = finite & jnp.all(jnp.isfinite(block_grad))
-    step, new_state = _leaf.history_step(
+    step, new_state = _kernels.history_step(
         block_grad, columns(values), columns(indices), columns(exponents),
-        plan, mu, shards)
+        update_topk=plan.update_topk, mu=mu,
+        implementation=plan.implementation, shards=shards)
     delta = winner_delta(step, plan.scale, grad.dtype, lr_tx, lr_state, after)
     block = _add_at_winners(rows(param_bits, start, param.dtype),
                             _local_winners(step.winner_indices, shards), delta)
     param_bits = put_rows(param_bits, block, start)
-    keep = (lambda old, new: new) if formed else (
+    keep = (lambda old, new: new) if blockwise else (
         lambda old, new: jnp.where(finite, new, columns(old)))
     put = lambda old, new: jax.lax.dynamic_update_slice_in_dim(
         old, keep(old, new), start, axis=-1)
@@ -239,7 +243,7 @@ def _chunked_leaf_update(param, grad, values, indices, exponents, layout,
   (param_bits, *state, finite), _ = jax.lax.scan(
       body, (as_bits(param),) + old_state + (finite,),
       jnp.arange(layout.n // chunk, dtype=jnp.int32))
-  if formed:  # the history is kept when the gradient was not finite
+  if blockwise:  # the history is kept when the gradient was not finite
     state = [jnp.where(finite, new, old) for new, old in zip(state, old_state)]
   param = from_bits(param_bits, param.dtype)
   return (jnp.where(finite, param, jnp.nan),) + tuple(state)

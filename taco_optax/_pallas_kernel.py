@@ -73,8 +73,9 @@ def supports(grad_rows: jax.Array, values: jax.Array, indices: jax.Array,
              update_topk: int = 1) -> bool:
   """Whether :func:`pallas_column_step` takes these dtypes and shapes.
 
-  Rows longer than :data:`MAX_ROW_LENGTH` are accepted (they run the
-  reference).
+  Rows longer than :data:`MAX_ROW_LENGTH` are accepted here (dtypes and
+  shapes only); :func:`pallas_column_step` refuses them and ``_kernels``
+  chooses the reference for them.
 
   Args:
     grad_rows: ``(N, m)`` float32 or bfloat16 gradient rows.
@@ -204,9 +205,9 @@ def pallas_column_step(grad_rows: jax.Array, values: jax.Array,
 
   Same arguments and results as
   :func:`taco_optax._column_step.reference_column_step` (single device), for
-  the inputs :func:`supports` accepts. Rows longer than
-  :data:`MAX_ROW_LENGTH`, and a Python ``mu`` with ``1 - mu`` rounding to 1
-  (XLA folds the reference's multiply then), run the reference.
+  the inputs :func:`supports` accepts with rows of at most
+  :data:`MAX_ROW_LENGTH` and a ``mu`` whose ``1 - mu`` XLA does not fold away
+  (``_kernels`` chooses the reference otherwise; this function never does).
 
   Args:
     grad_rows, values, indices, exponents, mu, update_topk: as for the
@@ -226,10 +227,10 @@ def pallas_column_step(grad_rows: jax.Array, values: jax.Array,
         'history with int32/int16 indices, 1 <= update_topk <= k <= m; got '
         f'{grad_rows.shape} {grad_rows.dtype}, {values.shape} {values.dtype}, '
         f'{indices.dtype}, update_topk={update_topk}.')
-  if (_column_step.decay_folds_away(mu)
-      or grad_rows.shape[1] > MAX_ROW_LENGTH):
-    return _column_step.reference_column_step(grad_rows, values, indices,
-                                              exponents, mu, update_topk)
+  if grad_rows.shape[1] > MAX_ROW_LENGTH:
+    raise ValueError(
+        f'The TACO Pallas kernel holds rows of at most {MAX_ROW_LENGTH} in '
+        f'registers; got rows of {grad_rows.shape[1]}.')
   k = values.shape[1]
   # The reference's arithmetic: for a Python float, 1 - mu is formed in
   # float64 and rounded once to float32 (weak typing), and mu * M likewise.
@@ -239,5 +240,5 @@ def pallas_column_step(grad_rows: jax.Array, values: jax.Array,
   top_values, top_indices, finite = _select(
       grad_rows, indices, decayed, one_minus_mu, rounds=k,
       interpret=interpret)
-  return _column_step.finish(top_values, top_indices, finite, values, indices,
-                             exponents, update_topk)
+  return _column_step.step_from_top_k(top_values, top_indices, finite,
+                                      values, indices, exponents, update_topk)

@@ -3,15 +3,16 @@
 The tied table's gradient is the projection's share (``d_logits^T features``,
 formed a block of columns at a time from the logits' cotangent) plus the
 lookup's share, which backprop reaches only after every layer. Keeping the
-logits' cotangent until then costs ``rows x vocab`` floats through the whole
-backward pass (0.09 x the weights of SmolLM2-135M in float32). But the lookup
-only touches the rows of the batch's tokens, so:
+logits' cotangent until then costs ``positions x vocab`` floats through the
+whole backward pass (0.09 x the weights of SmolLM2-135M in float32). But the lookup
+only touches the table's rows of the batch's tokens, so:
 
 1. at the head (:func:`select_outside`): per column, the candidates of every
    row outside the batch's tokens are final; keep their top ``max(k, r)``
-   (values and row indices) and the projection's gradient at the batch's rows;
-2. after the layers (:func:`finish`): form the candidates of the batch's rows
-   from both shares, merge them with the kept ones in ``lax.top_k``'s order
+   (values and token indices) and the projection's gradient at the batch's
+   tokens;
+2. after the layers (:func:`merge_batch_tokens`): form the candidates of the
+   batch's tokens from both shares, merge them with the kept ones in ``lax.top_k``'s order
    (magnitude, then lower row) and finish the step as the column step does.
 
 The arithmetic of every candidate is the reference column step's, so the
@@ -25,21 +26,22 @@ import jax.numpy as jnp
 
 from taco_optax import _codec
 from taco_optax import _column_step
+from taco_optax import _kernels
 from taco_optax import _leaf
 from taco_optax import _leaf_update
 from taco_optax import _mesh
 from taco_optax import _token_table
 
 
-class Outside(NamedTuple):
+class HeadCandidates(NamedTuple):
   """What :func:`select_outside` keeps of the projection's share.
 
   Attributes:
-    values: ``(n, K)`` float32 top candidates of rows outside the batch's
+    values: ``(n, K)`` float32 top candidates of tokens outside the batch's
       tokens, ``K = max(k, r)``, sorted as ``lax.top_k``.
-    indices: ``(n, K)`` int32 their rows.
-    inside: ``(n, U)`` the projection's gradient at the batch's rows
-      (:func:`batch_rows`), in the table's dtype.
+    indices: ``(n, K)`` int32 their tokens.
+    inside: ``(n, U)`` the projection's gradient at the batch's tokens
+      (:func:`batch_tokens`), in the table's dtype.
     finite: ``()`` whether the projection's gradient is finite everywhere.
   """
   values: jax.Array
@@ -48,56 +50,54 @@ class Outside(NamedTuple):
   finite: jax.Array
 
 
-def batch_rows(ids: jax.Array, num_rows: int) -> tuple[jax.Array, jax.Array]:
-  """``(rows, inverse)``: the distinct looked-up rows (padded with
-  ``num_rows``, which matches nothing) and each id's position among them."""
+def batch_tokens(ids: jax.Array, vocab: int) -> tuple[jax.Array, jax.Array]:
+  """``(tokens, inverse)``: the distinct looked-up tokens (padded with
+  ``vocab``, which matches nothing) and each id's position among them."""
   flat = ids.reshape(-1)
-  rows, inverse = jnp.unique(flat, size=flat.size, fill_value=num_rows,
+  tokens, inverse = jnp.unique(flat, size=flat.size, fill_value=vocab,
                              return_inverse=True)
-  return rows.astype(jnp.int32), inverse.reshape(ids.shape)
+  return tokens.astype(jnp.int32), inverse.reshape(ids.shape)
 
 
-def _state_rows(x):  # (k, c) stored layout <-> (c, k) rows
-  return jnp.swapaxes(x, -1, -2)
-
-
-def select_outside(gradient: _token_table.TableGradient, rows: jax.Array,
-                   state, plan: _leaf.LeafPlan, mu, chunk: int) -> Outside:
+def select_outside(gradient: _token_table.TableGradient, tokens: jax.Array,
+                   state, plan: _leaf.LeafPlan, mu,
+                   chunk: int) -> HeadCandidates:
   """Phase 1, a block of ``chunk`` columns at a time (``plan``'s columns lie
   along ``gradient.axis``; ``state`` is ``(values, indices, exponents)``)."""
   values, indices, exponents = state
-  num_rows = gradient.shape[1 - gradient.axis]
+  vocab = gradient.shape[1 - gradient.axis]
   keep = max(values.shape[-2], plan.update_topk)
-  excluded = jnp.zeros((num_rows,), bool).at[rows].set(True, mode='drop')
+  excluded = jnp.zeros((vocab,), bool).at[tokens].set(True, mode='drop')
   n = gradient.shape[gradient.axis]
 
   def body(finite, start):
     grads = gradient.columns(start, chunk)  # (chunk, m)
     columns = lambda x: jax.lax.dynamic_slice_in_dim(x, start, chunk, -1)
     candidates = _column_step.merged_candidates(
-        grads.astype(jnp.float32), _state_rows(columns(values)),
-        _state_rows(columns(indices)), columns(exponents), mu)
+        grads.astype(jnp.float32), _kernels.history_rows(columns(values)),
+        _kernels.history_rows(columns(indices)), columns(exponents), mu)
     magnitude = jnp.where(excluded, -1.0, jnp.abs(candidates))
     _, top = jax.lax.top_k(magnitude, keep)
-    inside = jnp.take(grads, jnp.minimum(rows, num_rows - 1), axis=1)
+    inside = jnp.take(grads, jnp.minimum(tokens, vocab - 1), axis=1)
     return finite & jnp.all(jnp.isfinite(grads)), (
         jnp.take_along_axis(candidates, top, -1), top, inside)
 
   finite, (top_values, top_indices, inside) = jax.lax.scan(
       body, jnp.array(True), jnp.arange(0, n, chunk, dtype=jnp.int32))
   merge = lambda x: x.reshape((n,) + x.shape[2:])
-  return Outside(merge(top_values), merge(top_indices), merge(inside),
-                 finite)
+  return HeadCandidates(merge(top_values), merge(top_indices),
+                        merge(inside), finite)
 
 
-def finish(outside: Outside, rows: jax.Array, lookup_rows: jax.Array, state,
-           plan: _leaf.LeafPlan, mu) -> _column_step.ColumnStep:
-  """Phase 2: the batch's rows' candidates, merged with ``outside``.
+def merge_batch_tokens(outside: HeadCandidates, tokens: jax.Array,
+                       lookup_grads: jax.Array, state, plan: _leaf.LeafPlan,
+                       mu) -> _column_step.ColumnStep:
+  """Phase 2: the batch's tokens' candidates, merged with ``outside``.
 
   Args:
     outside: phase 1's result.
-    rows: ``(U,)`` the batch's distinct rows (:func:`batch_rows`).
-    lookup_rows: ``(n, U)`` the lookup's gradient at those rows.
+    tokens: ``(U,)`` the batch's distinct tokens (:func:`batch_tokens`).
+    lookup_grads: ``(n, U)`` the lookup's gradient at those tokens.
     state: ``(values, indices, exponents)`` in the stored layout.
     plan: the table's plan.
     mu: EMA decay.
@@ -105,29 +105,30 @@ def finish(outside: Outside, rows: jax.Array, lookup_rows: jax.Array, state,
   Returns:
     The :class:`ColumnStep` on the table's ``n`` columns.
   """
-  values, indices, exponents = (_state_rows(state[0]), _state_rows(state[1]),
-                                state[2])
+  values, indices, exponents = (_kernels.history_rows(state[0]),
+                                _kernels.history_rows(state[1]), state[2])
   k = values.shape[-1]
-  num_rows = plan.layout.m
-  grads = (lookup_rows + outside.inside).astype(jnp.float32)
+  vocab = plan.layout.m
+  grads = (lookup_grads + outside.inside).astype(jnp.float32)
   finite = outside.finite & jnp.all(jnp.isfinite(grads))
   scaled = (1 - mu) * grads  # (n, U)
   previous = mu * _codec.decode(_codec.EncodedRows(values, exponents))
-  match = indices[:, :, None] == rows[None, None, :]  # (n, k, U)
+  match = indices[:, :, None] == tokens[None, None, :]  # (n, k, U)
   held = jnp.sum(jnp.where(match, previous[:, :, None], 0.0), axis=1)
   candidates = jnp.where(match.any(axis=1), scaled + held, scaled)
-  valid = rows < num_rows
+  valid = tokens < vocab
   all_values = jnp.concatenate([outside.values, candidates], -1)
-  all_rows = jnp.concatenate(
-      [outside.indices, jnp.broadcast_to(rows, candidates.shape)], -1)
+  all_tokens = jnp.concatenate(
+      [outside.indices, jnp.broadcast_to(tokens, candidates.shape)], -1)
   order = jnp.where(
       jnp.concatenate([jnp.ones_like(outside.values, bool),
                        jnp.broadcast_to(valid, candidates.shape)], -1),
       -jnp.abs(all_values), jnp.inf)
-  _, top_rows, top_values = jax.lax.sort((order, all_rows, all_values),
-                                         dimension=-1, num_keys=2)
-  return _column_step.finish(top_values[:, :k], top_rows[:, :k], finite,
-                             values, indices, exponents, plan.update_topk)
+  _, top_tokens, top_values = jax.lax.sort((order, all_tokens, all_values),
+                                           dimension=-1, num_keys=2)
+  return _column_step.step_from_top_k(
+      top_values[:, :k], top_tokens[:, :k], finite, values, indices,
+      exponents, plan.update_topk)
 
 
 def applies(param, gradient: _token_table.TableGradient, plan, ids,
@@ -137,17 +138,18 @@ def applies(param, gradient: _token_table.TableGradient, plan, ids,
   if _mesh.leaf_sharding_of(param, plan.dim_num) is not None:
     return False
   layout = plan.local_layout(param.shape)
-  # Phase 1 must find max(k, r) rows outside the batch's tokens.
+  # Phase 1 must find max(k, r) tokens outside the batch's.
   return (_leaf_update.column_chunk(layout) is not None and param.ndim == 2
           and gradient.axis == _leaf_update.column_axis(layout)
           and layout.m >= ids.size + max(k, plan.update_topk))
 
 
 def head_phase(gradient, ids, param, state, plan, mu) -> tuple[Any, ...]:
-  """Phase 1 for a table: ``(rows, inverse, outside)`` to keep for phase 2."""
-  rows, inverse = batch_rows(ids, plan.layout.m)
+  """Phase 1 for a table: ``(tokens, inverse, outside)`` to keep for phase 2."""
+  tokens, inverse = batch_tokens(ids, plan.layout.m)
   chunk = _leaf_update.column_chunk(plan.local_layout(param.shape))
-  return rows, inverse, select_outside(gradient, rows, state, plan, mu, chunk)
+  return tokens, inverse, select_outside(gradient, tokens, state, plan, mu,
+                                         chunk)
 
 
 def update(param, kept, gather, d_rows, state, plan, mu, lr_tx, lr_state):
@@ -157,7 +159,7 @@ def update(param, kept, gather, d_rows, state, plan, mu, lr_tx, lr_state):
     param: the table.
     kept: :func:`head_phase`'s result.
     gather: the lookup's ``gather(table, ids)``.
-    d_rows: the cotangent of the looked-up rows.
+    d_rows: the cotangent of the looked-up tokens.
     state: ``(values, indices, exponents)``.
     plan: the table's plan.
     mu: EMA decay.
@@ -166,17 +168,20 @@ def update(param, kept, gather, d_rows, state, plan, mu, lr_tx, lr_state):
   Returns:
     ``(param, values, indices, exponents)``, updated.
   """
-  rows, inverse, outside = kept
+  tokens, inverse, outside = kept
   axis = _leaf_update.column_axis(plan.layout)
-  compact = jnp.zeros((rows.size, param.shape[axis]), param.dtype)
+  compact = jnp.zeros((tokens.size, param.shape[axis]), param.dtype)
   _, gather_vjp = jax.vjp(lambda table: gather(table, inverse), compact)
-  (lookup_rows,) = gather_vjp(d_rows)  # (U, n): the lookup's share
-  step = finish(outside, rows, lookup_rows.T, state, plan, mu)
+  (lookup_grads,) = gather_vjp(d_rows)  # (U, n): the lookup's share
+  step = merge_batch_tokens(outside, tokens, lookup_grads.T, state, plan,
+                            mu)
   delta = _leaf_update.winner_delta(step, plan.scale, param.dtype, lr_tx,
                                     lr_state, None)
   columns = jnp.arange(param.shape[axis], dtype=jnp.int32)[:, None]
   where = ((step.winner_indices, columns) if axis == 1
            else (columns, step.winner_indices))
   param = _leaf_update.scatter_add(param, where, delta, dropping=False)
-  return (jnp.where(step.finite, param, jnp.nan), _state_rows(step.values),
-          _state_rows(step.indices), step.exponents)
+  return (jnp.where(step.finite, param, jnp.nan),
+          _kernels.stored_history(step.values, state[0].shape),
+          _kernels.stored_history(step.indices, state[1].shape),
+          step.exponents)

@@ -9,6 +9,7 @@ import optax
 
 from taco_optax import _codec
 from taco_optax import _dimension_numbers as dn
+from taco_optax import _kernels
 from taco_optax import _leaf
 from taco_optax import _mesh
 
@@ -66,6 +67,7 @@ def scale_by_taco(
     update_scale: ScaleTree = None,
     values_dtype: Any = None,
     index_dtype: Any = None,
+    implementation: Optional[str] = None,
 ) -> optax.GradientTransformation:
   r"""The TACO direction: per column, the sign of the largest history entry.
 
@@ -135,6 +137,13 @@ def scale_by_taco(
     index_dtype: integer dtype of stored row indices; ``None`` means ``int32``.
       ``int16`` cuts the state to ``3k + 1`` bytes per column when
       ``m <= 2**15``.
+    implementation: what runs the column step: ``'auto'`` (the fused CPU
+      kernel on CPU where it builds, else the reference), ``'cpu'``,
+      ``'pallas'`` or ``'reference'`` (plain ``jax.numpy``). All give the
+      same bits. ``None`` reads ``$TACO_OPTAX_KERNEL`` now (default
+      ``'auto'``), so the transformation keeps one choice; the choice is
+      logged on the ``taco_optax`` logger and names the step's scope
+      (``taco_column_step_<implementation>``).
 
   The non-numeric defaults (``None``) keep the factory usable with
   :func:`optax.inject_hyperparams`, which turns numeric arguments into arrays
@@ -174,10 +183,11 @@ def scale_by_taco(
     raise ValueError(f'index_dtype must be an integer dtype, got {index_dtype}.')
   if not jnp.issubdtype(values_dtype, jnp.floating):
     raise ValueError(f'values_dtype must be a float dtype, got {values_dtype}.')
+  implementation = _kernels.resolve(implementation)
 
   def plans(tree):
     return _leaf.leaf_plans(tree, weight_dimension_numbers, update_scale,
-                            update_topk)
+                            update_topk, implementation)
 
   def init_leaf(param, plan):
     if plan is None:

@@ -13,6 +13,7 @@ import optax
 import pytest
 
 import taco_optax
+from taco_optax import _alias
 from tests.bitwise import assert_bitwise_equal
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -29,15 +30,16 @@ def _grads(seed=0):
 
 
 def test_parts_rebuild_taco_bit_for_bit():
-  parts = taco_optax.taco_parts(1e-2, k=2, mu=0.5, adam_weight_decay=1e-3)
+  parts = _alias.parts_of(
+      taco_optax.taco(1e-2, k=2, mu=0.5, adam_weight_decay=1e-3))
   assert parts.param_labels(_params()) == {
-      'w': taco_optax.TACO_LABEL, 'b': taco_optax.ADAM_LABEL,
-      'stack': taco_optax.ADAM_LABEL}
+      'w': _alias.TACO_LABEL, 'b': _alias.ADAM_LABEL,
+      'stack': _alias.ADAM_LABEL}
   tx = taco_optax.taco(1e-2, k=2, mu=0.5, adam_weight_decay=1e-3)
   by_hand = optax.partition(
-      {taco_optax.TACO_LABEL: optax.chain(parts.direction,
-                                          parts.learning_rate),
-       taco_optax.ADAM_LABEL: parts.adam}, parts.param_labels)
+      {_alias.TACO_LABEL: optax.chain(parts.direction,
+                                      parts.learning_rate),
+       _alias.ADAM_LABEL: parts.adam}, parts.param_labels)
   params = _params()
   state, hand_state = tx.init(params), by_hand.init(params)
   for seed in range(3):
@@ -51,7 +53,7 @@ def test_parts_rebuild_taco_bit_for_bit():
 def test_taco_states_round_trip_by_label():
   tx = taco_optax.taco(1e-2, k=2)
   state = tx.init(_params())
-  states = taco_optax.taco_states(state)
+  states = _alias.taco_states(state)
   assert isinstance(states.direction, taco_optax.TacoState)
   assert states.direction.values['w'].shape == (2, 4)
   assert states.direction.values['w'].dtype == jnp.float8_e4m3fn
@@ -61,9 +63,9 @@ def test_taco_states_round_trip_by_label():
       direction=states.direction._replace(
           exponents=jax.tree.map(lambda e: e + 1,
                                  states.direction.exponents)))
-  again = taco_optax.taco_states(taco_optax.with_taco_states(state, changed))
+  again = _alias.taco_states(_alias.with_taco_states(state, changed))
   assert_bitwise_equal(again, changed)
-  assert jax.tree.structure(taco_optax.with_taco_states(state, states)) == (
+  assert jax.tree.structure(_alias.with_taco_states(state, states)) == (
       jax.tree.structure(state))
 
 
@@ -117,7 +119,7 @@ def test_taco_is_a_partition_of_optax_pieces_bit_for_bit(decay):
     updates, state = step(tx, _grads(seed), state)
     expected, reference_state = step(reference, _grads(seed), reference_state)
     assert_bitwise_equal(updates, expected)
-  states = taco_optax.taco_states(state)
+  states = _alias.taco_states(state)
   inner = reference_state.inner_states
   assert_bitwise_equal((states.direction, states.learning_rate),
                        inner['matrix'].inner_state)
@@ -141,7 +143,7 @@ def test_nnx_module_names_the_flax_extra(monkeypatch):
   with pytest.raises(ImportError, match=r'taco_optax\[flax\]'):
     importlib.import_module('taco_optax.nnx')
   with pytest.raises(ImportError, match=r'taco_optax\[flax\]'):
-    getattr(taco_optax, 'for_nnx_optimizer')
+    getattr(taco_optax, 'nnx')
 
 
 def _imports(path):

@@ -13,6 +13,7 @@ import pytest
 
 from taco_optax import _column_step
 from taco_optax import _cpu_kernel
+from taco_optax import _kernels
 from tests import kernel_cases
 from tests.bitwise import assert_bitwise_equal
 
@@ -21,6 +22,9 @@ needs_kernel = pytest.mark.skipif(not _AVAILABLE, reason=_REASON)
 
 _check = functools.partial(kernel_cases.check,
                            _cpu_kernel.cpu_column_step)
+# What taco(implementation='cpu') runs: the kernel, or the reference where
+# only the reference gives the reference's bits.
+_dispatched = functools.partial(_kernels.column_step, implementation='cpu')
 
 
 
@@ -186,12 +190,12 @@ def test_one_minus_mu_is_rounded_like_the_reference(mu):
 @needs_kernel
 def test_python_zero_mu():
   # XLA folds (1 - 0.0) * g to g, so subnormal gradients survive; the
-  # kernel would flush them, so this case runs the reference.
+  # kernel would flush them, so the dispatcher runs the reference.
   rng = np.random.default_rng(5)
   values, indices, exponents = kernel_cases.history(rng, 4, 40, 2, np.int32)
   grads = jnp.asarray(kernel_cases.gradient(rng, (4, 40), 'subnormal'))
-  _check(grads, values, indices, exponents, 0.0, 1)
-  lowered = jax.jit(_cpu_kernel.cpu_column_step, static_argnums=(4, 5)).lower(
+  kernel_cases.check(_dispatched, grads, values, indices, exponents, 0.0, 1)
+  lowered = jax.jit(_dispatched, static_argnums=(4, 5)).lower(
       grads, values, indices, exponents, 0.0, 1)
   assert _cpu_kernel.TARGET_NAME not in lowered.as_text()
 

@@ -28,6 +28,9 @@ from tests.bitwise import assert_bitwise_equal
 _interpreted = functools.partial(_pallas_kernel.pallas_column_step,
                                  interpret=True)
 _check = functools.partial(kernel_cases.check, _interpreted)
+# What taco(implementation='pallas') runs off GPU: the kernel in interpret
+# mode, or the reference where the kernel cannot give the reference's bits.
+_dispatched = functools.partial(_kernels.column_step, implementation='pallas')
 
 
 
@@ -62,14 +65,15 @@ def test_matches_reference(n, m, k, update_topk, grad_dtype):
 @pytest.mark.parametrize('mu', [0.95, 0.0, 'array0'])
 def test_python_and_array_mu(mu):
   # A Python mu is weakly typed in the reference: 1 - mu rounds once from
-  # float64; mu = 0.0 runs the reference (XLA folds its multiply by 1).
+  # float64; for mu = 0.0 the dispatcher runs the reference (XLA folds its
+  # multiply by 1).
   if mu == 'array0':
     mu = jnp.asarray(0.0, jnp.float32)
   rng = np.random.default_rng(3)
   values, indices, exponents = kernel_cases.history(rng, 5, 40, 16, np.int16)
   for kind in ('normal', 'subnormal', 'ties'):
     grads = jnp.asarray(kernel_cases.gradient(rng, (5, 40), kind))
-    _check(grads, values, indices, exponents, mu, 2)
+    kernel_cases.check(_dispatched, grads, values, indices, exponents, mu, 2)
 
 
 def _contains_pallas_call(function, *args):
@@ -79,7 +83,7 @@ def _contains_pallas_call(function, *args):
 def test_kernel_runs_and_long_rows_fall_back():
   rng = np.random.default_rng(4)
   values, indices, exponents = kernel_cases.history(rng, 2, 64, 2)
-  step = functools.partial(_interpreted, mu=0.9, update_topk=1)
+  step = functools.partial(_dispatched, mu=0.9, update_topk=1)
   grads = jnp.asarray(kernel_cases.gradient(rng, (2, 64), 'normal'))
   assert _contains_pallas_call(step, grads, values, indices, exponents)
   long_grads = jnp.asarray(kernel_cases.gradient(
@@ -88,7 +92,10 @@ def test_kernel_runs_and_long_rows_fall_back():
       rng, 1, _pallas_kernel.MAX_ROW_LENGTH + 1, 1)
   assert not _contains_pallas_call(step, long_grads, values, indices,
                                    exponents)
-  _check(long_grads, values, indices, exponents, 0.9, 1)
+  kernel_cases.check(_dispatched, long_grads, values, indices, exponents, 0.9,
+                     1)
+  with pytest.raises(ValueError, match='rows of at most'):
+    _interpreted(long_grads, values, indices, exponents, 0.9, 1)
 
 
 def test_rejects_unsupported_inputs():
@@ -120,11 +127,13 @@ def test_lowers_to_triton(m, grad_dtype):
 
 def test_selected_by_environment(monkeypatch):
   monkeypatch.setenv('TACO_OPTAX_KERNEL', 'pallas')
-  assert _kernels.status()[0] == 'pallas'
+  implementation = _kernels.resolve(None)
+  assert implementation == 'pallas'
   rng = np.random.default_rng(6)
   values, indices, exponents = kernel_cases.history(rng, 3, 33, 2)
   grads = jnp.asarray(kernel_cases.gradient(rng, (3, 33), 'ties'), jnp.bfloat16)
-  step = functools.partial(_kernels.column_step, mu=0.95, update_topk=2)
+  step = functools.partial(_kernels.column_step, mu=0.95, update_topk=2,
+                           implementation=implementation)
   args = (grads, values, indices, exponents)
   assert _contains_pallas_call(step, *args)
   assert_bitwise_equal(jax.jit(step)(*args),

@@ -19,12 +19,14 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import taco_optax
+from taco_optax import _alias
 from taco_optax import _leaf
 from taco_optax import _mesh
 from taco_optax import _leaf_update
 from taco_optax import TacoDimensionNumbers as Dims
 from tests import multidevice
 from tests.bitwise import assert_bitwise_equal
+from tests import layerwise_case
 
 NUM_DEVICES = 8
 needs_mesh = multidevice.needs_devices(NUM_DEVICES)
@@ -387,7 +389,7 @@ def test_nnx_optimizer_state_gets_taco_shardings(explicit, error, message):
     # rank-1 exponents and fails to place them.
     with pytest.raises(error, match=message):
       nnx.Optimizer(model, tx, wrt=nnx.Param)
-    optimizer = nnx.Optimizer(model, taco_optax.for_nnx_optimizer(tx),
+    optimizer = nnx.Optimizer(model, taco_optax.nnx.for_nnx_optimizer(tx),
                               wrt=nnx.Param)
 
     @nnx.jit
@@ -436,7 +438,7 @@ def _layered_loss(scan_layers):
   ``w_out`` is not read by the embedding, so the step updates it before the
   layers (the untied-head path).
   """
-  return taco_optax.LayeredLoss(
+  return taco_optax.layerwise.LayeredLoss(
       embed=lambda outer, x: matmul(x, outer['w_in']),
       layer=lambda p, h, x: h + matmul(
           jnp.tanh(matmul(h, p['w_up']) + p['b_up']), p['w_down']),
@@ -480,8 +482,8 @@ def _place_layered(params, mesh, layout):
 def test_layerwise_step_on_mesh_equals_single_device(
     monkeypatch, scan_layers, update_topk, chunked, layouts):
   if chunked:  # every unrolled matrix through the column-block scan
-    monkeypatch.setattr(_leaf_update, 'CHUNK_ELEMENTS', 64)
-  train = taco_optax.layerwise_train_step(
+    monkeypatch.setattr(_leaf_update, 'COLUMN_BLOCK_ELEMENTS', 64)
+  train = layerwise_case.train(
       _layered_loss(scan_layers), learning_rate=1e-2, k=4, mu=0.9,
       update_topk=update_topk, weight_dimension_numbers=_layered_dims,
       adam_learning_rate=1e-3)
@@ -536,7 +538,7 @@ def test_layerwise_leaf_update_gathers_candidates_not_the_gradient():
                                   sharding=NamedSharding(mesh,
                                                          P(None, 'tensor')))
     state = jax.eval_shape(tx.init, {'w': weight})
-    states = taco_optax.taco_states(state)
+    states = _alias.taco_states(state)
     lr_state = states.learning_rate
     leaf_state = tuple(field['w'] for field in states.direction)
     hlo = jax.jit(update).lower(weight, weight, leaf_state,

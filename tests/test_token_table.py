@@ -17,6 +17,7 @@ import optax
 import pytest
 
 import taco_optax
+from taco_optax import _alias
 from taco_optax import _column_step
 from taco_optax import _leaf
 from taco_optax import _leaf_update
@@ -24,6 +25,7 @@ from taco_optax import _table_update
 from taco_optax import _token_table
 from tests import test_train_step as plain_case
 from tests.bitwise import assert_bitwise_equal
+from tests import layerwise_case
 
 VOCAB, WIDTH = plain_case.VOCAB, plain_case.WIDTH
 
@@ -39,10 +41,12 @@ def _features(outer, hidden, tokens):
   return hidden * outer['final_scale']
 
 
-EMBED = taco_optax.TableLookup(('embedding',), ids=lambda tokens: tokens,
-                               apply=lambda outer, rows, tokens: rows)
-TIED = taco_optax.TableProjection(('embedding',), _features, _next_token_loss)
-UNTIED = taco_optax.TableProjection(
+EMBED = taco_optax.layerwise.TableLookup(
+    ('embedding',), ids=lambda tokens: tokens,
+    apply=lambda outer, rows, tokens: rows)
+TIED = taco_optax.layerwise.TableProjection(('embedding',), _features,
+                                            _next_token_loss)
+UNTIED = taco_optax.layerwise.TableProjection(
     ('w_head',), _features, _next_token_loss,
     project=lambda features, kernel: features @ kernel, table_axis=0)
 
@@ -63,9 +67,9 @@ def _embedding_rows_are_tokens(params):
 
 
 def _run(head, params, scan_layers, steps=3, batches=None):
-  loss = taco_optax.LayeredLoss(EMBED, plain_case._layer, head,
+  loss = taco_optax.layerwise.LayeredLoss(EMBED, plain_case._layer, head,
                                 scan_layers=scan_layers)
-  train = taco_optax.layerwise_train_step(
+  train = layerwise_case.train(
       loss, 1e-2, mu=0.9, k=3, update_topk=2, adam_learning_rate=1e-3,
       weight_dimension_numbers=_embedding_rows_are_tokens)
   plain = jax.jit(plain_case._plain_step(loss, train.optimizer))
@@ -110,7 +114,7 @@ def test_equals_plain_optax_path_in_one_pass(scan_layers, tied):
 def test_column_blocks_equal_plain_optax_path(monkeypatch, tied):
   # 2- to 8-column blocks: every table is formed one block at a time, never
   # whole (dense() would be the fallback; it must not be called).
-  monkeypatch.setattr(_leaf_update, 'CHUNK_ELEMENTS', 48)
+  monkeypatch.setattr(_leaf_update, 'COLUMN_BLOCK_ELEMENTS', 48)
   def no_dense(self):
     raise AssertionError('a blockwise table gradient was formed whole')
   monkeypatch.setattr(_token_table.TableGradient, 'dense', no_dense)
@@ -127,7 +131,7 @@ def test_column_blocks_equal_plain_optax_path(monkeypatch, tied):
 def test_non_finite_gradient_keeps_the_history_as_the_optax_path(
     monkeypatch, chunk):
   if chunk:
-    monkeypatch.setattr(_leaf_update, 'CHUNK_ELEMENTS', chunk)
+    monkeypatch.setattr(_leaf_update, 'COLUMN_BLOCK_ELEMENTS', chunk)
   params = plain_case._params(False, jnp.float32)
   batches = [plain_case._tokens(0), plain_case._tokens(1)]
   got, expected = _run(TIED, params, False, batches=batches)
@@ -139,12 +143,12 @@ def test_non_finite_gradient_keeps_the_history_as_the_optax_path(
       'embedding']
   assert np.isnan(table_expected).all()
   np.testing.assert_array_equal(np.isnan(table_got), np.isnan(table_expected))
-  parts = lambda state: taco_optax.taco_states(state).direction
+  parts = lambda state: _alias.taco_states(state).direction
   assert_bitwise_equal(parts(got[1]), parts(expected[1]))
 
 
 def test_a_loss_that_reads_the_table_elsewhere_is_refused():
-  reads_table = taco_optax.TableProjection(
+  reads_table = taco_optax.layerwise.TableProjection(
       ('embedding',), lambda outer, hidden, tokens: hidden + outer[
           'embedding'][0], _next_token_loss)
   with pytest.raises(ValueError, match='features reads the token table'):
@@ -152,7 +156,7 @@ def test_a_loss_that_reads_the_table_elsewhere_is_refused():
 
 
 def test_unknown_table_path_is_refused():
-  wrong = taco_optax.TableProjection(('lm_head', 'kernel'), _features,
+  wrong = taco_optax.layerwise.TableProjection(('lm_head', 'kernel'), _features,
                                      _next_token_loss)
   with pytest.raises(ValueError, match='no leaf at'):
     _run(wrong, plain_case._params(False, jnp.float32), False, steps=1)
@@ -161,7 +165,7 @@ def test_unknown_table_path_is_refused():
 def test_no_dense_table_gradient_in_the_compiled_step(monkeypatch):
   # A 4096 x 64 tied table (1 MiB) in 16-column blocks: the plain functions'
   # step holds its dense gradient through the layers, the table API's not.
-  monkeypatch.setattr(_leaf_update, 'CHUNK_ELEMENTS', 4096 * 16)
+  monkeypatch.setattr(_leaf_update, 'COLUMN_BLOCK_ELEMENTS', 4096 * 16)
   vocab, width = 4096, 64
   keys = jax.random.split(jax.random.key(0), 3)
   outer = {'embedding': jax.random.normal(keys[0], (vocab, width)) / 8,
@@ -175,8 +179,8 @@ def test_no_dense_table_gradient_in_the_compiled_step(monkeypatch):
   tokens = jnp.arange(2 * 4, dtype=jnp.int32).reshape(2, 4) * 97 % vocab
 
   def peak(embed, head):
-    loss = taco_optax.LayeredLoss(embed, plain_case._layer, head)
-    train = taco_optax.layerwise_train_step(
+    loss = taco_optax.layerwise.LayeredLoss(embed, plain_case._layer, head)
+    train = layerwise_case.train(
         loss, 1e-2, weight_dimension_numbers=_embedding_rows_are_tokens)
     state = train.optimizer.init(params)
     return plain_case._peak_bytes(train.step, params, state, tokens,
@@ -197,16 +201,17 @@ def test_one_non_finite_block_keeps_the_whole_history(monkeypatch,
   # (column 0) or after (the last column) the finite blocks have been
   # written, and the result must equal the dense gradient's: every weight
   # NaN, the history of every column kept.
-  monkeypatch.setattr(_leaf_update, 'CHUNK_ELEMENTS', 48)
+  monkeypatch.setattr(_leaf_update, 'COLUMN_BLOCK_ELEMENTS', 48)
   table = jax.random.normal(jax.random.key(0), (VOCAB, WIDTH))
   dims = taco_optax.TacoDimensionNumbers(1, 0)
   (plan,) = _leaf.leaf_plans(table, dims, None, 1)
   assert _leaf_update.column_chunk(plan.layout) is not None
-  parts = taco_optax.taco_parts(1e-2, k=3, weight_dimension_numbers=dims)
+  parts = _alias.parts_of(
+      taco_optax.taco(1e-2, k=3, weight_dimension_numbers=dims))
   tx = taco_optax.taco(1e-2, k=3, weight_dimension_numbers=dims)
   ids = plain_case._tokens(0)
   d_rows = jax.random.normal(jax.random.key(1), ids.shape + (WIDTH,))
-  history = taco_optax.taco_states(tx.init(table)).direction
+  history = _alias.taco_states(tx.init(table)).direction
   # A first finite step, so that the kept history is not all zeros.
   @functools.partial(jax.jit, static_argnums=2)
   def update(d_rows, state, dense):
@@ -241,7 +246,7 @@ def test_tied_table_in_two_phases_equals_plain_optax_path(monkeypatch,
   # blocks: the rows outside the batch are selected at the head and merged
   # with the batch's rows after the layers (_table_update).
   vocab = 256
-  monkeypatch.setattr(_leaf_update, 'CHUNK_ELEMENTS', vocab * 4)
+  monkeypatch.setattr(_leaf_update, 'COLUMN_BLOCK_ELEMENTS', vocab * 4)
   calls = []
   select = _table_update.select_outside
   monkeypatch.setattr(_table_update, 'select_outside',
@@ -252,9 +257,9 @@ def test_tied_table_in_two_phases_equals_plain_optax_path(monkeypatch,
   # history with both shares of the gradient.
   tokens = [jax.random.randint(jax.random.key(100 + s), (4, 8), 20 * s,
                                20 * s + 40) for s in range(3)]
-  loss = taco_optax.LayeredLoss(EMBED, plain_case._layer, TIED,
+  loss = taco_optax.layerwise.LayeredLoss(EMBED, plain_case._layer, TIED,
                                 scan_layers=False)
-  train = taco_optax.layerwise_train_step(
+  train = layerwise_case.train(
       loss, 1e-2, mu=0.9, k=3, update_topk=update_topk,
       adam_learning_rate=1e-3,
       weight_dimension_numbers=_embedding_rows_are_tokens)
@@ -294,7 +299,7 @@ def test_two_phases_equal_the_column_step_on_ties_and_zero_columns(seed):
   (plan,) = _leaf.leaf_plans(table, dims, None, r)
   tx = taco_optax.taco(1e-2, k=k, update_topk=r,
                        weight_dimension_numbers=dims)
-  history = taco_optax.taco_states(tx.init(table)).direction
+  history = _alias.taco_states(tx.init(table)).direction
   state = (history.values, history.indices, history.exponents)
   if seed % 2:  # a history to merge with
     dense = lookup.plus(projection).dense()
@@ -304,12 +309,11 @@ def test_two_phases_equal_the_column_step_on_ties_and_zero_columns(seed):
   expected = _column_step.reference_column_step(
       lookup.plus(projection).dense().T, state[0].T, state[1].T, state[2],
       0.9, r)
-  rows, _ = _table_update.batch_rows(ids, vocab)
+  rows, _ = _table_update.batch_tokens(ids, vocab)
   outside = _table_update.select_outside(projection, rows, state, plan, 0.9,
                                          2)
   inside = _token_table.lookup_gradient(EMBED, table, ids, d_rows).dense()
-  got = _table_update.finish(outside, rows, jnp.take(inside, rows, 0,
-                                                     mode='fill',
-                                                     fill_value=0).T,
-                             state, plan, 0.9)
+  got = _table_update.merge_batch_tokens(
+      outside, rows, jnp.take(inside, rows, 0, mode='fill', fill_value=0).T,
+      state, plan, 0.9)
   assert_bitwise_equal(got, expected)

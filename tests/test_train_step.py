@@ -8,15 +8,17 @@ import optax
 import pytest
 
 import taco_optax
+from taco_optax import _alias
 from taco_optax import _leaf_update
-from taco_optax import _layerwise
+from taco_optax import _train_step
 from taco_optax._dimension_numbers import leaf_dimension_numbers
 from taco_optax._dimension_numbers import matrix_layout
 from taco_optax._dimension_numbers import TacoDimensionNumbers
 from tests.bitwise import assert_bitwise_equal
+from tests import layerwise_case
 
-LayeredLoss = taco_optax.LayeredLoss
-layerwise_train_step = taco_optax.layerwise_train_step
+LayeredLoss = taco_optax.layerwise.LayeredLoss
+layerwise_train_step = layerwise_case.train
 
 WIDTH, VOCAB, LAYERS = 16, 24, 3
 
@@ -169,7 +171,8 @@ def _big_params(scan_layers, width=256, layers=8):
 def test_layerwise_step_peak_memory_is_near_forward(scan_layers):
   """Compile-time peak: weights + a layer's gradients, not all gradients."""
   loss = LayeredLoss(_embed, _layer, _head, scan_layers=scan_layers)
-  train = layerwise_train_step(loss, 1e-3, weight_dimension_numbers=_matrix_dims)
+  train = layerwise_train_step(loss, 1e-3,
+                               weight_dimension_numbers=_matrix_dims)
   params = _big_params(scan_layers)
   state = train.optimizer.init(params)
   tokens = jnp.zeros((2, 16), jnp.int32) + jnp.arange(16) % 64
@@ -211,8 +214,8 @@ def _assert_same_step(got, expected, exact_params=True):
   """
   (got_params, got_state), (expected_params, expected_state) = (got[:2],
                                                                 expected[:2])
-  got_parts = taco_optax.taco_states(got_state)
-  expected_parts = taco_optax.taco_states(expected_state)
+  got_parts = _alias.taco_states(got_state)
+  expected_parts = _alias.taco_states(expected_state)
   assert_bitwise_equal(got_parts.direction, expected_parts.direction)
   assert_bitwise_equal(got_parts.learning_rate, expected_parts.learning_rate)
   chex.assert_trees_all_close(got_parts.adam, expected_parts.adam, rtol=1e-5,
@@ -235,7 +238,7 @@ def _transposed_embedding_dims(params):
 def test_column_chunked_update_equals_plain_optax_path(monkeypatch, dims):
   # Force every matrix through the column-block scan (2-, 4- or 8-column
   # blocks here); non-finite handling stays per leaf.
-  monkeypatch.setattr(_leaf_update, 'CHUNK_ELEMENTS', 48)
+  monkeypatch.setattr(_leaf_update, 'COLUMN_BLOCK_ELEMENTS', 48)
   loss = LayeredLoss(_embed, _layer, _head, scan_layers=False)
   train = layerwise_train_step(loss, 1e-2, mu=0.9, k=3,
                                weight_dimension_numbers=dims,
@@ -270,7 +273,7 @@ def test_untied_head_is_updated_before_the_layers_and_equals_plain(
   outer = dict(outer, w_head=jax.random.normal(jax.random.key(7),
                                                (WIDTH, VOCAB)) / 4)
   params = (outer, layers)
-  embed_reads = _layerwise._used_inputs(lambda o: _embed(o, _tokens(0)),
+  embed_reads = _train_step._used_inputs(lambda o: _embed(o, _tokens(0)),
                                          outer)
   # Leaves in key order: embedding, final_scale, w_head.
   assert embed_reads == [True, False, False]

@@ -1,0 +1,32 @@
+"""The layer-wise TACO train step: each layer's gradient dies as it appears.
+
+:func:`train_step` turns a loss written as :class:`LayeredLoss` (``embed ->
+layer x L -> head``) and a :func:`taco_optax.taco` optimizer into a train step
+whose peak memory is about inference's: the backward pass is written one layer
+at a time and every weight's winners are written into it in place. A language
+model's token tables read through :class:`TableLookup` and
+:class:`TableProjection` never get a dense gradient either.
+
+Examples:
+  >>> import taco_optax
+  >>> from taco_optax import layerwise
+  >>> sorted(layerwise.__all__)  # doctest: +NORMALIZE_WHITESPACE
+  ['COLUMN_BLOCK_ELEMENTS', 'LayeredLoss', 'TableLookup', 'TableProjection',
+   'TrainStep', 'train_step']
+"""
+
+from taco_optax._layered_loss import LayeredLoss
+from taco_optax._leaf_update import COLUMN_BLOCK_ELEMENTS
+from taco_optax._token_table import TableLookup
+from taco_optax._token_table import TableProjection
+from taco_optax._train_step import train_step
+from taco_optax._train_step import TrainStep
+
+__all__ = (
+    'COLUMN_BLOCK_ELEMENTS',
+    'LayeredLoss',
+    'TableLookup',
+    'TableProjection',
+    'TrainStep',
+    'train_step',
+)
