@@ -7,7 +7,7 @@ allocated) and reads XLA's ``memory_analysis()`` of
 * the forward-only loss,
 * the plain ``value_and_grad -> tx.update -> apply_updates`` step for
   ``optax.adamw`` and ``taco_optax.taco``,
-* the layerwise TACO step (``taco_optax.layerwise_train_step``, on the
+* the layerwise TACO step (``taco_optax.layerwise.train_step``, on the
   example's split of the model, ``examples/finetune/layerwise.py``),
 
 with stacked (``lax.scan``) and unrolled layers, params and state donated.
@@ -35,6 +35,7 @@ import dataclasses
 import io
 import sys
 import time
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -78,11 +79,17 @@ def plain_step(loss, tx):
   return step
 
 
-def layerwise_taco(decoder, config):
+class LayerwiseTaco(NamedTuple):
+  """TACO with the paper's settings, and its layer-wise step on a decoder."""
+  optimizer: optax.GradientTransformation
+  step: Callable[..., Any]
+
+
+def layerwise_taco(decoder, config) -> LayerwiseTaco:
   """The layer-wise TACO step of ``decoder`` with the paper's settings."""
-  return taco_optax.layerwise_train_step(
-      decoder.loss, 3e-5, **optimizers_lib.taco_kwargs(
-          optimizers_lib.TacoSettings(), optimizers_lib.decoder_hints(config)))
+  tx = taco_optax.taco(3e-5, **optimizers_lib.taco_kwargs(
+      optimizers_lib.TacoSettings(), optimizers_lib.decoder_hints(config)))
+  return LayerwiseTaco(tx, taco_optax.layerwise.train_step(decoder.loss, tx))
 
 
 def abstract_decoder(hf_config, *, dtype, scan_layers, num_layers=None,

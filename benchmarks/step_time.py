@@ -95,24 +95,25 @@ def time_optimizer(tx, params, grads, repeats):
   return best, state_bytes
 
 
-def time_scatter_apply(params, grads, repeats, lr=1e-4):
+def time_scatter_apply(params, grads, repeats, implementation, lr=1e-4):
   """TACO as the layerwise step applies it: winners scattered into params.
 
   The same state update as ``scale_by_taco`` but no dense update tensor and
-  no ``apply_updates`` pass: ``taco_optax.layerwise_train_step`` on a loss
+  no ``apply_updates`` pass: ``taco_optax.layerwise.train_step`` on a loss
   ``sum_i <W_i, G_i>`` whose gradient is exactly the given ``G`` (so the time
   also holds one read of the weights and gradients for the loss).
   """
-  loss = taco_optax.LayeredLoss(
+  loss = taco_optax.layerwise.LayeredLoss(
       embed=lambda outer, batch: jnp.zeros(()),
       layer=None,
       head=lambda outer, hidden, batch: sum(
           jnp.vdot(outer[name], batch[name]).astype(jnp.float32)
           for name in outer),
       scan_layers=False)
-  train = taco_optax.layerwise_train_step(loss, lr)
-  state = train.optimizer.init((params, []))
-  step = jax.jit(train.step, donate_argnums=(0, 1))
+  tx = taco_optax.taco(lr, implementation=implementation)
+  state = tx.init((params, []))
+  step = jax.jit(taco_optax.layerwise.train_step(loss, tx),
+                 donate_argnums=(0, 1))
   carry = [(jax.tree.map(jnp.copy, params), []), state, 0]
 
   def run():
@@ -159,7 +160,8 @@ def main():
                       help='comma-separated subset of optimizers')
   parser.add_argument('--kernels', default=os.environ.get(
       'TACO_OPTAX_KERNEL', 'auto'),
-                      help='comma-separated TACO_OPTAX_KERNEL values to time')
+                      help="comma-separated implementation= values to time ('auto', "
+      "'cpu', 'pallas', 'reference')")
   parser.add_argument('--same-gradient', action='store_true',
                       help='one gradient tree for every step')
   parser.add_argument('--write', default=None, help='Markdown output file')
@@ -187,11 +189,11 @@ def main():
       times[name] = seconds
       continue
     for kernel in kernels:
-      os.environ['TACO_OPTAX_KERNEL'] = kernel  # read when the step is traced
       label = '' if len(kernels) == 1 else f' [{kernel}]'
-      seconds, state_bytes = time_optimizer(taco_optax.taco(1e-4), params,
-                                            grads, args.repeats)
-      scatter = time_scatter_apply(params, grads, args.repeats)
+      seconds, state_bytes = time_optimizer(
+          taco_optax.taco(1e-4, implementation=kernel), params, grads,
+          args.repeats)
+      scatter = time_scatter_apply(params, grads, args.repeats, kernel)
       rows += [(f'taco{label}', seconds, state_bytes),
                (f'taco (scatter){label}', scatter, state_bytes)]
       times[f'taco{kernel}'] = seconds

@@ -31,18 +31,18 @@ def test_readme_states_the_two_commands():
 
 def test_layerwise_example_runs_and_matches_the_optax_path():
   (block,) = [b for b in _python_blocks()
-              if 'layerwise_train_step' in b and 'TableLookup' not in b]
+              if 'layerwise.train_step' in b and 'TableLookup' not in b]
   namespace = {}
   exec(block, namespace)  # pylint: disable=exec-used
-  train, loss = namespace['train'], namespace['loss']
+  tx, loss = namespace['tx'], namespace['loss']
   x = jnp.ones((8, 16))
   params = namespace['params']
   # The example donated its inputs; rebuild them and take one plain step.
   exec(block.split('matrix =')[0], namespace)  # pylint: disable=exec-used
   start = (namespace['outer'], namespace['layers'])
-  state = train.optimizer.init(start)
+  state = tx.init(start)
   grads = jax.grad(loss)(start, x)
-  updates, _ = train.optimizer.update(grads, state, start)
+  updates, _ = tx.update(grads, state, start)
   expected = optax.apply_updates(start, updates)
   chex.assert_trees_all_close(params, expected, atol=1e-6)
   # One weight per column of each layer matrix moved.
@@ -54,15 +54,14 @@ def test_token_table_example_runs_and_matches_the_optax_path():
   (block,) = [b for b in _python_blocks() if 'TableLookup' in b]
   namespace = {}
   exec(block, namespace)  # pylint: disable=exec-used
-  train, loss = namespace['lm_train'], namespace['lm_loss']
+  tx, loss = namespace['lm_tx'], namespace['lm_loss']
   stepped = namespace['lm_params']
   # The example donated its inputs; rebuild them and take one plain step.
   exec(block.split('lm_dims =')[0], namespace)  # pylint: disable=exec-used
   start = namespace['lm_params']
   tokens = jnp.arange(32).reshape(4, 8) * 31 % namespace['vocab']
-  state = train.optimizer.init(start)
-  updates, _ = train.optimizer.update(jax.grad(loss)(start, tokens), state,
-                                      start)
+  state = tx.init(start)
+  updates, _ = tx.update(jax.grad(loss)(start, tokens), state, start)
   chex.assert_trees_all_close(stepped, optax.apply_updates(start, updates),
                               atol=1e-6)
   # One token's row moved in each feature column of the table.
