@@ -58,6 +58,25 @@ def _check_mu(mu: Any):
     raise ValueError(f'mu must be in [0, 1), got {mu}.')
 
 
+def _checked_settings(k, mu, update_topk, values_dtype, index_dtype):
+  """``(update_topk, values_dtype, index_dtype)`` with defaults, validated."""
+  update_topk = 1 if update_topk is None else update_topk
+  values_dtype = jnp.dtype(
+      jnp.float8_e4m3fn if values_dtype is None else values_dtype)
+  index_dtype = jnp.dtype(jnp.int32 if index_dtype is None else index_dtype)
+  if k is not None:
+    _check_int('k', k, 1)
+  _check_int('update_topk', update_topk, 1)
+  if k is not None and update_topk > k:
+    raise ValueError(f'update_topk={update_topk} must be <= k={k}.')
+  _check_mu(mu)
+  if not jnp.issubdtype(index_dtype, jnp.integer):
+    raise ValueError(f'index_dtype must be an integer dtype, got {index_dtype}.')
+  if not jnp.issubdtype(values_dtype, jnp.floating):
+    raise ValueError(f'values_dtype must be a float dtype, got {values_dtype}.')
+  return update_topk, values_dtype, index_dtype
+
+
 def scale_by_taco(
     k: Optional[int] = 16,
     mu: Union[float, jax.Array] = 0.95,
@@ -169,20 +188,8 @@ def scale_by_taco(
     TACO: Ternary Absolute-max Column-wise One-sparse Optimizer for LLM
     Fine-Tuning, 2026 (Sections 3 and 5).
   """
-  update_topk = 1 if update_topk is None else update_topk
-  values_dtype = jnp.dtype(
-      jnp.float8_e4m3fn if values_dtype is None else values_dtype)
-  index_dtype = jnp.dtype(jnp.int32 if index_dtype is None else index_dtype)
-  if k is not None:
-    _check_int('k', k, 1)
-  _check_int('update_topk', update_topk, 1)
-  if k is not None and update_topk > k:
-    raise ValueError(f'update_topk={update_topk} must be <= k={k}.')
-  _check_mu(mu)
-  if not jnp.issubdtype(index_dtype, jnp.integer):
-    raise ValueError(f'index_dtype must be an integer dtype, got {index_dtype}.')
-  if not jnp.issubdtype(values_dtype, jnp.floating):
-    raise ValueError(f'values_dtype must be a float dtype, got {values_dtype}.')
+  update_topk, values_dtype, index_dtype = _checked_settings(
+      k, mu, update_topk, values_dtype, index_dtype)
   implementation = _kernels.resolve(implementation)
 
   def plans(tree):

@@ -139,7 +139,8 @@ def test_complex_matrix_is_refused(factory):
 def test_nnx_module_names_the_flax_extra(monkeypatch):
   monkeypatch.setitem(sys.modules, 'flax', None)
   monkeypatch.delitem(sys.modules, 'taco_optax.nnx', raising=False)
-  monkeypatch.delattr(taco_optax, 'nnx', raising=False)
+  if 'nnx' in vars(taco_optax):  # imported already: forget it
+    monkeypatch.delattr(taco_optax, 'nnx')
   with pytest.raises(ImportError, match=r'taco_optax\[flax\]'):
     importlib.import_module('taco_optax.nnx')
   with pytest.raises(ImportError, match=r'taco_optax\[flax\]'):
@@ -198,3 +199,28 @@ def test_no_module_is_over_400_lines():
           for path in (ROOT / folder).rglob('*.py')
           if (n := len(path.read_text().splitlines())) > 400]
   assert not long, long
+
+
+def test_top_level_is_what_optax_would_export():
+  assert sorted(taco_optax.__all__) == [
+      'TacoDimensionNumbers', 'TacoState', 'scale_by_taco', 'state_shardings',
+      'taco']
+  assert sorted(taco_optax.layerwise.__all__) == [
+      'COLUMN_BLOCK_ELEMENTS', 'LayeredLoss', 'TableLookup',
+      'TableProjection', 'TrainStep', 'train_step']
+  with pytest.raises(AttributeError, match=r'layerwise\.train_step'):
+    taco_optax.layerwise_train_step  # pylint: disable=pointless-statement
+  with pytest.raises(AttributeError, match='has no attribute'):
+    taco_optax.taco_parts  # pylint: disable=pointless-statement
+
+
+def test_layerwise_step_refuses_anything_but_taco_itself():
+  loss = taco_optax.layerwise.LayeredLoss(
+      embed=lambda outer, x: x, layer=lambda p, h, x: h,
+      head=lambda outer, h, x: h.sum())
+  tx = taco_optax.taco(1e-2)
+  for wrapped in (optax.chain(tx), optax.adamw(1e-2),
+                  optax.inject_hyperparams(taco_optax.taco)(1e-2)):
+    with pytest.raises(ValueError, match='taco_optax.taco'):
+      taco_optax.layerwise.train_step(loss, wrapped)
+  assert callable(taco_optax.layerwise.train_step(loss, tx))
