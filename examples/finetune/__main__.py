@@ -18,8 +18,8 @@ import jax
 
 from examples.finetune import report as report_lib
 from examples.finetune import run_config as run_config_lib
-from examples.finetune import sharding as sharding_lib
 from examples.finetune import train as train_lib
+from examples.finetune.model import sharding as sharding_lib
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

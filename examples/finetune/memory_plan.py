@@ -40,7 +40,7 @@ from flax import nnx
 import jax
 import jax.numpy as jnp
 
-from examples.finetune import config as config_lib
+from examples.finetune.model import config as config_lib
 
 GB = 1e9
 # taco_optax updates a large matrix a block of columns at a time, about this

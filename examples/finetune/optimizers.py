@@ -22,7 +22,7 @@ import jax
 import optax
 from optax import contrib
 
-from examples.finetune import model as model_lib
+from examples.finetune.model import decoder as decoder_lib
 import taco_optax
 
 
@@ -132,10 +132,10 @@ class ModelHints:
 
 
 def decoder_hints(model_config) -> ModelHints:
-  """The hints of an example ``model.DecoderLM`` of ``model_config``."""
+  """The hints of an example ``decoder.DecoderLM`` of ``model_config``."""
   return ModelHints(
-      taco_dimension_numbers=model_lib.taco_dimension_numbers,
-      taco_update_scale=model_lib.taco_update_scale,
+      taco_dimension_numbers=decoder_lib.taco_dimension_numbers,
+      taco_update_scale=decoder_lib.taco_update_scale,
       vocab_size=model_config.vocab_size)
 
 
@@ -183,7 +183,7 @@ def _is_vocab_matrix(leaf, vocab_size):
 def _matrix_dims(dims_type, hints):
   def dims(params):
     return jax.tree.map(
-        lambda x: dims_type() if model_lib.is_matrix(x) and not
+        lambda x: dims_type() if decoder_lib.is_matrix(x) and not
         _is_vocab_matrix(x, hints.vocab_size) else None, params)
   return dims
 

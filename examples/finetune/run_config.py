@@ -19,9 +19,9 @@ from typing import Annotated, Literal, Optional, Union
 
 import tyro
 
-from examples.finetune import model as model_lib
 from examples.finetune import optimizers as optimizers_lib
 from examples.finetune import tasks as tasks_lib
+from examples.finetune.model import decoder as decoder_lib
 
 
 class FinetuneError(Exception):
@@ -158,7 +158,7 @@ class RunConfig:
   model: Optional[str] = None
   dtype: Literal['auto', 'float32', 'bfloat16'] = 'auto'
   remat: OnOff = True
-  remat_policy: Literal[model_lib.REMAT_POLICIES] = 'nothing_saveable'
+  remat_policy: Literal[decoder_lib.REMAT_POLICIES] = 'nothing_saveable'
   scan_layers: OnOff = False
   task: Literal[('tweets', 'text') + tuple(tasks_lib.TASKS)] = 'tweets'
   train_file: Optional[str] = None

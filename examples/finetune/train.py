@@ -21,8 +21,6 @@ import jax.numpy as jnp
 
 from examples.finetune import data as data_lib
 from examples.finetune import evaluation as evaluation_lib
-from examples.finetune import gguf_loading
-from examples.finetune import loading
 from examples.finetune import memory_plan
 from examples.finetune import optimizers as optimizers_lib
 from examples.finetune import phases
@@ -30,10 +28,12 @@ from examples.finetune import report as report_lib
 from examples.finetune import resume as resume_lib
 from examples.finetune import run_config as run_config_lib
 from examples.finetune import run_dirs
-from examples.finetune import sharding as sharding_lib
 from examples.finetune import tasks as tasks_lib
 from examples.finetune import trainers as trainers_lib
-from examples.finetune import weights as weights_lib
+from examples.finetune.model import gguf as gguf_lib
+from examples.finetune.model import loading
+from examples.finetune.model import sharding as sharding_lib
+from examples.finetune.model import weights as weights_lib
 
 # The run.
 
@@ -59,7 +59,7 @@ def load_model(path: Optional[str], *, dtype: str, remat: bool,
   """
   try:
     if path is None:
-      path = gguf_loading.smollm2_gguf_path()
+      path = gguf_lib.smollm2_gguf_path()
     model, tokenizer, model_config = loading.load_pretrained(
         path, dtype=_dtype(dtype), remat='block' if remat else None,
         remat_policy=remat_policy, scan_layers=scan_layers)
@@ -250,7 +250,7 @@ def run(config: run_config_lib.RunConfig,
       lambda b: b)
   if mesh:
     log(f'mesh {dict(mesh.shape)}: parameters sharded by '
-        'examples/finetune/sharding.py, batch over data x fsdp')
+        'examples/finetune/model/sharding.py, batch over data x fsdp')
   first = place(next(batches))
   compile_start = time.perf_counter()
   with phases.phase('compiling the train step', log):

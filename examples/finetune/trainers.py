@@ -13,9 +13,9 @@ from flax import nnx
 import jax
 import numpy as np
 
-from examples.finetune import layerwise
 from examples.finetune import losses as losses_lib
 from examples.finetune import optimizers as optimizers_lib
+from examples.finetune.model import layered
 import taco_optax
 
 
@@ -105,7 +105,7 @@ class LayerwiseTacoTrainer:
   def __init__(self, model, schedule, hints: optimizers_lib.ModelHints,
                taco: Optional[optimizers_lib.TacoSettings] = None):
     self.model = model
-    self._layered = layerwise.layered_model(model)
+    self._layered = layered.layered_model(model)
     taco = optimizers_lib.TacoSettings() if taco is None else taco
     train = taco_optax.layerwise_train_step(
         self._layered.loss, schedule, **optimizers_lib.taco_kwargs(taco,

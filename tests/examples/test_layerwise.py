@@ -6,13 +6,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from examples.finetune import config as config_lib
 from examples.finetune import data
-from examples.finetune import layerwise
 from examples.finetune import losses
-from examples.finetune import model as model_lib
 from examples.finetune import optimizers
 from examples.finetune import trainers
+from examples.finetune.model import config as config_lib
+from examples.finetune.model import decoder as model_lib
+from examples.finetune.model import layered as layerwise
 
 
 def _batch(vocab_size, seed=0):

@@ -11,10 +11,10 @@ import pytest
 from flax import nnx
 
 import hf_checkpoints
-from examples.finetune import config as config_lib
-from examples.finetune import gguf_loading
-from examples.finetune import loading
-from examples.finetune import weights as weights_lib
+from examples.finetune.model import config as config_lib
+from examples.finetune.model import gguf as gguf_loading
+from examples.finetune.model import loading
+from examples.finetune.model import weights as weights_lib
 
 
 @pytest.fixture(scope='module')

@@ -13,7 +13,7 @@ Parameter rule, for kernels laid out ``(in, out)``:
 * ``o``/``down``/``fc2``: ``P('tensor', 'fsdp')`` (row parallel);
 * embedding tables ``(vocab, d)``: ``P('tensor', 'fsdp')``, a token
   embedding tied to the output head too (the output projection,
-  ``model.project``, is partitioned by XLA and gives logits split only
+  ``decoder.project``, is partitioned by XLA and gives logits split only
   along the batch);
 * norm scales and biases: replicated.
 
@@ -97,12 +97,12 @@ def param_spec(names: tuple[str, ...], shape: tuple[int, ...],
   """The ``PartitionSpec`` of the parameter at state path ``names``.
 
   Args:
-    names: the parameter's path (``model.path_names``).
+    names: the parameter's path (``decoder.path_names``).
     shape: its shape.
     mesh_shape: mesh axis name to size.
     tied_embedding: the token embedding is also the output head. Kept for
       callers; a tied table is split like any embedding, since the output
-      projection (``model.project``) is partitioned by XLA and its logits
+      projection (``decoder.project``) is partitioned by XLA and its logits
       come out whole along the vocabulary.
   """
   del tied_embedding
@@ -147,10 +147,10 @@ def shard_model(model: nnx.Module, mesh: jax.sharding.Mesh) -> None:
   (:func:`loading.load_pretrained` already does so under :func:`jax.set_mesh`;
   this is for models built otherwise.)
   """
-  from examples.finetune import model as model_lib  # pylint: disable=g-import-not-at-top
+  from examples.finetune.model import decoder as decoder_lib  # pylint: disable=g-import-not-at-top
   params = nnx.state(model, nnx.Param)
   placed = jax.tree_util.tree_map_with_path(
-      lambda path, x: place_param(x, model_lib.path_names(path), mesh,
+      lambda path, x: place_param(x, decoder_lib.path_names(path), mesh,
                                   model.config.tie_word_embeddings),
       nnx.to_pure_dict(params))
   nnx.replace_by_pure_dict(params, placed)
