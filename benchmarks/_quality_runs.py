@@ -1,6 +1,6 @@
 """One fine-tuning run of the quality benchmark, with compiled steps reused.
 
-The example's loop (``examples.finetune.train``) compiles one step per run.
+The example's loop (``examples.finetune.loop``) compiles one step per run.
 A benchmark of ~100 runs cannot afford that on two CPU cores, so this module
 keeps the example's pieces (model, data, batches, loss, schedule, optimizer
 registry, evaluation, memory figure) and changes one thing: the peak learning

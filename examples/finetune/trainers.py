@@ -144,7 +144,7 @@ class LayerwiseTacoTrainer:
 
 
 def uses_layerwise_step(config) -> bool:
-  """Whether ``config`` (a ``run_config.RunConfig``) trains with the
+  """Whether ``config`` (a ``flags.RunConfig``) trains with the
   layer-wise TACO step: TACO, unless ``--taco-step optax``."""
   return config.optimizer == 'taco' and config.taco_step != 'optax'
 

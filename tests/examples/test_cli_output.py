@@ -13,7 +13,7 @@ import pytest
 
 from examples.finetune import __main__ as cli
 from examples.finetune import compare
-from examples.finetune import run_config
+from examples.finetune import flags
 from examples.finetune import run_dirs
 import test_cli  # pylint: disable=g-bad-import-order  (the tiny model, data)
 from test_cli import workspace  # pylint: disable=unused-import,g-bad-import-order
@@ -115,8 +115,8 @@ def test_runs_get_their_own_directories_and_compare(workspace, monkeypatch,
 def test_resume_without_output_dir_continues_the_newest_run(monkeypatch,
                                                             tmp_path):
   monkeypatch.chdir(tmp_path)
-  config = run_config.RunConfig(resume=True)
-  with pytest.raises(run_config.FinetuneError, match=r'--resume: no '):
+  config = flags.RunConfig(resume=True)
+  with pytest.raises(flags.FinetuneError, match=r'--resume: no '):
     run_dirs.with_output_dir(config)
   root = tmp_path / 'runs' / 'finetune'
   for name, mtime in [('taco-tweets-20260101-000000', 2),

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from examples.finetune import data
+from examples.finetune import flags
 from examples.finetune import optimizers
-from examples.finetune import run_config
 from examples.finetune import trainers
 from examples.finetune.model import config as config_lib
 from examples.finetune.model import decoder as model_lib
@@ -59,7 +59,7 @@ def test_taco_flags_reach_the_trainer(taco_step):
                        seq_len=10)
   schedule = optimizers.linear_schedule(1e-2, 4, 0)
   hints = optimizers.decoder_hints(config)
-  run = run_config.RunConfig(taco_k=4, taco_mu=0.5, taco_step=taco_step)
+  run = flags.RunConfig(taco_k=4, taco_mu=0.5, taco_step=taco_step)
   trainer = trainers.make_trainer(run, new_model(), schedule, hints)
   reference = trainers.NnxTrainer(new_model(), taco_optax.taco(
       schedule, k=4, mu=0.5,

@@ -1,6 +1,6 @@
 """The A/B fine-tuning loop: one model, one task, any ``--optimizer``.
 
-``run(run_config.RunConfig(...))`` loads the model and data, checks every
+``run(flags.RunConfig(...))`` loads the model and data, checks every
 input before anything is written, scores the held-out set, trains with
 ``nnx.Optimizer`` + ``nnx.jit`` (model and optimizer donated), evaluates
 periodically, and writes ``results.json`` (Table-4-style figures: metric
@@ -21,12 +21,12 @@ import jax.numpy as jnp
 
 from examples.finetune import data as data_lib
 from examples.finetune import evaluation as evaluation_lib
+from examples.finetune import flags as flags_lib
 from examples.finetune import memory_plan
 from examples.finetune import optimizers as optimizers_lib
 from examples.finetune import phases
 from examples.finetune import report as report_lib
 from examples.finetune import resume as resume_lib
-from examples.finetune import run_config as run_config_lib
 from examples.finetune import run_dirs
 from examples.finetune import tasks as tasks_lib
 from examples.finetune import trainers as trainers_lib
@@ -64,15 +64,15 @@ def load_model(path: Optional[str], *, dtype: str, remat: bool,
         path, dtype=_dtype(dtype), remat='block' if remat else None,
         remat_policy=remat_policy, scan_layers=scan_layers)
   except weights_lib.ModelLoadError as e:
-    raise run_config_lib.FinetuneError(str(e)) from e
+    raise flags_lib.FinetuneError(str(e)) from e
   return model, tokenizer, model_config, path
 
 
-def load_task(config: run_config_lib.RunConfig):
+def load_task(config: flags_lib.RunConfig):
   """``(task, train examples, held-out examples)`` for the configured task."""
   if config.task == 'tweets':
     if config.train_file or config.test_file:
-      raise run_config_lib.FinetuneError(
+      raise flags_lib.FinetuneError(
           '--train-file/--test-file need --task (e.g. text, sst2); the '
           'default task uses the embedded tweets')
     task = data_lib.tweets_task()
@@ -83,18 +83,18 @@ def load_task(config: run_config_lib.RunConfig):
                                      config.eval_size))
   if config.task == 'text':
     if not config.label_words:
-      raise run_config_lib.FinetuneError(
+      raise flags_lib.FinetuneError(
           '--task text needs --label-words, e.g. '
           '"negative=terrible,positive=great"')
     try:
       task = tasks_lib.text_classification(
           tasks_lib.parse_label_words(config.label_words), config.template)
     except ValueError as e:
-      raise run_config_lib.FinetuneError(str(e)) from e
+      raise flags_lib.FinetuneError(str(e)) from e
   else:
     task = tasks_lib.TASKS[config.task]
   if not config.train_file or not config.test_file:
-    raise run_config_lib.FinetuneError(
+    raise flags_lib.FinetuneError(
         f'--task {config.task} needs --train-file and --test-file (JSONL in '
         'the Hugging Face field layout)')
   train = data_lib.load_examples(task, config.train_file)
@@ -102,7 +102,7 @@ def load_task(config: run_config_lib.RunConfig):
   return task, train, data_lib.balanced_subset(test, config.eval_size)
 
 
-def _check_memory(config: run_config_lib.RunConfig, model, schedule,
+def _check_memory(config: flags_lib.RunConfig, model, schedule,
                   hints) -> None:
   """Refuses a run whose predicted peak exceeds the device's memory.
 
@@ -141,7 +141,7 @@ def _check_memory(config: run_config_lib.RunConfig, model, schedule,
   advice = ' or '.join(advice) or 'a device with more memory'
   gb = lambda n: f'{n / memory_plan.GB:.3g} GB'
   holder = 'device has' if devices == 1 else f'{devices} devices have'
-  raise run_config_lib.FinetuneError(
+  raise flags_lib.FinetuneError(
       f'--optimizer {config.optimizer} at --batch-size {config.batch_size} '
       f'x --seq-len {config.seq_len} needs about {gb(peak)} (predicted), the '
       f'{holder} {gb(limit)}; try {advice}')
@@ -154,16 +154,16 @@ def _training_tokens(objective: str, task, examples, tokenizer):
     if choices is not None:
       return choices, data_lib.collate_choices, 'candidate cross-entropy'
     if objective == 'candidates':
-      raise run_config_lib.FinetuneError(
+      raise flags_lib.FinetuneError(
           '--objective candidates needs single-token candidates')
   elif objective == 'candidates':
-    raise run_config_lib.FinetuneError(
+    raise flags_lib.FinetuneError(
         '--objective candidates needs a classification task')
   return ([data_lib.tokenize(tokenizer, e.prompt, e.target) for e in examples],
           data_lib.collate, 'completion likelihood')
 
 
-def run(config: run_config_lib.RunConfig,
+def run(config: flags_lib.RunConfig,
         log: Callable[[str], None] = phases.flushed_print) -> dict:
   """Fine-tunes and evaluates; returns (and writes) the results.
 
@@ -177,18 +177,18 @@ def run(config: run_config_lib.RunConfig,
   try:
     task, train_examples, test_examples = load_task(config)
   except (data_lib.DataError, tasks_lib.TaskDataError) as e:
-    raise run_config_lib.FinetuneError(str(e)) from e
+    raise flags_lib.FinetuneError(str(e)) from e
   with phases.phase('loading the model '
                     + (config.model or '(SmolLM2-135M GGUF)'), log):
     model, tokenizer, model_config, model_path = load_model(
         config.model, dtype=config.dtype, remat=config.remat,
         remat_policy=config.remat_policy, scan_layers=config.scan_layers)
   if config.seq_len > model_config.max_position_embeddings:
-    raise run_config_lib.FinetuneError(
+    raise flags_lib.FinetuneError(
         f'--seq-len {config.seq_len} exceeds the model\'s '
         f'{model_config.max_position_embeddings} positions')
   if task.generative and config.max_new_tokens >= config.seq_len:
-    raise run_config_lib.FinetuneError(
+    raise flags_lib.FinetuneError(
         '--max-new-tokens must be below --seq-len')
 
   with phases.phase(f'tokenising {len(train_examples)} training and '
@@ -288,7 +288,7 @@ def run(config: run_config_lib.RunConfig,
         tokens += int(batch.attention_mask.sum())
         losses.append(loss)
         if not math.isfinite(loss):
-          raise run_config_lib.FinetuneError(
+          raise flags_lib.FinetuneError(
               f'loss became {loss} at step {step}; lower --lr')
         rate = tokens / train_seconds if train_seconds else 0.0
         progress.advance(f'loss {loss:.4f}  {rate:.0f} tok/s')
