@@ -24,7 +24,6 @@ not divide is left whole.
 import math
 from typing import Any, Optional
 
-from flax import nnx
 import jax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -139,22 +138,6 @@ def place_param(values: jax.Array, names: tuple[str, ...],
   mesh_shape = dict(zip(mesh.axis_names, mesh.axis_sizes))
   spec = param_spec(names, values.shape, mesh_shape, tied_embedding)
   return jax.device_put(values, NamedSharding(mesh, spec))
-
-
-def shard_model(model: nnx.Module, mesh: jax.sharding.Mesh) -> None:
-  """Places every parameter of ``model`` on its sharding, in place.
-
-  (:func:`loading.load_pretrained` already does so under :func:`jax.set_mesh`;
-  this is for models built otherwise.)
-  """
-  from examples.finetune.model import decoder as decoder_lib  # pylint: disable=g-import-not-at-top
-  params = nnx.state(model, nnx.Param)
-  placed = jax.tree_util.tree_map_with_path(
-      lambda path, x: place_param(x, decoder_lib.path_names(path), mesh,
-                                  model.config.tie_word_embeddings),
-      nnx.to_pure_dict(params))
-  nnx.replace_by_pure_dict(params, placed)
-  nnx.update(model, params)
 
 
 def shard_batch(batch: Any, mesh: jax.sharding.Mesh) -> Any:
