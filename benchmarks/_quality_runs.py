@@ -24,6 +24,7 @@ import optax
 from examples.finetune import data as data_lib
 from examples.finetune import evaluation as evaluation_lib
 from examples.finetune import losses as losses_lib
+from examples.finetune import memory_plan
 from examples.finetune import optimizers as optimizers_lib
 from examples.finetune import trainers as trainers_lib
 
@@ -169,7 +170,7 @@ class Runner:
     compiled = self.compiled(variant)
     params = jax.tree.map(jnp.copy, self.initial_params)
     state = jax.jit(compiled.transformation.init)(params)
-    state_bytes = optimizers_lib.state_bytes(state.inner_state)
+    state_bytes = memory_plan.tree_bytes(state.inner_state)
     schedule = optimizers_lib.linear_schedule(learning_rate, steps,
                                               warmup_steps)
     batches = data_lib.training_batches(self.train_tokens, self.batch_size,

@@ -318,7 +318,7 @@ def run(config: flags_lib.RunConfig,
   after = evaluate()
   evals.append({'step': config.steps, **after})
   peak, peak_source = trainers_lib.peak_memory(compiled)
-  param_bytes = optimizers_lib.state_bytes(nnx.state(model, nnx.Param))
+  param_bytes = memory_plan.tree_bytes(nnx.state(model, nnx.Param))
   results = {
       'optimizer': config.optimizer,
       'learning_rate': lr,

@@ -275,9 +275,3 @@ def get(name: str) -> OptimizerSpec:
                      f'{", ".join(OPTIMIZERS)}')
   return OPTIMIZERS[name]
 
-
-def state_bytes(opt_state) -> int:
-  """Persistent optimizer-state bytes: every array leaf of the state."""
-  return sum(leaf.size * leaf.dtype.itemsize
-             for leaf in jax.tree.leaves(opt_state)
-             if hasattr(leaf, 'dtype') and hasattr(leaf, 'size'))

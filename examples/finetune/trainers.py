@@ -14,6 +14,7 @@ import jax
 import numpy as np
 
 from examples.finetune import losses as losses_lib
+from examples.finetune import memory_plan
 from examples.finetune import optimizers as optimizers_lib
 from examples.finetune.model import layered
 import taco_optax
@@ -82,7 +83,7 @@ class NnxTrainer:
     return int(self.optimizer.step[...])
 
   def optimizer_state_bytes(self) -> int:
-    return optimizers_lib.state_bytes(
+    return memory_plan.tree_bytes(
         nnx.state(self.optimizer, nnx.optimizer.OptState))
 
   def checkpoint_tree(self):
@@ -131,7 +132,7 @@ class LayerwiseTacoTrainer:
     return self.count
 
   def optimizer_state_bytes(self) -> int:
-    return optimizers_lib.state_bytes(self.opt_state)
+    return memory_plan.tree_bytes(self.opt_state)
 
   def checkpoint_tree(self):
     return {'params': self.params, 'opt_state': self.opt_state,
