@@ -205,7 +205,7 @@ def run(config: flags_lib.RunConfig,
 
   lr, lr_source = config.lr, '--lr'
   if lr is None:
-    lr, lr_source = spec.default_rate(config.steps, config.batch_size)
+    lr, lr_source = spec.default_rate(config.steps)
   warmup = (config.warmup_steps if config.warmup_steps is not None
             else min(50, config.steps // 10))
   schedule = optimizers_lib.linear_schedule(lr, config.steps, warmup)

@@ -137,8 +137,8 @@ def test_smoke_run_writes_results(workspace, optimizer, capsys):
     assert state >= 2 * results['parameter_bytes']
   else:
     assert 0 < state < results['parameter_bytes']
-  # No --lr: the budget rule's rate for 3 steps x batch 2, said in the log.
-  rate = optimizers.get(optimizer).default_rate(3, 2)
+  # No --lr: the budget rule's rate for 3 steps, said in the log.
+  rate = optimizers.get(optimizer).default_rate(3)
   assert results['learning_rate'] == rate.lr
   assert results['learning_rate_source'] == rate.why
   table = capsys.readouterr().out
