@@ -228,7 +228,7 @@ def run(config: flags_lib.RunConfig,
       f'{config.steps} steps x batch {config.batch_size} x {config.seq_len} '
       f'tokens, {objective}; step path: {step_path}')
 
-  metric = next(iter(tasks_lib.score(task, [], [])))
+  metric = task.headline_metric
 
   def evaluate(bar: bool = True) -> dict:
     # No bar beside the training bar: rich shows one live display at a time.
