@@ -26,6 +26,7 @@ from examples.finetune import evaluation as evaluation_lib
 from examples.finetune import losses as losses_lib
 from examples.finetune import memory_plan
 from examples.finetune import optimizers as optimizers_lib
+from examples.finetune import report as report_lib
 from examples.finetune import trainers as trainers_lib
 
 
@@ -176,7 +177,7 @@ class Runner:
     batches = data_lib.training_batches(self.train_tokens, self.batch_size,
                                         self.seq_len, seed, self.pad_id)
     eval_steps = set(eval_steps)
-    losses, evals, tokens, seconds = [], [], 0, 0.0
+    losses, evals, times = [], [], report_lib.StepTimes()
     diverged_at = None
     wall = time.perf_counter()
     for step in range(steps):
@@ -185,9 +186,8 @@ class Runner:
       params, state, loss = compiled.step(
           params, state, batch, jnp.float32(schedule(step)))
       loss = float(loss)
-      if step > 0:  # The first call includes dispatch warm-up.
-        seconds += time.perf_counter() - start
-        tokens += int(batch.attention_mask.sum())
+      times.record(int(batch.attention_mask.sum()),
+                   time.perf_counter() - start)
       losses.append(loss)
       if not math.isfinite(loss):
         diverged_at = step + 1
@@ -219,8 +219,8 @@ class Runner:
         'peak_memory_bytes': compiled.peak_memory_bytes,
         'peak_memory_source': compiled.peak_memory_source,
         'compile_seconds': compiled.compile_seconds,
-        'tokens_per_second': tokens / seconds if seconds else 0.0,
-        'train_seconds': seconds,
+        'tokens_per_second': times.tokens_per_second,
+        'train_seconds': times.train_seconds,
         'wall_seconds': time.perf_counter() - wall,
     }
 

@@ -40,8 +40,8 @@ from benchmarks import _quality_small
 from benchmarks import _quality_stages as quality_stages
 from examples.finetune import data as data_lib
 from examples.finetune import evaluation as evaluation_lib
-from examples.finetune import loop as loop_lib
 from examples.finetune import optimizers as optimizers_lib
+from examples.finetune import preparation
 from examples.finetune.model import gguf as gguf_lib
 
 OPTIMIZER_NAMES = ('taco', 'adamw', 'adafactor', 'lion', 'muon', 'sophia',
@@ -134,7 +134,7 @@ def _records(budget: Budget):
 
 
 def real_setup(budget: Budget) -> Setup:
-  model, tokenizer, model_config, path = loop_lib.load_model(
+  model, tokenizer, model_config, path = preparation.load_model(
       None, dtype='float32', remat=False)
   task, train, test = _records(budget)
   return Setup(model, model_config, tokenizer, task, train, test,

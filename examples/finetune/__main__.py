@@ -32,7 +32,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     with jax.set_mesh(mesh) if mesh else contextlib.nullcontext():
       results = loop_lib.run(config)
   except flags_lib.FinetuneError as e:
-    # Raised only by the checks that run before anything is written.
+    # An input refused before anything is written, or a loss that became NaN
+    # or infinite (the checkpoints saved before it stay; no results.json).
     print(f'error: {e}', file=sys.stderr)
     return 2
   print()

