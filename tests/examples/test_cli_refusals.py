@@ -38,7 +38,7 @@ _REFUSALS = [
 ]
 
 _HELP = '; python -m examples.finetune --help lists the flags'
-# Values tyro itself cannot parse: its boxed report becomes one line.
+# Words no value comes from, and flags that do not exist.
 _MALFORMED = [
     (['--steps', 'abc'], "--steps must be an integer, got 'abc'" + _HELP),
     (['--steps', '1e3'], "--steps must be an integer, got '1e3'" + _HELP),
@@ -109,17 +109,20 @@ def test_every_ranged_field_refuses_just_outside_its_bounds():
                      'max_new_tokens', 'taco_k', 'taco_mu', 'memory_limit_gb'}
 
 
-def test_parse_error_line_keeps_unknown_reports_whole():
-  box = ('\u256d\u2500 Odd error \u2500\u256e\n'
-         '\u2502 Something new went wrong with    \u2502\n'
-         '\u2502 --flag here.                     \u2502\n'
-         '\u2502 \u2500\u2500\u2500\u2500\u2500\u2500 \u2502\n'
-         '\u2502 For full helptext, see --help    \u2502\n'
-         '\u2570\u2500\u2500\u2500\u256f\n')
-  assert flags.parse_error_line(box) == (
-      'Something new went wrong with --flag here.' + _HELP)
-  assert flags.parse_error_line('plain words\n') == 'plain words' + _HELP
-  assert flags.parse_error_line('') == 'invalid arguments' + _HELP
+@pytest.mark.parametrize('args,message', [
+    (['--seed', '--lr', '1'], '--seed needs a value'),
+    (['--steps', '1', '2'], "--steps takes one value, got '1 2'"),
+    (['--no-progres'],
+     'unknown flag(s): --no-progres (did you mean --no-progress?)'),
+    (['--no-checkpint'],
+     'unknown flag(s): --no-checkpint (did you mean --no-checkpoint?)'),
+    (['--steps', 'abc', '--lr', '-1'], "--steps must be an integer, got "
+     "'abc'"),  # words no value comes from before a value out of range
+])
+def test_words_a_flag_cannot_take_are_refused_naming_it(args, message):
+  with pytest.raises(flags.FinetuneError) as error:
+    flags.from_command_line(args)
+  assert str(error.value) == message + _HELP
 
 
 def test_choices_and_types_are_checked_for_python_callers():
