@@ -168,8 +168,10 @@ def _steps(prepared: preparation.PreparedRun, before: dict[str, float],
         if not math.isfinite(loss):
           raise flags_lib.FinetuneError(
               f'loss became {loss} at step {step}; lower --lr')
-        progress.advance(
-            f'loss {loss:.4f}  {times.tokens_per_second:.0f} tok/s')
+        # No throughput until a step past this process's first is timed.
+        progress.advance(f'loss {loss:.4f}' + (
+            f'  {times.tokens_per_second:.0f} tok/s' if times.steady_seconds
+            else ''))
         if config.eval_every and step % config.eval_every == 0 and (
             step < config.steps):
           scores = _evaluate(prepared, progress.print, bar=False)
