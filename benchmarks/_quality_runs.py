@@ -1,6 +1,6 @@
 """One fine-tuning run of the quality benchmark, with compiled steps reused.
 
-The example's loop (``examples.finetune.train``) compiles one step per run.
+The example's loop (``examples.finetune.loop``) compiles one step per run.
 A benchmark of ~100 runs cannot afford that on two CPU cores, so this module
 keeps the example's pieces (model, data, batches, loss, schedule, optimizer
 registry, evaluation, memory figure) and changes one thing: the peak learning
@@ -24,7 +24,9 @@ import optax
 from examples.finetune import data as data_lib
 from examples.finetune import evaluation as evaluation_lib
 from examples.finetune import losses as losses_lib
+from examples.finetune import memory_plan
 from examples.finetune import optimizers as optimizers_lib
+from examples.finetune import report as report_lib
 from examples.finetune import trainers as trainers_lib
 
 
@@ -169,13 +171,13 @@ class Runner:
     compiled = self.compiled(variant)
     params = jax.tree.map(jnp.copy, self.initial_params)
     state = jax.jit(compiled.transformation.init)(params)
-    state_bytes = optimizers_lib.state_bytes(state.inner_state)
+    state_bytes = memory_plan.tree_bytes(state.inner_state)
     schedule = optimizers_lib.linear_schedule(learning_rate, steps,
                                               warmup_steps)
     batches = data_lib.training_batches(self.train_tokens, self.batch_size,
                                         self.seq_len, seed, self.pad_id)
     eval_steps = set(eval_steps)
-    losses, evals, tokens, seconds = [], [], 0, 0.0
+    losses, evals, times = [], [], report_lib.StepTimes()
     diverged_at = None
     wall = time.perf_counter()
     for step in range(steps):
@@ -184,9 +186,8 @@ class Runner:
       params, state, loss = compiled.step(
           params, state, batch, jnp.float32(schedule(step)))
       loss = float(loss)
-      if step > 0:  # The first call includes dispatch warm-up.
-        seconds += time.perf_counter() - start
-        tokens += int(batch.attention_mask.sum())
+      times.record(int(batch.attention_mask.sum()),
+                   time.perf_counter() - start)
       losses.append(loss)
       if not math.isfinite(loss):
         diverged_at = step + 1
@@ -218,8 +219,8 @@ class Runner:
         'peak_memory_bytes': compiled.peak_memory_bytes,
         'peak_memory_source': compiled.peak_memory_source,
         'compile_seconds': compiled.compile_seconds,
-        'tokens_per_second': tokens / seconds if seconds else 0.0,
-        'train_seconds': seconds,
+        'tokens_per_second': times.tokens_per_second,
+        'train_seconds': times.train_seconds,
         'wall_seconds': time.perf_counter() - wall,
     }
 

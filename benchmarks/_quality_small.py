@@ -15,10 +15,10 @@ from typing import Sequence
 from flax import nnx
 import numpy as np
 
-from examples.finetune import config as config_lib
 from examples.finetune import data as data_lib
-from examples.finetune import model as model_lib
 from examples.finetune import evaluation as evaluation_lib
+from examples.finetune.model import config as config_lib
+from examples.finetune.model import decoder as model_lib
 
 
 @dataclasses.dataclass(frozen=True)

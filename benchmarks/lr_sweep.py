@@ -264,7 +264,7 @@ def write(path: str, note: str = '') -> None:
     cells = ', '.join(f'{lr:.2g}: {scores[lr][0]:.2f}'
                       for lr in sorted(scores))
     before = next(iter(scores.values()))[1]
-    rule = optimizers_lib.get(optimizer).default_rate(steps, batch)
+    rule = optimizers_lib.get(optimizer).default_rate(steps)
     lines.append(f'| {task} | {optimizer} | {steps} x {batch} | {cells} | '
                  f'{before:.2f} | {peak(scores):.2g} | {rule.lr:.2g} |')
   lines += ['', 'Fit (`fit()`): at each budget the rate run on both tasks '
@@ -284,8 +284,7 @@ def write(path: str, note: str = '') -> None:
         f'| {optimizer} | {rates} | {show(fitted["reference"], ".2g")} | '
         f'{show(fitted["steps_exponent"], ".2f")} | '
         f'{show(fitted["batch_exponent"], ".2f")} | {rule.reference:g} x '
-        f'(40/steps)^{rule.steps_exponent:g} x '
-        f'(batch/4)^{rule.batch_exponent:g} |')
+        f'(40/steps)^{rule.steps_exponent:g} |')
   with open(path, 'w') as f:
     f.write('\n'.join(lines) + '\n')
   print(f'wrote {path}')

@@ -44,13 +44,13 @@ from flax import nnx
 
 from benchmarks import presets
 from benchmarks import provenance
-from examples.finetune import config as config_lib
 from examples.finetune import data as data_lib
-from examples.finetune import layerwise
 from examples.finetune import losses as losses_lib
 from examples.finetune import memory_plan
-from examples.finetune import model as model_lib
 from examples.finetune import optimizers as optimizers_lib
+from examples.finetune.model import config as config_lib
+from examples.finetune.model import decoder as model_lib
+from examples.finetune.model import layered as layerwise
 import taco_optax
 
 # SmolLM2-135M (Hugging Face config.json, Llama architecture).

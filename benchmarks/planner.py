@@ -30,10 +30,10 @@ import optax
 
 from benchmarks import memory
 from benchmarks import presets
-from examples.finetune import config as config_lib
 from examples.finetune import memory_plan
-from examples.finetune import model as model_lib
 from examples.finetune import optimizers as optimizers_lib
+from examples.finetune.model import config as config_lib
+from examples.finetune.model import decoder as model_lib
 import taco_optax
 
 GB = memory_plan.GB

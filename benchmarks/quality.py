@@ -40,9 +40,9 @@ from benchmarks import _quality_small
 from benchmarks import _quality_stages as quality_stages
 from examples.finetune import data as data_lib
 from examples.finetune import evaluation as evaluation_lib
-from examples.finetune import gguf_loading
 from examples.finetune import optimizers as optimizers_lib
-from examples.finetune import train as train_lib
+from examples.finetune import preparation
+from examples.finetune.model import gguf as gguf_lib
 
 OPTIMIZER_NAMES = ('taco', 'adamw', 'adafactor', 'lion', 'muon', 'sophia',
                    'galore')
@@ -120,10 +120,10 @@ class Setup:
 
 def _smollm2_tokenizer():
   import gguf  # pylint: disable=g-import-not-at-top
-  reader = gguf.GGUFReader(gguf_loading.smollm2_gguf_path())
+  reader = gguf.GGUFReader(gguf_lib.smollm2_gguf_path())
   fields = {name: field.contents() for name, field in reader.fields.items()
             if name.startswith('tokenizer.')}
-  return gguf_loading.gguf_tokenizer(fields)
+  return gguf_lib.gguf_tokenizer(fields)
 
 
 def _records(budget: Budget):
@@ -134,7 +134,7 @@ def _records(budget: Budget):
 
 
 def real_setup(budget: Budget) -> Setup:
-  model, tokenizer, model_config, path = train_lib.load_model(
+  model, tokenizer, model_config, path = preparation.load_model(
       None, dtype='float32', remat=False)
   task, train, test = _records(budget)
   return Setup(model, model_config, tokenizer, task, train, test,

@@ -1,1 +1,13 @@
-"""Fine-tune a Hugging Face or GGUF decoder LM with TACO (Flax NNX)."""
+"""Fine-tune a Hugging Face or GGUF decoder LM with TACO (Flax NNX).
+
+``python -m examples.finetune`` (:mod:`__main__`) parses :mod:`flags`, then
+:func:`loop.run` prepares the run (:mod:`preparation`), trains it and writes
+its results (:mod:`report`). Beside them: the task formats and metrics
+(:mod:`tasks`), data files and batches (:mod:`data`), the losses
+(:mod:`losses`), held-out evaluation (:mod:`evaluation`), the optimizer
+registry (:mod:`optimizers`), the train steps (:mod:`trainers`), the memory
+prediction (:mod:`memory_plan`), checkpoints and resume (:mod:`checkpoint`,
+:mod:`resume`, :mod:`run_dirs`), progress lines (:mod:`phases`) and
+``python -m examples.finetune.compare`` (:mod:`compare`). The model itself
+is the subpackage :mod:`model`.
+"""

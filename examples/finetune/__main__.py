@@ -6,7 +6,7 @@ held-out accuracy before and after, and ``results.json`` in a new directory
 ``runs/finetune/OPTIMIZER-TASK-DATE-TIME``. A/B against another optimizer with
 one flag, ``--optimizer adamw``, and compare the runs with
 ``python -m examples.finetune.compare runs/finetune/*``. The flags
-are :class:`run_config.RunConfig`'s fields (``--help`` lists them).
+are :class:`flags.RunConfig`'s fields (``--help`` lists them).
 """
 
 import contextlib
@@ -16,23 +16,24 @@ from typing import Optional, Sequence
 
 import jax
 
+from examples.finetune import flags as flags_lib
+from examples.finetune import loop as loop_lib
 from examples.finetune import report as report_lib
-from examples.finetune import run_config as run_config_lib
-from examples.finetune import sharding as sharding_lib
-from examples.finetune import train as train_lib
+from examples.finetune.model import sharding as sharding_lib
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
   try:
-    config = run_config_lib.from_command_line(argv)
+    config = flags_lib.from_command_line(argv)
     try:
       mesh = sharding_lib.make_mesh(config.mesh)
     except sharding_lib.MeshError as e:
-      raise run_config_lib.FinetuneError(str(e)) from e
+      raise flags_lib.FinetuneError(str(e)) from e
     with jax.set_mesh(mesh) if mesh else contextlib.nullcontext():
-      results = train_lib.run(config)
-  except run_config_lib.FinetuneError as e:
-    # Raised only by the checks that run before anything is written.
+      results = loop_lib.run(config)
+  except flags_lib.FinetuneError as e:
+    # An input refused before anything is written, or a loss that became NaN
+    # or infinite (the checkpoints saved before it stay; no results.json).
     print(f'error: {e}', file=sys.stderr)
     return 2
   print()

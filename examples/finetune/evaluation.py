@@ -175,7 +175,7 @@ def evaluate(model, eval_set: EvalSet, tokenizer, *, seq_len: int,
   """The task metric(s) of ``model`` on ``eval_set``.
 
   Args:
-    model: a :class:`model.DecoderLM`.
+    model: a :class:`decoder.DecoderLM`.
     eval_set: the held-out set.
     tokenizer: decodes generated tokens (generative tasks).
     seq_len: padded length of every evaluation sequence.

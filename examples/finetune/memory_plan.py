@@ -40,18 +40,25 @@ from flax import nnx
 import jax
 import jax.numpy as jnp
 
-from examples.finetune import config as config_lib
+from examples.finetune.model import config as config_lib
 
 GB = 1e9
 # taco_optax updates a large matrix a block of columns at a time, about this
 # many float32 elements per block; its column step holds ~4 such arrays.
+# TODO(library): read taco_optax.layerwise.COLUMN_BLOCK_ELEMENTS
 COLUMN_BLOCK_ELEMENTS = 2**20
 
 
 def tree_bytes(tree) -> int:
-  """Bytes of every array (or ``ShapeDtypeStruct``) leaf of ``tree``."""
+  """Bytes of the arrays (or ``ShapeDtypeStruct``) leaves of ``tree``.
+
+  The one count of a tree's size here: parameters, optimizer state (live or
+  from ``jax.eval_shape``). Leaves without a shape and dtype (a Python
+  number in a state) hold no device memory and count 0.
+  """
   return sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
-             for x in jax.tree.leaves(tree))
+             for x in jax.tree.leaves(tree)
+             if hasattr(x, 'shape') and hasattr(x, 'dtype'))
 
 
 def model_params(model) -> tuple[Any, Any]:

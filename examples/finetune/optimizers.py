@@ -5,13 +5,14 @@ tells an optimizer, TACO's own settings) and returns an
 :class:`optax.GradientTransformation`, so the training loop never branches on
 the optimizer.
 
-Default learning rates depend on the budget: ``rate = reference * (40 /
-steps) ** steps_exponent * (batch / 4) ** batch_exponent``, the peak of the
-example's warm-up + linear-decay schedule. TACO's and AdamW's references and
-exponents come from the sweep in ``docs/learning_rate.md`` (two real tasks,
-three budgets, ``python -m benchmarks.lr_sweep``); the other optimizers keep
-their papers' rate relative to AdamW and scale with AdamW's exponents (not
-swept).
+Default learning rates depend on the number of steps: ``rate = reference *
+(40 / steps) ** steps_exponent``, the peak of the example's warm-up +
+linear-decay schedule. TACO's and AdamW's references and exponents come from
+the sweep in ``docs/learning_rate.md`` (two real tasks, three budgets,
+``python -m benchmarks.lr_sweep``), which found no effect of the batch size
+(the same best rate at 10 x 4 and 10 x 16), so the batch does not enter the
+rule; the other optimizers keep their papers' rate relative to AdamW and
+scale with AdamW's exponent (not swept).
 """
 
 import dataclasses
@@ -22,16 +23,14 @@ import jax
 import optax
 from optax import contrib
 
-from examples.finetune import model as model_lib
+from examples.finetune.model import decoder as decoder_lib
 import taco_optax
 
 
-# The budget every reference rate is given at: the CLI's default run.
+# The steps every reference rate is given at: the CLI's default run.
 REFERENCE_STEPS = 40
-REFERENCE_BATCH = 4
-# The budgets the sweep measured; the power law is not extrapolated past them.
+# The steps the sweep measured; the power law is not extrapolated past them.
 SWEPT_STEPS = (10, 40)
-SWEPT_BATCH = (4, 16)
 
 
 class DefaultRate(NamedTuple):
@@ -46,37 +45,31 @@ def _clip(value: float, bounds: tuple[float, float]) -> float:
 
 @dataclasses.dataclass(frozen=True)
 class BudgetRule:
-  """``lr = reference * (40 / steps) ** steps_exponent *
-  (batch / 4) ** batch_exponent`` on the swept budgets.
+  """``lr = reference * (40 / steps) ** steps_exponent`` on the swept steps.
 
-  Outside them the power law is not extrapolated: ``steps`` and ``batch``
-  are clipped to the swept range, and beyond 40 steps the rate moves
-  log-linearly in ``steps`` to ``long_run`` (a long budget's known rate,
-  e.g. the paper's 3e-5 at 2000 steps) and stays there; without
-  ``long_run`` it stays at the 40-step rate.
+  Outside 10-40 steps the power law is not extrapolated: below, ``steps`` is
+  clipped to 10; beyond 40 the rate moves log-linearly in ``steps`` to
+  ``long_run`` (a long budget's known rate, e.g. the paper's 3e-5 at 2000
+  steps) and stays there; without ``long_run`` it stays at the 40-step rate.
 
   Attributes:
-    reference: the rate at 40 steps x batch 4.
+    reference: the rate at 40 steps (at any batch size).
     steps_exponent: how fast the rate falls with more steps (10-40).
-    batch_exponent: how fast it grows with a larger batch (4-16).
     source: where the numbers come from.
     long_run: optional ``(steps, rate)`` of a long budget.
   """
   reference: float
   steps_exponent: float
-  batch_exponent: float
   source: str
   long_run: Optional[tuple[int, float]] = None
 
-  def rate(self, steps: int, batch: int) -> DefaultRate:
+  def rate(self, steps: int) -> DefaultRate:
+    """The peak learning rate of a ``steps``-step run, and why."""
     swept_steps = _clip(steps, SWEPT_STEPS)
-    swept_batch = _clip(batch, SWEPT_BATCH)
     lr = (self.reference
-          * (REFERENCE_STEPS / swept_steps) ** self.steps_exponent
-          * (swept_batch / REFERENCE_BATCH) ** self.batch_exponent)
+          * (REFERENCE_STEPS / swept_steps) ** self.steps_exponent)
     why = (f'budget rule: {self.reference:g} x (40/{swept_steps})^'
-           f'{self.steps_exponent:g} x ({swept_batch}/4)^'
-           f'{self.batch_exponent:g}')
+           f'{self.steps_exponent:g}')
     if steps > REFERENCE_STEPS and self.long_run is not None:
       long_steps, long_lr = self.long_run
       share = min(1.0, math.log(steps / REFERENCE_STEPS)
@@ -103,9 +96,9 @@ class OptimizerSpec:
                     optax.GradientTransformation]
   needs_loss: bool = False
 
-  def default_rate(self, steps: int, batch: int) -> DefaultRate:
+  def default_rate(self, steps: int) -> DefaultRate:
     """The peak learning rate when ``--lr`` is not given, and why."""
-    return self.rule.rate(steps, batch)
+    return self.rule.rate(steps)
 
   def build(self, schedule: optax.ScalarOrSchedule, hints: 'ModelHints',
             taco: Optional['TacoSettings'] = None
@@ -132,10 +125,10 @@ class ModelHints:
 
 
 def decoder_hints(model_config) -> ModelHints:
-  """The hints of an example ``model.DecoderLM`` of ``model_config``."""
+  """The hints of an example ``decoder.DecoderLM`` of ``model_config``."""
   return ModelHints(
-      taco_dimension_numbers=model_lib.taco_dimension_numbers,
-      taco_update_scale=model_lib.taco_update_scale,
+      taco_dimension_numbers=decoder_lib.taco_dimension_numbers,
+      taco_update_scale=decoder_lib.taco_update_scale,
       vocab_size=model_config.vocab_size)
 
 
@@ -183,7 +176,7 @@ def _is_vocab_matrix(leaf, vocab_size):
 def _matrix_dims(dims_type, hints):
   def dims(params):
     return jax.tree.map(
-        lambda x: dims_type() if model_lib.is_matrix(x) and not
+        lambda x: dims_type() if decoder_lib.is_matrix(x) and not
         _is_vocab_matrix(x, hints.vocab_size) else None, params)
   return dims
 
@@ -234,20 +227,19 @@ def _galore(schedule, hints, taco):
 
 # Fitted on the sweep of docs/learning_rate.md (``benchmarks.lr_sweep``): the
 # swept rate that falls least short of each task's best at 40 x 4, 10 x 4 and
-# 10 x 16 (TACO 1e-4, 3.2e-4, 3.2e-4; AdamW 3.2e-5, 1e-5, 1e-5), so the
-# exponents are log(sqrt(10)) / log(4) = 0.83 or 0: TACO wants a larger rate
+# 10 x 16 (TACO 1e-4, 3.2e-4, 3.2e-4; AdamW 3.2e-5, 1e-5, 1e-5), so the steps
+# exponents are +-log(sqrt(10)) / log(4) = +-0.83: TACO wants a larger rate
 # for a shorter run, AdamW a smaller one (its first steps move every weight
-# by about the rate), and neither moved with the batch.
+# by about the rate). Neither moved with the batch: the rule has no batch term.
 _SWEEP = 'docs/learning_rate.md'
-TACO_RULE = BudgetRule(1e-4, 0.83, 0.0, _SWEEP,
+TACO_RULE = BudgetRule(1e-4, 0.83, _SWEEP,
                        long_run=(2000, 3e-5))  # the paper's rate at 2000 steps
-ADAMW_RULE = BudgetRule(3.2e-5, -0.83, 0.0, _SWEEP)
+ADAMW_RULE = BudgetRule(3.2e-5, -0.83, _SWEEP)
 
 
 def _relative_to_adamw(factor: float, why: str) -> BudgetRule:
   return BudgetRule(ADAMW_RULE.reference * factor, ADAMW_RULE.steps_exponent,
-                    ADAMW_RULE.batch_exponent,
-                    f'{why}; AdamW\'s budget exponents (not swept)')
+                    f'{why}; AdamW\'s steps exponent (not swept)')
 
 
 OPTIMIZERS: dict[str, OptimizerSpec] = {
@@ -275,9 +267,3 @@ def get(name: str) -> OptimizerSpec:
                      f'{", ".join(OPTIMIZERS)}')
   return OPTIMIZERS[name]
 
-
-def state_bytes(opt_state) -> int:
-  """Persistent optimizer-state bytes: every array leaf of the state."""
-  return sum(leaf.size * leaf.dtype.itemsize
-             for leaf in jax.tree.leaves(opt_state)
-             if hasattr(leaf, 'dtype') and hasattr(leaf, 'size'))

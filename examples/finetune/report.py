@@ -5,7 +5,7 @@ import os
 import resource
 import sys
 import tempfile
-from typing import Optional
+from typing import Mapping, Optional
 
 import jax
 
@@ -27,6 +27,51 @@ def write_json_atomic(path: str, payload: dict) -> None:
   except BaseException:
     os.unlink(tmp)
     raise
+
+
+class StepTimes:
+  """The time and tokens of a run's training steps, and its throughput.
+
+  ``tokens_per_second`` (``results.json``'s key of that name) is the
+  steady-state throughput: the non-padding tokens of every step but the
+  first one a process times, over those steps' time. That first step
+  carries one-off work (dispatch warm-up, and compilation where the step was
+  not compiled ahead), so it is left out; until a second step is timed the
+  throughput is 0.0. ``train_seconds`` is the time of every step. The
+  example's loop and the quality benchmark (``benchmarks/_quality_runs.py``)
+  both time their steps with this class, so their figures mean the same.
+
+  Args:
+    totals: :meth:`totals` of the steps before a resume; ``None``: none.
+  """
+
+  def __init__(self, totals: Optional[Mapping[str, float]] = None):
+    totals = totals or {}
+    self.train_seconds = float(totals.get('train_seconds', 0.0))
+    self.steady_tokens = int(totals.get('steady_tokens', 0))
+    self.steady_seconds = float(totals.get('steady_seconds', 0.0))
+    self._timed_here = 0
+
+  def record(self, tokens: int, seconds: float) -> None:
+    """Adds one step's non-padding tokens and its time."""
+    self.train_seconds += seconds
+    if self._timed_here:
+      self.steady_tokens += tokens
+      self.steady_seconds += seconds
+    self._timed_here += 1
+
+  @property
+  def tokens_per_second(self) -> float:
+    """Steady-state non-padding tokens per second (see the class)."""
+    if not self.steady_seconds:
+      return 0.0
+    return self.steady_tokens / self.steady_seconds
+
+  def totals(self) -> dict[str, float]:
+    """What a checkpoint keeps, so that a resumed run counts on."""
+    return {'train_seconds': self.train_seconds,
+            'steady_tokens': self.steady_tokens,
+            'steady_seconds': self.steady_seconds}
 
 
 def format_bytes(n: Optional[int]) -> str:

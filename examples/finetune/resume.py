@@ -1,8 +1,8 @@
-"""Checkpoints and resume for ``train.run``: the command line's side.
+"""Checkpoints and resume for ``loop.run``: the command line's side.
 
 :mod:`checkpoint` writes, verifies and reads the checkpoints; this module
 decides what goes into them and what a resume must match. The run's settings
-are its :class:`run_config.RunConfig` fields named as flags (``--taco-k``),
+are its :class:`flags.RunConfig` fields named as flags (``--taco-k``),
 so a refusal names the flag, plus what the defaults resolve to (learning
 rate, warm-up, dtype, model file, a digest of the training data). The batch
 order is a function of those settings, so it continues exactly.
@@ -23,7 +23,7 @@ from typing import Optional
 import numpy as np
 
 from examples.finetune import checkpoint as checkpoint_lib
-from examples.finetune import run_config as run_config_lib
+from examples.finetune import flags as flags_lib
 
 CHECKPOINT_DIR = 'checkpoints'
 # Fields that leave what the run computes unchanged: a resume may change them.
@@ -45,14 +45,14 @@ def checkpoint_dir(output_dir: str) -> str:
   return os.path.join(os.path.abspath(output_dir), CHECKPOINT_DIR)
 
 
-def open_checkpoints(config: run_config_lib.RunConfig,
+def open_checkpoints(config: flags_lib.RunConfig,
                      log) -> checkpoint_lib.RunCheckpoints:
   """The run's checkpoints; with ``--resume``, the newest, settings checked.
 
   Runs before the model loads: a resume with another flag is refused in
   seconds. The flags are stored by name, so the refusal names the flag.
   """
-  settings = {run_config_lib.flag(field.name): getattr(config, field.name)
+  settings = {flags_lib.flag(field.name): getattr(config, field.name)
               for field in dataclasses.fields(config)
               if field.name not in _FREE_FIELDS}
   directory = checkpoint_dir(config.output_dir)
@@ -62,9 +62,9 @@ def open_checkpoints(config: run_config_lib.RunConfig,
         allow_changes=config.resume_allow_changes,
         every=config.checkpoint_every, log=log)
   except checkpoint_lib.CheckpointError as e:
-    raise run_config_lib.FinetuneError(f'--resume: {e}') from e
+    raise flags_lib.FinetuneError(f'--resume: {e}') from e
   if config.resume and checkpoints.start_step >= config.steps:
-    raise run_config_lib.FinetuneError(
+    raise flags_lib.FinetuneError(
         f'--resume: the checkpoint is at step {checkpoints.start_step} of '
         f'--steps {config.steps}, which counts the steps before the resume: '
         'nothing left to train (to train longer, raise --steps and add '
@@ -80,7 +80,7 @@ def check_resolved(checkpoints: checkpoint_lib.RunCheckpoints, **settings):
   try:
     checkpoints.check(settings)
   except checkpoint_lib.CheckpointError as e:
-    raise run_config_lib.FinetuneError(f'--resume: {e}') from e
+    raise flags_lib.FinetuneError(f'--resume: {e}') from e
 
 
 def data_digest(train_tokens) -> str:
@@ -104,10 +104,10 @@ def restore(checkpoints: checkpoint_lib.RunCheckpoints, trainer, batches,
     trainer.load_checkpoint_tree(
         checkpoints.restore(trainer.checkpoint_tree()))
   except checkpoint_lib.CheckpointError as e:
-    raise run_config_lib.FinetuneError(f'--resume: {e}') from e
+    raise flags_lib.FinetuneError(f'--resume: {e}') from e
   step = checkpoints.start_step
   if trainer.step_count != step:
-    raise run_config_lib.FinetuneError(
+    raise flags_lib.FinetuneError(
         f'--resume: {checkpoints.resumed_from.path} is named step {step} but '
         f'holds the state of step {trainer.step_count}')
   for _ in range(step):

@@ -13,8 +13,8 @@ import glob
 import os
 from typing import Optional
 
+from examples.finetune import flags as flags_lib
 from examples.finetune import resume as resume_lib
-from examples.finetune import run_config as run_config_lib
 
 RUNS_ROOT = os.path.join('runs', 'finetune')
 
@@ -44,7 +44,7 @@ def latest_run_dir(optimizer: str, task: str,
 
 
 def with_output_dir(
-    config: run_config_lib.RunConfig) -> run_config_lib.RunConfig:
+    config: flags_lib.RunConfig) -> flags_lib.RunConfig:
   """``config`` with ``output_dir`` resolved; nothing is created here.
 
   Raises:
@@ -56,7 +56,7 @@ def with_output_dir(
   if config.resume:
     path = latest_run_dir(config.optimizer, config.task)
     if path is None:
-      raise run_config_lib.FinetuneError(
+      raise flags_lib.FinetuneError(
           f'--resume: no checkpointed run in {RUNS_ROOT}/{config.optimizer}-'
           f'{config.task}-*; pass --output-dir DIR of the run to continue')
   else:

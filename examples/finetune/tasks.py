@@ -63,6 +63,11 @@ class Task:
   def generative(self) -> bool:
     return self.metric == 'em_f1'
 
+  @property
+  def headline_metric(self) -> str:
+    """The score a run reports first: the first key of :func:`score`."""
+    return 'f1' if self.generative else self.metric
+
   def example(self, record: Mapping) -> Example:
     """Checks the fields of ``record`` and formats it."""
     missing = [f for f in self.fields if f not in record]

@@ -13,9 +13,10 @@ from flax import nnx
 import jax
 import numpy as np
 
-from examples.finetune import layerwise
 from examples.finetune import losses as losses_lib
+from examples.finetune import memory_plan
 from examples.finetune import optimizers as optimizers_lib
+from examples.finetune.model import layered
 import taco_optax
 
 
@@ -82,7 +83,7 @@ class NnxTrainer:
     return int(self.optimizer.step[...])
 
   def optimizer_state_bytes(self) -> int:
-    return optimizers_lib.state_bytes(
+    return memory_plan.tree_bytes(
         nnx.state(self.optimizer, nnx.optimizer.OptState))
 
   def checkpoint_tree(self):
@@ -105,7 +106,7 @@ class LayerwiseTacoTrainer:
   def __init__(self, model, schedule, hints: optimizers_lib.ModelHints,
                taco: Optional[optimizers_lib.TacoSettings] = None):
     self.model = model
-    self._layered = layerwise.layered_model(model)
+    self._layered = layered.layered_model(model)
     taco = optimizers_lib.TacoSettings() if taco is None else taco
     train = taco_optax.layerwise_train_step(
         self._layered.loss, schedule, **optimizers_lib.taco_kwargs(taco,
@@ -131,7 +132,7 @@ class LayerwiseTacoTrainer:
     return self.count
 
   def optimizer_state_bytes(self) -> int:
-    return optimizers_lib.state_bytes(self.opt_state)
+    return memory_plan.tree_bytes(self.opt_state)
 
   def checkpoint_tree(self):
     return {'params': self.params, 'opt_state': self.opt_state,
@@ -144,7 +145,7 @@ class LayerwiseTacoTrainer:
 
 
 def uses_layerwise_step(config) -> bool:
-  """Whether ``config`` (a ``run_config.RunConfig``) trains with the
+  """Whether ``config`` (a ``flags.RunConfig``) trains with the
   layer-wise TACO step: TACO, unless ``--taco-step optax``."""
   return config.optimizer == 'taco' and config.taco_step != 'optax'
 

@@ -13,9 +13,9 @@ safetensors_numpy = pytest.importorskip('safetensors.numpy')
 tokenizers = pytest.importorskip('tokenizers')
 
 from examples.finetune import __main__ as cli  # pylint: disable=g-import-not-at-top
+from examples.finetune import flags  # pylint: disable=g-import-not-at-top
+from examples.finetune import loop  # pylint: disable=g-import-not-at-top
 from examples.finetune import optimizers  # pylint: disable=g-import-not-at-top
-from examples.finetune import run_config  # pylint: disable=g-import-not-at-top
-from examples.finetune import train  # pylint: disable=g-import-not-at-top
 
 _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__))))
@@ -137,8 +137,8 @@ def test_smoke_run_writes_results(workspace, optimizer, capsys):
     assert state >= 2 * results['parameter_bytes']
   else:
     assert 0 < state < results['parameter_bytes']
-  # No --lr: the budget rule's rate for 3 steps x batch 2, said in the log.
-  rate = optimizers.get(optimizer).default_rate(3, 2)
+  # No --lr: the budget rule's rate for 3 steps, said in the log.
+  rate = optimizers.get(optimizer).default_rate(3)
   assert results['learning_rate'] == rate.lr
   assert results['learning_rate_source'] == rate.why
   table = capsys.readouterr().out
@@ -226,14 +226,14 @@ def test_sequence_longer_than_positions(workspace, capsys):
 
 
 def _memory_error(workspace, output_dir, **overrides) -> str:
-  config = run_config.RunConfig(
+  config = flags.RunConfig(
       model=workspace['model'], task='text', train_file=workspace['train'],
       test_file=workspace['test'], label_words='neg=bad,pos=good',
       template='{text}. It was', steps=3, seq_len=24, eval_size=6,
       eval_batch_size=4, output_dir=str(output_dir), progress=False,
       **overrides)
-  with pytest.raises(run_config.FinetuneError) as error:
-    train.run(config, log=lambda _: None)
+  with pytest.raises(flags.FinetuneError) as error:
+    loop.run(config, log=lambda _: None)
   assert not output_dir.exists(), 'nothing may be written on error'
   message = str(error.value)
   assert '\n' not in message
@@ -261,7 +261,7 @@ def test_foreseeable_out_of_memory_is_refused(workspace):
 
 
 def test_memory_limit_must_be_positive():
-  with pytest.raises(run_config.FinetuneError) as error:
-    run_config.RunConfig(memory_limit_gb=0.0)
+  with pytest.raises(flags.FinetuneError) as error:
+    flags.RunConfig(memory_limit_gb=0.0)
   assert str(error.value) == ('--memory-limit-gb must be a finite number > 0, '
                               'got 0.0')

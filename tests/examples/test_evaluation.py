@@ -5,10 +5,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from examples.finetune import config as config_lib
 from examples.finetune import data
 from examples.finetune import evaluation
-from examples.finetune import model as model_lib
+from examples.finetune.model import config as config_lib
+from examples.finetune.model import decoder as model_lib
 
 
 def _model(family):

@@ -6,13 +6,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from examples.finetune import config as config_lib
 from examples.finetune import data
-from examples.finetune import layerwise
 from examples.finetune import losses
-from examples.finetune import model as model_lib
 from examples.finetune import optimizers
 from examples.finetune import trainers
+from examples.finetune.model import config as config_lib
+from examples.finetune.model import decoder as model_lib
+from examples.finetune.model import layered as layered_lib
 
 
 def _batch(vocab_size, seed=0):
@@ -40,7 +40,7 @@ def _hints(config):
 def test_layered_loss_equals_model_loss(family, scan_layers):
   model = _model(family, scan_layers)
   batch = _batch(model.config.vocab_size)
-  layered = layerwise.layered_model(model)
+  layered = layered_lib.layered_model(model)
   np.testing.assert_allclose(layered.loss(layered.params, batch),
                              losses.completion_loss(model, batch), rtol=1e-5)
   choices = data.collate_choices(

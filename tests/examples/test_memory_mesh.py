@@ -7,7 +7,7 @@ The mesh test runs in a subprocess with 8 host devices (see
 import jax
 import pytest
 
-from examples.finetune import sharding
+from examples.finetune.model import sharding
 from tests import multidevice
 import test_cli  # pylint: disable=g-bad-import-order  (the tiny model writers)
 

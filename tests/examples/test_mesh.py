@@ -16,9 +16,9 @@ from jax.sharding import PartitionSpec as P
 from examples.finetune import __main__ as cli
 from examples.finetune import checkpoint
 from examples.finetune import data as data_lib
-from examples.finetune import loading
 from examples.finetune import resume
-from examples.finetune import sharding
+from examples.finetune.model import loading
+from examples.finetune.model import sharding
 from tests import multidevice
 import test_cli  # pylint: disable=g-bad-import-order  (the tiny model, data)
 from test_cli import workspace  # pylint: disable=unused-import,g-bad-import-order

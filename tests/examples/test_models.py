@@ -9,8 +9,8 @@ from flax import nnx
 
 import taco_optax
 from taco_optax import _dimension_numbers
-from examples.finetune import config as config_lib
-from examples.finetune import model as model_lib
+from examples.finetune.model import config as config_lib
+from examples.finetune.model import decoder as model_lib
 
 FAMILIES = config_lib.FAMILIES
 

@@ -6,12 +6,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from examples.finetune import config as config_lib
 from examples.finetune import data
-from examples.finetune import model as model_lib
+from examples.finetune import flags
 from examples.finetune import optimizers
-from examples.finetune import run_config
 from examples.finetune import trainers
+from examples.finetune.model import config as config_lib
+from examples.finetune.model import decoder as model_lib
 import taco_optax
 
 
@@ -59,7 +59,7 @@ def test_taco_flags_reach_the_trainer(taco_step):
                        seq_len=10)
   schedule = optimizers.linear_schedule(1e-2, 4, 0)
   hints = optimizers.decoder_hints(config)
-  run = run_config.RunConfig(taco_k=4, taco_mu=0.5, taco_step=taco_step)
+  run = flags.RunConfig(taco_k=4, taco_mu=0.5, taco_step=taco_step)
   trainer = trainers.make_trainer(run, new_model(), schedule, hints)
   reference = trainers.NnxTrainer(new_model(), taco_optax.taco(
       schedule, k=4, mu=0.5,
@@ -84,28 +84,26 @@ def test_taco_flags_reach_the_trainer(taco_step):
 def test_default_rate_follows_the_budget_rule(name):
   spec = optimizers.get(name)
   rule = spec.rule
-  assert spec.default_rate(40, 4).lr == float(f'{rule.reference:.2g}')
-  for steps, batch in ((10, 4), (20, 8), (10, 16), (40, 16)):  # swept range
-    rate = spec.default_rate(steps, batch)
-    exact = (rule.reference * (40 / steps) ** rule.steps_exponent
-             * (batch / 4) ** rule.batch_exponent)
+  assert spec.default_rate(40).lr == float(f'{rule.reference:.2g}')
+  for steps in (10, 20, 40):  # swept range
+    rate = spec.default_rate(steps)
+    exact = rule.reference * (40 / steps) ** rule.steps_exponent
     assert rate.lr == pytest.approx(exact, rel=0.05)
     assert rate.why.startswith(f'budget rule: {rule.reference:g} x '
                                f'(40/{steps})^')
     assert rule.source in rate.why
-  # Not extrapolated: outside the swept steps and batches the rate is the
-  # rate at the nearest swept budget (or moves to the long-run anchor).
-  assert spec.default_rate(2, 1) == spec.default_rate(10, 4)._replace(
-      why=spec.default_rate(2, 1).why)
-  assert spec.default_rate(40, 64).lr == spec.default_rate(40, 16).lr
+  # Not extrapolated: outside the swept steps the rate is the rate at the
+  # nearest swept budget (or moves to the long-run anchor).
+  assert spec.default_rate(2) == spec.default_rate(10)._replace(
+      why=spec.default_rate(2).why)
   if rule.long_run is None:
-    assert spec.default_rate(5000, 4).lr == spec.default_rate(40, 4).lr
+    assert spec.default_rate(5000).lr == spec.default_rate(40).lr
 
 
 def test_taco_reaches_the_papers_rate_at_its_budget():
   taco = optimizers.get('taco')
-  assert taco.default_rate(2000, 4).lr == 3e-5
-  assert taco.default_rate(16000, 4).lr == 3e-5
-  middle = taco.default_rate(280, 4)
-  assert 3e-5 < middle.lr < taco.default_rate(40, 4).lr
+  assert taco.default_rate(2000).lr == 3e-5
+  assert taco.default_rate(16000).lr == 3e-5
+  middle = taco.default_rate(280)
+  assert 3e-5 < middle.lr < taco.default_rate(40).lr
   assert 'of the way (log steps) to 3e-05 at 2000 steps' in middle.why

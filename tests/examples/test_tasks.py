@@ -150,6 +150,12 @@ def test_score_picks_the_headline_metric():
   assert tasks.first_line(' 42\nQuestion: next') == '42'
 
 
+@pytest.mark.parametrize('name', sorted(tasks.TASKS))
+def test_headline_metric_is_the_first_score(name):
+  task = tasks.TASKS[name]
+  assert task.headline_metric == next(iter(tasks.score(task, [], [])))
+
+
 # Data files.
 
 

@@ -1,7 +1,7 @@
 """Load pretrained weights and tokenizers from Hugging Face or GGUF files.
 
 :func:`load_pretrained` takes a Hugging Face model directory (read here) or a
-``.gguf`` file (``gguf_loading``); both build the model with
+``.gguf`` file (:mod:`gguf`); both build the model with
 :func:`weights.build` (abstract model, then each parameter by name through a
 per-family table, PyTorch ``(out, in)`` -> Flax ``(in, out)``). Nothing is
 unpickled: Hugging Face weights are read from ``.safetensors`` files only.
@@ -14,10 +14,10 @@ import jax.numpy as jnp
 import numpy as np
 import tokenizers
 
-from examples.finetune import config as config_lib
-from examples.finetune import gguf_loading
-from examples.finetune import model as model_lib
-from examples.finetune import weights as weights_lib
+from examples.finetune.model import config as config_lib
+from examples.finetune.model import decoder as decoder_lib
+from examples.finetune.model import gguf as gguf_lib
+from examples.finetune.model import weights as weights_lib
 
 _LLAMA_BLOCK = {
     'attn_norm': 'input_layernorm', 'attn.q': 'self_attn.q_proj',
@@ -103,7 +103,7 @@ def load_pretrained(path: str, *, dtype: Any = jnp.bfloat16,
                     remat: Optional[str] = 'block',
                     remat_policy: str = 'nothing_saveable',
                     scan_layers: bool = False
-                    ) -> tuple[model_lib.DecoderLM, tokenizers.Tokenizer,
+                    ) -> tuple[decoder_lib.DecoderLM, tokenizers.Tokenizer,
                                config_lib.ModelConfig]:
   """Loads a model, its tokenizer and its config.
 
@@ -112,9 +112,9 @@ def load_pretrained(path: str, *, dtype: Any = jnp.bfloat16,
       ``model.safetensors`` or shards with ``model.safetensors.index.json``,
       ``tokenizer.json``) or a ``.gguf`` file (Llama architecture).
     dtype: parameter and computation dtype.
-    remat: see :class:`model.DecoderLM`.
-    remat_policy: see :class:`model.DecoderLM`.
-    scan_layers: see :class:`model.DecoderLM`.
+    remat: see :class:`decoder.DecoderLM`.
+    remat_policy: see :class:`decoder.DecoderLM`.
+    scan_layers: see :class:`decoder.DecoderLM`.
 
   Returns:
     ``(model, tokenizer, config)``; the config holds ``bos_token_id`` and
@@ -135,12 +135,12 @@ def load_pretrained(path: str, *, dtype: Any = jnp.bfloat16,
       raise weights_lib.ModelLoadError(
           f'{path} is a file but not a .gguf; pass a Hugging Face model '
           'directory or a GGUF file.')
-    return gguf_loading.load_gguf(path, **build)
+    return gguf_lib.load_gguf(path, **build)
   return _load_hf_directory(path, **build)
 
 
 def _load_hf_directory(directory: str, **build
-                       ) -> tuple[model_lib.DecoderLM, tokenizers.Tokenizer,
+                       ) -> tuple[decoder_lib.DecoderLM, tokenizers.Tokenizer,
                                   config_lib.ModelConfig]:
   config_path = os.path.join(directory, 'config.json')
   if not os.path.exists(config_path):

@@ -5,23 +5,25 @@ derives each flag from a typed field and its docstring (``batch_size`` is
 ``--batch-size``; choices come from ``Literal`` types, accepted ranges from
 :class:`Range` annotations), and building a ``RunConfig`` refuses a value
 outside its field's type or range with a :class:`FinetuneError` that names
-the flag. The CLI checks every flag before any model or data is read, so a
-careless value costs seconds and writes nothing.
+the flag. The words of the command line become values here too (tyro only
+splits them into flags and hands back the words no flag took), so a
+malformed, missing or unknown flag gets one line in this module's words. The
+CLI checks every flag before any model or data is read, so a careless value
+costs seconds and writes nothing.
 """
 
-import contextlib
 import dataclasses
-import io
+import difflib
 import math
-import re
 import typing
-from typing import Annotated, Literal, Optional, Union
+from typing import (Annotated, Any, Callable, Literal, NamedTuple, Optional,
+                    Union)
 
 import tyro
 
-from examples.finetune import model as model_lib
 from examples.finetune import optimizers as optimizers_lib
 from examples.finetune import tasks as tasks_lib
+from examples.finetune.model import decoder as decoder_lib
 
 
 class FinetuneError(Exception):
@@ -61,21 +63,119 @@ class Range:
     return above and below
 
 
-def _on_off(words: list[str]) -> bool:
-  (word,) = words
+# Parsing a flag's words. tyro splits the command line into flags and their
+# words; the words become values here, so that a refusal is this module's own
+# sentence naming the flag rather than a report tyro prints.
+
+PROG = 'python -m examples.finetune'
+_HELP = f'; {PROG} --help lists the flags'
+
+
+class _Malformed(NamedTuple):
+  """Words a flag was given that its type cannot take.
+
+  A field holds one only from parsing to ``RunConfig.__post_init__``, which
+  refuses it with the flag's name.
+
+  Attributes:
+    problem: what is wrong, as it follows the flag's name (``" must be an
+      integer, got 'abc'"``).
+  """
+  problem: str
+
+
+def _from_one_word(parse: Callable[[str], Any]
+                   ) -> Callable[[list[str]], Any]:
+  """A tyro ``instance_from_str`` taking any number of words (``nargs='*'``),
+  so that a missing value reaches this module too, and parsing exactly one.
+  """
+  def instance_from_str(words: list[str]) -> Any:
+    if not words:
+      return _Malformed(' needs a value')
+    if len(words) > 1:
+      return _Malformed(f' takes one value, got {" ".join(words)!r}')
+    return parse(words[0])
+  return instance_from_str
+
+
+def _on_off(word: str) -> Union[bool, _Malformed]:
   if word.lower() in ('on', 'true', 'yes', '1'):
     return True
   if word.lower() in ('off', 'false', 'no', '0'):
     return False
-  raise ValueError(f'expected on or off, got {word!r}')
+  return _Malformed(f': expected on or off, got {word!r}')
 
 
 # A switch given as a value (``--remat off``), as the README writes it.
 OnOff = Annotated[bool, tyro.conf.FlagConversionOff,
                   tyro.constructors.PrimitiveConstructorSpec(
-                      nargs=1, metavar='{on,off}', instance_from_str=_on_off,
+                      nargs='*', metavar='{on,off}',
+                      instance_from_str=_from_one_word(_on_off),
                       is_instance=lambda value: isinstance(value, bool),
                       str_from_instance=lambda on: ['on' if on else 'off'])]
+
+
+def _optional_of(kind) -> Optional[Any]:
+  """``X`` for ``Optional[X]``, else ``None``."""
+  if typing.get_origin(kind) is not Union:
+    return None
+  members = typing.get_args(kind)
+  inner = [arg for arg in members if arg is not type(None)]
+  return inner[0] if len(inner) == 1 < len(members) else None
+
+
+def _parse_word(kind, word: str) -> Any:
+  """The value of type ``kind`` that ``word`` spells, or a _Malformed."""
+  inner = _optional_of(kind)
+  if inner is not None:
+    return None if word == 'None' else _parse_word(inner, word)
+  if typing.get_origin(kind) is Literal:
+    choices = typing.get_args(kind)
+    if word in choices:
+      return word
+    return _Malformed(f' must be one of {", ".join(map(repr, choices))}, '
+                      f'got {word!r}')
+  if kind is str:
+    return word
+  try:
+    return kind(word)
+  except ValueError:
+    noun = 'an integer' if kind is int else 'a number'
+    return _Malformed(f' must be {noun}, got {word!r}')
+
+
+def _metavar(kind) -> str:
+  """What ``--help`` shows for a value of ``kind``, as tyro writes it."""
+  inner = _optional_of(kind)
+  if inner is not None:
+    return '{None}|' + _metavar(inner)
+  if typing.get_origin(kind) is Literal:
+    return '{' + ','.join(typing.get_args(kind)) + '}'
+  return kind.__name__.upper()
+
+
+def _is_parsed_here(kind) -> bool:
+  kind = _optional_of(kind) or kind
+  return kind in (int, float, str) or typing.get_origin(kind) is Literal
+
+
+_PARSERS = tyro.constructors.ConstructorRegistry()
+
+
+@_PARSERS.primitive_rule
+def _parsed_here(type_info) -> Optional[
+    tyro.constructors.PrimitiveConstructorSpec]:
+  """Numbers, strings and choices (and their Optional) are parsed here;
+  tyro keeps the plain switches (``--resume``, ``--no-progress``)."""
+  kind = type_info.type
+  if not _is_parsed_here(kind):
+    return None
+  return tyro.constructors.PrimitiveConstructorSpec(
+      nargs='*', metavar=_metavar(kind),
+      instance_from_str=_from_one_word(lambda word: _parse_word(kind, word)),
+      is_instance=lambda value: _refusal(value, kind) is None,
+      str_from_instance=lambda value: [str(value)])
+
 
 _POSITIVE = Range(low=1)
 _NON_NEGATIVE = Range(low=0)
@@ -158,7 +258,7 @@ class RunConfig:
   model: Optional[str] = None
   dtype: Literal['auto', 'float32', 'bfloat16'] = 'auto'
   remat: OnOff = True
-  remat_policy: Literal[model_lib.REMAT_POLICIES] = 'nothing_saveable'
+  remat_policy: Literal[decoder_lib.REMAT_POLICIES] = 'nothing_saveable'
   scan_layers: OnOff = False
   task: Literal[('tweets', 'text') + tuple(tasks_lib.TASKS)] = 'tweets'
   train_file: Optional[str] = None
@@ -185,8 +285,13 @@ class RunConfig:
     return optimizers_lib.TacoSettings(k=self.taco_k, mu=self.taco_mu)
 
   def __post_init__(self):
-    for name, annotation in typing.get_type_hints(
-        RunConfig, include_extras=True).items():
+    hints = typing.get_type_hints(RunConfig, include_extras=True)
+    # Words no value could come from first, as a parser would refuse them.
+    for name in hints:
+      if isinstance(getattr(self, name), _Malformed):
+        raise FinetuneError(f'{flag(name)}{getattr(self, name).problem}'
+                            f'{_HELP}')
+    for name, annotation in hints.items():
       message = _refusal(getattr(self, name), annotation)
       if message:
         raise FinetuneError(f'{flag(name)} {message}')
@@ -205,10 +310,10 @@ def _refusal(value, annotation) -> Optional[str]:
   if typing.get_origin(kind) is Annotated:
     kind, *metadata = typing.get_args(kind)
     ranges = [item for item in metadata if isinstance(item, Range)]
-  if typing.get_origin(kind) is Union:  # Optional[X]: None means a default.
+  if _optional_of(kind) is not None:  # None means a default.
     if value is None:
       return None
-    (kind,) = [arg for arg in typing.get_args(kind) if arg is not type(None)]
+    kind = _optional_of(kind)
   if typing.get_origin(kind) is Literal:
     choices = typing.get_args(kind)
     if value not in choices:
@@ -226,68 +331,45 @@ def _refusal(value, annotation) -> Optional[str]:
   return None
 
 
+def _is_switch(annotation) -> bool:
+  """A flag without a value (``--resume``), unlike an :data:`OnOff`."""
+  kind = annotation
+  if typing.get_origin(kind) is Annotated:
+    kind = typing.get_args(kind)[0]
+  return kind is bool and annotation != OnOff
+
+
+def _unknown_flags(words: list[str]) -> str:
+  """The refusal of words no flag took, with the nearest flag's name."""
+  hints = typing.get_type_hints(RunConfig, include_extras=True)
+  fields = dataclasses.fields(RunConfig)
+  known = [flag(field.name) for field in fields]
+  # tyro's --no-X of a switch that is on by default.
+  known += ['--no-' + flag(field.name)[2:] for field in fields
+            if _is_switch(hints[field.name]) and field.default is True]
+  message = f'unknown flag(s): {", ".join(words)}'
+  for word in words:
+    if word.startswith('--'):
+      nearest = difflib.get_close_matches(word.partition('=')[0], known, n=1)
+      if nearest:
+        return f'{message} (did you mean {nearest[0]}?)'
+  return message
+
+
 def from_command_line(args=None) -> RunConfig:
   """Parses ``args`` (default: ``sys.argv[1:]``) into a :class:`RunConfig`.
+
+  tyro splits ``args`` into flags and their words (and prints ``--help``,
+  exiting 0); the words are parsed here and checked by ``RunConfig``, and
+  tyro hands back the words no flag took (``return_unknown_args``), so no
+  refusal depends on how tyro words or draws its own reports.
 
   Raises:
     FinetuneError: a malformed or unknown flag, a missing value, or a value
       outside its flag's accepted range, as one line that names the flag.
-      ``tyro``'s own report of a parse error (a box written to stderr) is
-      read back and put in that line; ``--help`` still exits 0.
   """
-  report = io.StringIO()
-  try:
-    with contextlib.redirect_stderr(report):
-      return tyro.cli(RunConfig, args=args, prog='python -m examples.finetune')
-  except SystemExit as e:
-    if e.code in (0, None):
-      raise
-    raise FinetuneError(parse_error_line(report.getvalue())) from None
-
-
-_BOX_EDGES = '\u2502\u256d\u256e\u2570\u256f'  # the sides and corners of a box
-_RULE = '\u2500'  # a rule separating a box's sections
-_REWRITES = (
-    (r'Error parsing (--[\w-]+): .*invalid literal for int\(\) with base '
-     r'10: (.*)', r'\1 must be an integer, got \2'),
-    (r'Error parsing (--[\w-]+): .*could not convert string to float: (.*)',
-     r'\1 must be a number, got \2'),
-    (r'Error parsing (--[\w-]+): (.*)', r'\1: \2'),
-    (r"invalid choice (\S+) for argument '(--[\w-]+)'\. Expected one of "
-     r'\((.*)\)\.?', r'\2 must be one of \3, got \1'),
-    (r"Missing value for argument '(--[\w-]+)'.*", r'\1 needs a value'),
-    (r'Unrecognized options: (.*)', r'unknown flag(s): \1'),
-)
-
-
-def parse_error_line(report: str) -> str:
-  """One line from ``tyro``'s boxed parse-error report.
-
-  The first section of the box (the sentence before the first rule) is the
-  error; a "Perhaps you meant" suggestion from a later section is kept as
-  "did you mean ...". Known sentences are put in the CLI's own words (``--steps
-  must be an integer, got 'abc'``); others are kept as tyro wrote them.
-  """
-  sections, current = [], []
-  for raw in report.splitlines():
-    line = raw.strip()
-    if line[:1] in ('\u256d', '\u2570'):  # a box's top or bottom edge
-      continue
-    line = line.strip(_BOX_EDGES).strip()
-    if line and set(line) <= {_RULE, ' '}:
-      sections.append(current)
-      current = []
-    elif line:
-      current.append(line)
-  sections.append(current)
-  message = ' '.join(next((s for s in sections if s), ['invalid arguments']))
-  for pattern, replacement in _REWRITES:
-    rewritten, count = re.subn(f'^{pattern}$', replacement, message)
-    if count:
-      message = rewritten
-      break
-  rest = ' '.join(' '.join(section) for section in sections[1:])
-  suggestion = re.search(r'Perhaps you meant:\s*(--[\w-]+)', rest)
-  if suggestion:
-    message += f' (did you mean {suggestion.group(1)}?)'
-  return f'{message}; python -m examples.finetune --help lists the flags'
+  config, unknown = tyro.cli(RunConfig, args=args, prog=PROG,
+                             registry=_PARSERS, return_unknown_args=True)
+  if unknown:
+    raise FinetuneError(_unknown_flags(unknown) + _HELP)
+  return config

@@ -1,4 +1,4 @@
-"""A :class:`model.DecoderLM` written as ``embed -> blocks -> head``.
+"""A :class:`decoder.DecoderLM` written as ``embed -> blocks -> head``.
 
 The memory-lean TACO step (``taco_optax``'s layer-wise train step) runs the
 backward pass one block at a time and writes each column's winners into the
@@ -13,9 +13,9 @@ from typing import Any, Callable, NamedTuple
 from flax import nnx
 import jax.numpy as jnp
 
-from examples.finetune import layers as layers_lib
 from examples.finetune import losses as losses_lib
-from examples.finetune import model as model_lib
+from examples.finetune.model import decoder as decoder_lib
+from examples.finetune.model import layers as layers_lib
 import taco_optax
 
 
@@ -57,7 +57,7 @@ def layered_model(model) -> LayeredModel:
   table's dense gradient.
 
   Args:
-    model: a :class:`model.DecoderLM`.
+    model: a :class:`decoder.DecoderLM`.
 
   Returns:
     A :class:`LayeredModel`.
@@ -97,7 +97,7 @@ def layered_model(model) -> LayeredModel:
   head = taco_optax.TableProjection(
       table=('embed', 'embedding') if tied else ('lm_head', 'kernel'),
       features=features, loss=losses_lib.logits_loss,
-      project=lambda states, table: model_lib.project(
+      project=lambda states, table: decoder_lib.project(
           states, table if tied else table.T, model.dtype),
       table_axis=1 if tied else 0)
   embed = taco_optax.TableLookup(table=('embed', 'embedding'),

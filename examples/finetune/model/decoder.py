@@ -16,8 +16,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 import taco_optax
-from examples.finetune import config as config_lib
-from examples.finetune import layers
+from examples.finetune.model import config as config_lib
+from examples.finetune.model import layers
 
 REMAT_POLICIES = ('nothing_saveable', 'dots_saveable',
                   'dots_with_no_batch_dims_saveable', 'everything_saveable')

@@ -15,7 +15,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from examples.finetune import config as config_lib
+from examples.finetune.model import config as config_lib
 
 # Added to masked attention logits; finite so that a query with no visible
 # key (a left-padded row) gives a uniform average instead of NaN.

@@ -13,7 +13,7 @@ Parameter rule, for kernels laid out ``(in, out)``:
 * ``o``/``down``/``fc2``: ``P('tensor', 'fsdp')`` (row parallel);
 * embedding tables ``(vocab, d)``: ``P('tensor', 'fsdp')``, a token
   embedding tied to the output head too (the output projection,
-  ``model.project``, is partitioned by XLA and gives logits split only
+  ``decoder.project``, is partitioned by XLA and gives logits split only
   along the batch);
 * norm scales and biases: replicated.
 
@@ -24,7 +24,6 @@ not divide is left whole.
 import math
 from typing import Any, Optional
 
-from flax import nnx
 import jax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -97,12 +96,12 @@ def param_spec(names: tuple[str, ...], shape: tuple[int, ...],
   """The ``PartitionSpec`` of the parameter at state path ``names``.
 
   Args:
-    names: the parameter's path (``model.path_names``).
+    names: the parameter's path (``decoder.path_names``).
     shape: its shape.
     mesh_shape: mesh axis name to size.
     tied_embedding: the token embedding is also the output head. Kept for
       callers; a tied table is split like any embedding, since the output
-      projection (``model.project``) is partitioned by XLA and its logits
+      projection (``decoder.project``) is partitioned by XLA and its logits
       come out whole along the vocabulary.
   """
   del tied_embedding
@@ -139,22 +138,6 @@ def place_param(values: jax.Array, names: tuple[str, ...],
   mesh_shape = dict(zip(mesh.axis_names, mesh.axis_sizes))
   spec = param_spec(names, values.shape, mesh_shape, tied_embedding)
   return jax.device_put(values, NamedSharding(mesh, spec))
-
-
-def shard_model(model: nnx.Module, mesh: jax.sharding.Mesh) -> None:
-  """Places every parameter of ``model`` on its sharding, in place.
-
-  (:func:`loading.load_pretrained` already does so under :func:`jax.set_mesh`;
-  this is for models built otherwise.)
-  """
-  from examples.finetune import model as model_lib  # pylint: disable=g-import-not-at-top
-  params = nnx.state(model, nnx.Param)
-  placed = jax.tree_util.tree_map_with_path(
-      lambda path, x: place_param(x, model_lib.path_names(path), mesh,
-                                  model.config.tie_word_embeddings),
-      nnx.to_pure_dict(params))
-  nnx.replace_by_pure_dict(params, placed)
-  nnx.update(model, params)
 
 
 def shard_batch(batch: Any, mesh: jax.sharding.Mesh) -> Any:

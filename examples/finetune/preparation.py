@@ -1,0 +1,286 @@
+"""Everything a run does before its first step, each input checked first.
+
+:func:`prepare` resolves the run directory, opens (or resumes) the
+checkpoints, reads the task and the model, checks the flags against them,
+tokenises, picks the learning rate, refuses a run predicted not to fit in
+memory and builds the trainer. Nothing is written until every check has
+passed, so a refusal (a :class:`flags.FinetuneError`) leaves no trace.
+"""
+
+import os
+from typing import Callable, Iterator, NamedTuple, Optional, Union
+
+from flax import nnx
+import jax
+import jax.numpy as jnp
+import tokenizers
+
+from examples.finetune import checkpoint as checkpoint_lib
+from examples.finetune import data as data_lib
+from examples.finetune import evaluation as evaluation_lib
+from examples.finetune import flags as flags_lib
+from examples.finetune import memory_plan
+from examples.finetune import optimizers as optimizers_lib
+from examples.finetune import phases
+from examples.finetune import resume as resume_lib
+from examples.finetune import run_dirs
+from examples.finetune import tasks as tasks_lib
+from examples.finetune import trainers as trainers_lib
+from examples.finetune.model import config as config_lib
+from examples.finetune.model import decoder as decoder_lib
+from examples.finetune.model import gguf as gguf_lib
+from examples.finetune.model import loading
+from examples.finetune.model import weights as weights_lib
+
+
+def _dtype(name: str):
+  if name == 'auto':
+    # CPUs upcast bf16 matmuls (slower, no memory gain in the temporaries).
+    return jnp.float32 if jax.default_backend() == 'cpu' else jnp.bfloat16
+  return jnp.dtype(name)
+
+
+def load_model(path: Optional[str], *, dtype: str, remat: bool,
+               remat_policy: str = 'nothing_saveable',
+               scan_layers: bool = False):
+  """``(model, tokenizer, model_config, path)``; bad inputs -> FinetuneError.
+
+  Args:
+    path: a Hugging Face directory or ``.gguf`` file; ``None``: SmolLM2-135M.
+    dtype: ``'auto'``, ``'float32'`` or ``'bfloat16'`` (``RunConfig.dtype``).
+    remat: recompute each block in the backward pass.
+    remat_policy: what a rematerialised block keeps.
+    scan_layers: stack the blocks for ``lax.scan``.
+  """
+  try:
+    if path is None:
+      path = gguf_lib.smollm2_gguf_path()
+    model, tokenizer, model_config = loading.load_pretrained(
+        path, dtype=_dtype(dtype), remat='block' if remat else None,
+        remat_policy=remat_policy, scan_layers=scan_layers)
+  except weights_lib.ModelLoadError as e:
+    raise flags_lib.FinetuneError(str(e)) from e
+  return model, tokenizer, model_config, path
+
+
+def load_task(config: flags_lib.RunConfig):
+  """``(task, train examples, held-out examples)`` for the configured task."""
+  if config.task == 'tweets':
+    if config.train_file or config.test_file:
+      raise flags_lib.FinetuneError(
+          '--train-file/--test-file need --task (e.g. text, sst2); the '
+          'default task uses the embedded tweets')
+    task = data_lib.tweets_task()
+    train, test = data_lib.split_tweets(data_lib.read_tweets(),
+                                        data_lib.TWEETS_TEST_PER_CLASS)
+    return (task, [task.example(r) for r in train],
+            data_lib.balanced_subset([task.example(r) for r in test],
+                                     config.eval_size))
+  if config.task == 'text':
+    if not config.label_words:
+      raise flags_lib.FinetuneError(
+          '--task text needs --label-words, e.g. '
+          '"negative=terrible,positive=great"')
+    try:
+      task = tasks_lib.text_classification(
+          tasks_lib.parse_label_words(config.label_words), config.template)
+    except ValueError as e:
+      raise flags_lib.FinetuneError(str(e)) from e
+  else:
+    task = tasks_lib.TASKS[config.task]
+  if not config.train_file or not config.test_file:
+    raise flags_lib.FinetuneError(
+        f'--task {config.task} needs --train-file and --test-file (JSONL in '
+        'the Hugging Face field layout)')
+  train = data_lib.load_examples(task, config.train_file)
+  test = data_lib.load_examples(task, config.test_file)
+  return task, train, data_lib.balanced_subset(test, config.eval_size)
+
+
+def _check_memory(config: flags_lib.RunConfig, model, schedule,
+                  hints) -> None:
+  """Refuses a run whose predicted peak exceeds the device's memory.
+
+  The limit is ``config.memory_limit_gb``, else the device's own
+  (``bytes_limit``; CPUs report none, so nothing is checked there), times the
+  devices of an active mesh (the plan is unsharded: a run over this is sure
+  not to fit). The prediction is :mod:`memory_plan`'s, with this optimizer's
+  exact state size.
+  """
+  limit = (memory_plan.device_memory_limit() if config.memory_limit_gb is None
+           else config.memory_limit_gb * memory_plan.GB)
+  if limit is None:
+    return
+  mesh = jax.sharding.get_abstract_mesh()
+  devices = 1 if mesh.empty else mesh.size
+  limit *= devices
+  params = memory_plan.model_params(model)
+  tx = optimizers_lib.get(config.optimizer).build(schedule, hints, config.taco)
+  state_bytes = memory_plan.tree_bytes(
+      jax.eval_shape(tx.init, nnx.state(model, nnx.Param)))
+  layerwise = trainers_lib.uses_layerwise_step(config)
+  peak_of = lambda batch: memory_plan.model_peak(
+      model, params, state_bytes, batch=batch, seq=config.seq_len,
+      layerwise=layerwise)
+  peak = peak_of(config.batch_size)
+  if peak <= limit:
+    return
+  fitting = [b for b in range(config.batch_size - 1, 0, -1)
+             if peak_of(b) <= limit]
+  advice = [f'--batch-size {fitting[0]}'] if fitting else []
+  advice += [] if config.remat else ['--remat on']
+  if config.optimizer != 'taco':
+    advice.append('--optimizer taco')
+  elif not layerwise:
+    advice.append('--taco-step auto')
+  advice = ' or '.join(advice) or 'a device with more memory'
+  gb = lambda n: f'{n / memory_plan.GB:.3g} GB'
+  holder = 'device has' if devices == 1 else f'{devices} devices have'
+  raise flags_lib.FinetuneError(
+      f'--optimizer {config.optimizer} at --batch-size {config.batch_size} '
+      f'x --seq-len {config.seq_len} needs about {gb(peak)} (predicted), the '
+      f'{holder} {gb(limit)}; try {advice}')
+
+
+def _training_tokens(objective: str, task, examples, tokenizer):
+  """``(tokenised examples, collate function, objective's name)``."""
+  if objective in ('auto', 'candidates') and not task.generative:
+    choices = data_lib.choice_examples(tokenizer, examples)
+    if choices is not None:
+      return choices, data_lib.collate_choices, 'candidate cross-entropy'
+    if objective == 'candidates':
+      raise flags_lib.FinetuneError(
+          '--objective candidates needs single-token candidates')
+  elif objective == 'candidates':
+    raise flags_lib.FinetuneError(
+        '--objective candidates needs a classification task')
+  return ([data_lib.tokenize(tokenizer, e.prompt, e.target) for e in examples],
+          data_lib.collate, 'completion likelihood')
+
+
+class PreparedRun(NamedTuple):
+  """A run ready for its first step.
+
+  Attributes:
+    config: the flags, ``output_dir`` resolved.
+    checkpoints: the run's checkpoints; ``history`` holds what a resumed run
+      had recorded.
+    task: the task.
+    held_out: the held-out examples scored.
+    eval_set: those examples tokenised for :func:`evaluation.evaluate`.
+    tokenizer: the model's tokenizer.
+    stop_ids: tokens that end a generated answer.
+    model: the model the trainer trains.
+    model_config: its architecture.
+    model_path: the file or directory it was read from.
+    batches: the training batches, from the next step's on.
+    objective: the training loss's name.
+    learning_rate: the schedule's peak.
+    learning_rate_source: where that rate comes from.
+    warmup_steps: the schedule's warm-up.
+    trainer: the step and the state it trains (``trainers``).
+    start_step: the steps done before this process (a resume's).
+  """
+  config: flags_lib.RunConfig
+  checkpoints: checkpoint_lib.RunCheckpoints
+  task: tasks_lib.Task
+  held_out: list[tasks_lib.Example]
+  eval_set: evaluation_lib.EvalSet
+  tokenizer: tokenizers.Tokenizer
+  stop_ids: list[int]
+  model: decoder_lib.DecoderLM
+  model_config: config_lib.ModelConfig
+  model_path: str
+  batches: Iterator[Union[data_lib.Batch, data_lib.ChoiceBatch]]
+  objective: str
+  learning_rate: float
+  learning_rate_source: str
+  warmup_steps: int
+  trainer: Union[trainers_lib.NnxTrainer, trainers_lib.LayerwiseTacoTrainer]
+  start_step: int
+
+
+def _check_lengths(config: flags_lib.RunConfig, task, model_config) -> None:
+  if config.seq_len > model_config.max_position_embeddings:
+    raise flags_lib.FinetuneError(
+        f'--seq-len {config.seq_len} exceeds the model\'s '
+        f'{model_config.max_position_embeddings} positions')
+  if task.generative and config.max_new_tokens >= config.seq_len:
+    raise flags_lib.FinetuneError(
+        '--max-new-tokens must be below --seq-len')
+
+
+def _learning_rate(config: flags_lib.RunConfig) -> tuple[float, str, int]:
+  """``(peak rate, where it comes from, warm-up steps)`` of the schedule."""
+  lr, lr_source = config.lr, '--lr'
+  if lr is None:
+    lr, lr_source = optimizers_lib.get(config.optimizer).default_rate(
+        config.steps)
+  warmup = (config.warmup_steps if config.warmup_steps is not None
+            else min(50, config.steps // 10))
+  return lr, lr_source, warmup
+
+
+def _stop_ids(model_config, tokenizer) -> list[int]:
+  """End of sequence, and a newline: a generated answer is one line."""
+  stop_ids = [i for i in (model_config.eos_token_id,) if i is not None]
+  return stop_ids + tokenizer.encode('\n', add_special_tokens=False).ids[:1]
+
+
+def prepare(config: flags_lib.RunConfig,
+            log: Callable[[str], None] = phases.flushed_print) -> PreparedRun:
+  """Checks every input and builds the run; writes nothing.
+
+  Without ``--output-dir`` the run gets a new directory
+  (:func:`run_dirs.with_output_dir`); with ``--resume`` the trainer holds the
+  checkpoint's state and the batches continue after its step.
+
+  Raises:
+    flags.FinetuneError: an input the run cannot use, as one line.
+  """
+  config = run_dirs.with_output_dir(config)
+  checkpoints = resume_lib.open_checkpoints(config, log)
+  try:
+    task, train_examples, held_out = load_task(config)
+  except (data_lib.DataError, tasks_lib.TaskDataError) as e:
+    raise flags_lib.FinetuneError(str(e)) from e
+  with phases.phase('loading the model '
+                    + (config.model or '(SmolLM2-135M GGUF)'), log):
+    model, tokenizer, model_config, model_path = load_model(
+        config.model, dtype=config.dtype, remat=config.remat,
+        remat_policy=config.remat_policy, scan_layers=config.scan_layers)
+  _check_lengths(config, task, model_config)
+  with phases.phase(f'tokenising {len(train_examples)} training and '
+                    f'{len(held_out)} held-out examples', log):
+    train_tokens, collate_fn, objective = _training_tokens(
+        config.objective, task, train_examples, tokenizer)
+    eval_set = evaluation_lib.make_eval_set(task, held_out, tokenizer)
+  batches = data_lib.training_batches(
+      train_tokens, config.batch_size, config.seq_len, config.seed,
+      model_config.pad_token_id or 0, collate_fn)
+  lr, lr_source, warmup = _learning_rate(config)
+  schedule = optimizers_lib.linear_schedule(lr, config.steps, warmup)
+  resume_lib.check_resolved(checkpoints, **{
+      'learning rate': lr, 'warm-up steps': warmup,
+      'parameter dtype': jnp.dtype(_dtype(config.dtype)).name,
+      'model file': os.path.abspath(model_path),
+      'training data': resume_lib.data_digest(train_tokens)})
+  hints = optimizers_lib.decoder_hints(model_config)
+  _check_memory(config, model, schedule, hints)
+  with phases.phase(f'setting up {config.optimizer}', log):
+    trainer = trainers_lib.make_trainer(config, model, schedule, hints)
+    start_step = resume_lib.restore(checkpoints, trainer, batches, log)
+  log(f'run directory {config.output_dir}')
+  log(f'model {model_path} ({model_config.family}, '
+      f'{len(train_tokens)} train / {len(held_out)} held-out examples)')
+  log(f'optimizer {config.optimizer}: lr {lr:g} ({lr_source}), '
+      f'warm-up {warmup}, '
+      f'{config.steps} steps x batch {config.batch_size} x {config.seq_len} '
+      f'tokens, {objective}; step path: {trainer.path}')
+  return PreparedRun(
+      config=config, checkpoints=checkpoints, task=task, held_out=held_out,
+      eval_set=eval_set, tokenizer=tokenizer,
+      stop_ids=_stop_ids(model_config, tokenizer), model=model,
+      model_config=model_config, model_path=model_path, batches=batches,
+      objective=objective, learning_rate=lr, learning_rate_source=lr_source,
+      warmup_steps=warmup, trainer=trainer, start_step=start_step)
