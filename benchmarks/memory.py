@@ -8,7 +8,7 @@ allocated) and reads XLA's ``memory_analysis()`` of
 * the plain ``value_and_grad -> tx.update -> apply_updates`` step for
   ``optax.adamw`` and ``taco_optax.taco``,
 * the layerwise TACO step (``taco_optax.layerwise.train_step``, on the
-  example's split of the model, ``examples/finetune/layerwise.py``),
+  example's split of the model, ``examples/finetune/model/layered.py``),
 
 with stacked (``lax.scan``) and unrolled layers, params and state donated.
 Peak = arguments + outputs - aliased + temporaries. The table splits it as in
@@ -45,12 +45,11 @@ from flax import nnx
 from benchmarks import presets
 from benchmarks import provenance
 from examples.finetune import data as data_lib
-from examples.finetune import losses as losses_lib
 from examples.finetune import memory_plan
 from examples.finetune import optimizers as optimizers_lib
 from examples.finetune.model import config as config_lib
 from examples.finetune.model import decoder as model_lib
-from examples.finetune.model import layered as layerwise
+from examples.finetune.model import layered as layered_lib
 import taco_optax
 
 # SmolLM2-135M (Hugging Face config.json, Llama architecture).
@@ -87,8 +86,8 @@ class LayerwiseTaco(NamedTuple):
 
 def layerwise_taco(decoder, config) -> LayerwiseTaco:
   """The layer-wise TACO step of ``decoder`` with the paper's settings."""
-  tx = taco_optax.taco(3e-5, **optimizers_lib.taco_kwargs(
-      optimizers_lib.TacoSettings(), optimizers_lib.decoder_hints(config)))
+  tx = optimizers_lib.taco_optimizer(
+      3e-5, optimizers_lib.decoder_hints(config), optimizers_lib.TacoSettings())
   return LayerwiseTaco(tx, taco_optax.layerwise.train_step(decoder.loss, tx))
 
 
@@ -101,7 +100,7 @@ def abstract_decoder(hf_config, *, dtype, scan_layers, num_layers=None,
       config, dtype=dtype, param_dtype=dtype,
       remat='block' if remat else None,
       scan_layers=scan_layers, rngs=nnx.Rngs(0)))
-  return config, layerwise.layered_model(model)
+  return config, layered_lib.layered_model(model)
 
 
 def token_batch(input_ids, attention_mask):
@@ -167,7 +166,7 @@ def execute(path, *, dtype, scan_layers, batch, seq, num_layers, steps,
   model = model_lib.DecoderLM(config, dtype=dtype, param_dtype=dtype,
                               remat='block', scan_layers=scan_layers,
                               rngs=nnx.Rngs(0))
-  decoder = layerwise.layered_model(model)
+  decoder = layered_lib.layered_model(model)
   params = decoder.params
   del model
   tokens = jax.random.randint(jax.random.key(1), (batch, seq), 0,

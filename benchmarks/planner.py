@@ -3,7 +3,7 @@
 Give a ``config.json`` (Llama, Mistral, Qwen3, OPT, GPT-NeoX) or a preset and
 a batch size / sequence length; :func:`plan` predicts the peak of
 
-* TACO with the layerwise step (``taco_optax.layerwise_train_step``),
+* TACO with the layerwise step (``taco_optax.layerwise.train_step``),
 * TACO with the plain optax step (every dense gradient alive at once),
 * AdamW with the plain optax step (moments in the parameter dtype, as optax
   does by default, and with float32 moments),
@@ -34,7 +34,6 @@ from examples.finetune import memory_plan
 from examples.finetune import optimizers as optimizers_lib
 from examples.finetune.model import config as config_lib
 from examples.finetune.model import decoder as model_lib
-import taco_optax
 
 GB = memory_plan.GB
 
@@ -69,8 +68,8 @@ def plan(hf_config, *, batch, seq, dtype=jnp.bfloat16, scan_layers=True,
   plan_terms = memory_plan.terms(config, params, batch=batch, seq=seq,
                                  itemsize=itemsize, scan_layers=scan_layers,
                                  remat=remat)
-  taco = taco_optax.taco(3e-5, **optimizers_lib.taco_kwargs(
-      optimizers_lib.TacoSettings(), optimizers_lib.decoder_hints(config)))
+  taco = optimizers_lib.taco_optimizer(
+      3e-5, optimizers_lib.decoder_hints(config), optimizers_lib.TacoSettings())
   taco_state = memory_plan.tree_bytes(jax.eval_shape(taco.init, params))
   adamw_state = memory_plan.tree_bytes(
       jax.eval_shape(optax.adamw(1e-5).init, params))

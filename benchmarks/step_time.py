@@ -158,10 +158,10 @@ def main():
   parser.add_argument('--repeats', type=int, default=3)
   parser.add_argument('--only', default=None,
                       help='comma-separated subset of optimizers')
-  parser.add_argument('--kernels', default=os.environ.get(
-      'TACO_OPTAX_KERNEL', 'auto'),
-                      help="comma-separated implementation= values to time ('auto', "
-      "'cpu', 'pallas', 'reference')")
+  parser.add_argument(
+      '--kernels', default=os.environ.get('TACO_OPTAX_KERNEL', 'auto'),
+      help="comma-separated implementation= values to time ('auto', 'cpu', "
+      "'pallas', 'reference')")
   parser.add_argument('--same-gradient', action='store_true',
                       help='one gradient tree for every step')
   parser.add_argument('--write', default=None, help='Markdown output file')

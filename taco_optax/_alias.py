@@ -56,7 +56,7 @@ class TacoParts(NamedTuple):
 
 
 class TacoStates(NamedTuple):
-  """The states of a :func:`taco` optimizer's pieces (see :func:`taco_states`)."""
+  """The states of a :func:`taco` optimizer's pieces (:func:`taco_states`)."""
   direction: _transform.TacoState
   learning_rate: Any
   adam: Any

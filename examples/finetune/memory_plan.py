@@ -41,12 +41,9 @@ import jax
 import jax.numpy as jnp
 
 from examples.finetune.model import config as config_lib
+import taco_optax
 
 GB = 1e9
-# taco_optax updates a large matrix a block of columns at a time, about this
-# many float32 elements per block; its column step holds ~4 such arrays.
-# TODO(library): read taco_optax.layerwise.COLUMN_BLOCK_ELEMENTS
-COLUMN_BLOCK_ELEMENTS = 2**20
 
 
 def tree_bytes(tree) -> int:
@@ -112,7 +109,9 @@ def terms(config: config_lib.ModelConfig, params, *, batch: int, seq: int,
                     else 2 * config.num_layers * layer_activations),
       layer_inputs=layer_inputs,
       head_phase=batch * seq * config.vocab_size * 4,
-      table_blocks=4 * COLUMN_BLOCK_ELEMENTS * 4,
+      # A large matrix is updated a block of columns at a time; the column
+      # step holds ~4 float32 arrays of a block.
+      table_blocks=4 * taco_optax.layerwise.COLUMN_BLOCK_ELEMENTS * 4,
       layer_activations=layer_activations,
       slice_copy=slice_copy,
       layer_phase=layer_bytes + layer_activations + slice_copy,
@@ -120,7 +119,7 @@ def terms(config: config_lib.ModelConfig, params, *, batch: int, seq: int,
 
 
 def layerwise_peak(plan_terms: Terms, state_bytes: int) -> int:
-  """Peak of ``taco_optax.layerwise_train_step``: one block's gradients."""
+  """Peak of ``taco_optax.layerwise.train_step``: one block's gradients."""
   t = plan_terms
   return (t.weights + state_bytes + t.layer_inputs
           + max(t.head_phase + t.table_blocks,

@@ -146,18 +146,6 @@ class TacoSettings:
   update_topk: Optional[int] = None
 
 
-def taco_kwargs(settings: TacoSettings, hints: ModelHints) -> dict[str, Any]:
-  """Keyword arguments of ``taco_optax.taco`` for a model and settings.
-
-  ``taco_optax.layerwise_train_step`` takes the same ones, so both paths of
-  the example (and the benchmarks) build TACO from this one mapping.
-  """
-  return dict(k=settings.k, mu=settings.mu,
-              update_topk=settings.update_topk,
-              weight_dimension_numbers=hints.taco_dimension_numbers,
-              update_scale=hints.taco_update_scale)
-
-
 def linear_schedule(peak_lr: float, steps: int,
                     warmup_steps: int) -> optax.Schedule:
   """Linear warm-up from 0 to ``peak_lr``, then linear decay to 0 at ``steps``.
@@ -181,8 +169,18 @@ def _matrix_dims(dims_type, hints):
   return dims
 
 
-def _taco(schedule, hints, taco):
-  return taco_optax.taco(schedule, **taco_kwargs(taco, hints))
+def taco_optimizer(schedule, hints: ModelHints,
+                   taco: TacoSettings) -> optax.GradientTransformation:
+  """``taco_optax.taco`` for a model and settings.
+
+  Both paths of the example (``taco_optax.layerwise.train_step`` takes the
+  transformation itself) and the benchmarks build TACO here.
+  """
+  return taco_optax.taco(schedule, k=taco.k, mu=taco.mu,
+                         update_topk=taco.update_topk,
+                         weight_dimension_numbers=hints.taco_dimension_numbers,
+                         update_scale=hints.taco_update_scale)
+
 
 
 def _adamw(schedule, hints, taco):
@@ -244,7 +242,7 @@ def _relative_to_adamw(factor: float, why: str) -> BudgetRule:
 
 OPTIMIZERS: dict[str, OptimizerSpec] = {
     spec.name: spec for spec in (
-        OptimizerSpec('taco', TACO_RULE, _taco),
+        OptimizerSpec('taco', TACO_RULE, taco_optimizer),
         OptimizerSpec('adamw', ADAMW_RULE, _adamw),
         OptimizerSpec('adafactor', _relative_to_adamw(
             1.0, 'AdamW\'s rate, no parameter scaling'), _adafactor),

@@ -2,7 +2,7 @@
 
 :class:`NnxTrainer` is the optax path for every optimizer
 (``nnx.Optimizer`` + a donated ``nnx.jit`` step); :class:`LayerwiseTacoTrainer`
-is TACO through ``taco_optax.layerwise_train_step``. Both expose one
+is TACO through ``taco_optax.layerwise.train_step``. Both expose one
 interface: ``compile``, ``step``, ``step_count``, ``optimizer_state_bytes``
 and a checkpoint tree.
 """
@@ -69,7 +69,7 @@ class NnxTrainer:
   def __init__(self, model, tx, needs_loss: bool):
     self.model = model
     self.optimizer = nnx.Optimizer(
-        model, taco_optax.for_nnx_optimizer(tx), wrt=nnx.Param)
+        model, taco_optax.nnx.for_nnx_optimizer(tx), wrt=nnx.Param)
     self._step = make_train_step(needs_loss)
 
   def compile(self, batch):
@@ -108,13 +108,13 @@ class LayerwiseTacoTrainer:
     self.model = model
     self._layered = layered.layered_model(model)
     taco = optimizers_lib.TacoSettings() if taco is None else taco
-    train = taco_optax.layerwise_train_step(
-        self._layered.loss, schedule, **optimizers_lib.taco_kwargs(taco,
-                                                                   hints))
+    tx = optimizers_lib.taco_optimizer(schedule, hints, taco)
     self.params = self._layered.params
-    self.opt_state = train.optimizer.init(self.params)
+    self.opt_state = tx.init(self.params)
     self.count = 0
-    self._step = jax.jit(train.step, donate_argnums=(0, 1))
+    self._step = jax.jit(taco_optax.layerwise.train_step(self._layered.loss,
+                                                         tx),
+                         donate_argnums=(0, 1))
 
   def compile(self, batch):
     return self._step.lower(self.params, self.opt_state, batch).compile()

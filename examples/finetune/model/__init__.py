@@ -10,5 +10,5 @@
 * :mod:`loading`: Hugging Face directories; :mod:`gguf`: GGUF files.
 * :mod:`sharding`: ``--mesh``, the parameters' and batches' shardings.
 * :mod:`layered`: the model split into embed, blocks and head, the
-  ``taco_optax.LayeredLoss`` of the memory-lean layer-wise step.
+  ``taco_optax.layerwise.LayeredLoss`` of the memory-lean layer-wise step.
 """

@@ -23,13 +23,13 @@ class LayeredModel(NamedTuple):
   """A model as a ``LayeredLoss`` plus its parameters.
 
   Attributes:
-    loss: the model's loss as a ``taco_optax.LayeredLoss``.
+    loss: the model's loss as a ``taco_optax.layerwise.LayeredLoss``.
     params: ``(outer, layers)`` pure parameter trees; ``layers`` is a list of
       per-block trees, or one tree with a leading layer axis when the model
       scans its layers.
     write_back: ``write_back(params)`` puts parameters into the live model.
   """
-  loss: taco_optax.LayeredLoss
+  loss: taco_optax.layerwise.LayeredLoss
   params: tuple[Any, Any]
   write_back: Callable[[tuple[Any, Any]], None]
 
@@ -50,9 +50,9 @@ def _positions(attention_mask):
 def layered_model(model) -> LayeredModel:
   """Splits ``model`` into ``embed``/``layer``/``head`` pure functions.
 
-  The embedding is a ``taco_optax.TableLookup`` and the head a
-  ``taco_optax.TableProjection`` (final norm, the scored positions, the
-  projection onto the tied table or the LM head's kernel, then
+  The embedding is a ``taco_optax.layerwise.TableLookup`` and the head a
+  ``taco_optax.layerwise.TableProjection`` (final norm, the scored positions,
+  the projection onto the tied table or the LM head's kernel, then
   ``losses.logits_loss``), so the layer-wise step never forms the token
   table's dense gradient.
 
@@ -94,13 +94,13 @@ def layered_model(model) -> LayeredModel:
     return losses_lib.scored_states(hidden, batch)
 
   tied = config.tie_word_embeddings
-  head = taco_optax.TableProjection(
+  head = taco_optax.layerwise.TableProjection(
       table=('embed', 'embedding') if tied else ('lm_head', 'kernel'),
       features=features, loss=losses_lib.logits_loss,
       project=lambda states, table: decoder_lib.project(
           states, table if tied else table.T, model.dtype),
       table_axis=1 if tied else 0)
-  embed = taco_optax.TableLookup(table=('embed', 'embedding'),
+  embed = taco_optax.layerwise.TableLookup(table=('embed', 'embedding'),
                                  ids=lambda batch: batch.input_ids,
                                  apply=embed_rows, gather=gather)
 
@@ -120,7 +120,7 @@ def layered_model(model) -> LayeredModel:
       for block, block_params in zip(model.layers, layer_params):
         nnx.update(block, block_params)
 
-  loss = taco_optax.LayeredLoss(embed=embed, layer=layer, head=head,
+  loss = taco_optax.layerwise.LayeredLoss(embed=embed, layer=layer, head=head,
                                 scan_layers=model.scan_layers,
                                 remat=model.remat is not None)
   return LayeredModel(loss, (outer, layers), write_back)
