@@ -12,6 +12,7 @@ from taco_optax import _dimension_numbers as dn
 from taco_optax import _kernels
 from taco_optax import _leaf
 from taco_optax import _prefix
+from taco_optax import _rounding
 from taco_optax import _transform
 
 TACO_LABEL = 'taco'
@@ -22,8 +23,9 @@ class TacoParts(NamedTuple):
   """The pieces a :func:`taco` optimizer partitions its parameters between.
 
   :func:`taco` is ``optax.partition({TACO_LABEL: chain(direction,
-  learning_rate), ADAM_LABEL: adam}, param_labels)``; the layer-wise train
-  step applies the pieces by hand and reads them here (:func:`parts_of`).
+  learning_rate[, rounding]), ADAM_LABEL: adam}, param_labels)``; the
+  layer-wise train step applies the pieces by hand and reads them here
+  (:func:`parts_of`).
 
   Attributes:
     param_labels: ``params -> labels``, :data:`TACO_LABEL` for TACO matrices
@@ -38,6 +40,10 @@ class TacoParts(NamedTuple):
     update_topk: signs per column.
     update_scale: the per-leaf scale override of :func:`scale_by_taco`.
     implementation: what runs the column step (resolved).
+    rounding: the TACO branch's stochastic rounding of 16-bit parameters
+      (``_rounding.stochastic_rounding``), ``None`` with ``'nearest'``; the
+      Adam branch ends with its own.
+    rounding_seed: the seed of the stochastic rounding's random bits.
   """
   param_labels: Callable[[Any], Any]
   dimension_numbers: Callable[[Any], Any]
@@ -48,6 +54,8 @@ class TacoParts(NamedTuple):
   update_topk: int
   update_scale: _transform.ScaleTree
   implementation: str
+  rounding: Optional[optax.GradientTransformation]
+  rounding_seed: int
 
   def plans(self, params: Any) -> list[Optional[_leaf.LeafPlan]]:
     """One :class:`LeafPlan` per leaf of ``params`` (``None``: Adam)."""
@@ -56,25 +64,32 @@ class TacoParts(NamedTuple):
 
 
 class TacoStates(NamedTuple):
-  """The states of a :func:`taco` optimizer's pieces (:func:`taco_states`)."""
+  """The states of a :func:`taco` optimizer's pieces (:func:`taco_states`).
+
+  ``rounding`` is the TACO branch's stochastic rounding state, ``None`` with
+  ``rounding='nearest'``.
+  """
   direction: _transform.TacoState
   learning_rate: Any
   adam: Any
+  rounding: Optional[_rounding.StochasticRoundingState] = None
 
 
 def taco_states(opt_state: Any) -> TacoStates:
   """The pieces' states inside ``taco(...).init(params)``."""
   inner = opt_state.inner_states
-  direction, learning_rate = inner[TACO_LABEL].inner_state
-  return TacoStates(direction, learning_rate, inner[ADAM_LABEL].inner_state)
+  direction, learning_rate, *rounding = inner[TACO_LABEL].inner_state
+  return TacoStates(direction, learning_rate, inner[ADAM_LABEL].inner_state,
+                    *rounding)
 
 
 def with_taco_states(opt_state: Any, states: TacoStates) -> Any:
   """``opt_state`` of :func:`taco` with its pieces' states replaced."""
   inner = opt_state.inner_states
+  rounding = () if states.rounding is None else (states.rounding,)
   return opt_state._replace(inner_states={
       TACO_LABEL: inner[TACO_LABEL]._replace(
-          inner_state=(states.direction, states.learning_rate)),
+          inner_state=(states.direction, states.learning_rate) + rounding),
       ADAM_LABEL: inner[ADAM_LABEL]._replace(inner_state=states.adam),
   })
 
@@ -119,6 +134,8 @@ def taco(
     adam_eps_root: float = 0.0,
     adam_weight_decay: Optional[float] = None,
     implementation: Optional[str] = None,
+    rounding: str = 'stochastic',
+    rounding_seed: int = 0,
 ) -> optax.GradientTransformation:
   r"""TACO for matrices, AdamW for vectors and scalars.
 
@@ -133,6 +150,14 @@ def taco(
   The paper's defaults: ``learning_rate=3e-5``, ``k=16``, ``mu=0.95``, batch
   size 4, linear schedule with 50 warm-up steps, scale 1 for the token
   embedding (pass it through ``update_scale``).
+
+  16-bit parameters: with ``rounding='stochastic'`` each update of a
+  bfloat16/float16 leaf is chosen so that ``optax.apply_updates`` lands on
+  the stochastically rounded target (a weight that a step more than halves,
+  near zero, lands on the nearest value such an update reaches). The random
+  bits depend only on the seed, the step, the leaf and the element, so the
+  layer-wise step draws the same ones. ``update`` then needs ``params`` for
+  16-bit parameters (float32 ones round nothing and need none).
 
   Non-finite gradients: a matrix whose gradient holds NaN/Inf gets a NaN
   update and keeps its history; AdamW leaves behave as in optax. Either way
@@ -166,6 +191,15 @@ def taco(
     implementation: what runs TACO's column step (``'auto'``, ``'cpu'``,
       ``'pallas'``, ``'reference'``; ``None`` reads ``$TACO_OPTAX_KERNEL``),
       see :func:`scale_by_taco`.
+    rounding: how updates of bfloat16 and float16 parameters are rounded.
+      ``'stochastic'`` (the default): the new weight is the exact float32
+      sum ``w + u`` of the weight and its update rounded up or down at
+      random, unbiased (both branches; see below). ``'nearest'``: ``optax.apply_updates``' rounding to
+      nearest, which drops every step below half an ulp (a bfloat16 weight
+      of 0.02 has an ulp of 1.2e-4). Parameters of other dtypes are not
+      affected.
+    rounding_seed: the seed of stochastic rounding's random bits; a run is
+      reproducible and resumes bit for bit.
 
   Returns:
     A :class:`optax.GradientTransformation`.
@@ -192,10 +226,14 @@ def taco(
       update_scale=update_scale, values_dtype=values_dtype,
       index_dtype=index_dtype, adam_learning_rate=adam_learning_rate,
       adam=(adam_b1, adam_b2, adam_eps, adam_eps_root, adam_weight_decay),
-      implementation=implementation)
+      implementation=implementation, rounding=rounding,
+      rounding_seed=rounding_seed)
+  taco_chain = (parts.direction, parts.learning_rate)
+  if parts.rounding is not None:
+    taco_chain += (parts.rounding,)
   optimizer = optax.partition(
       transforms={
-          TACO_LABEL: optax.chain(parts.direction, parts.learning_rate),
+          TACO_LABEL: optax.chain(*taco_chain),
           ADAM_LABEL: parts.adam,
       },
       param_labels=parts.param_labels,
@@ -210,14 +248,15 @@ def _parts(learning_rate: optax.ScalarOrSchedule, k: Optional[int],
            update_scale: _transform.ScaleTree, values_dtype: Any,
            index_dtype: Any,
            adam_learning_rate: Optional[optax.ScalarOrSchedule],
-           adam: tuple[Any, ...], implementation: Optional[str]
-           ) -> TacoParts:
+           adam: tuple[Any, ...], implementation: Optional[str],
+           rounding: str, rounding_seed: int) -> TacoParts:
   """:func:`taco`'s pieces; ``adam`` is ``(b1, b2, eps, eps_root, decay)``."""
   if adam_learning_rate is None:
     adam_learning_rate = learning_rate
   if weight_dimension_numbers is None:
     weight_dimension_numbers = dn.rank2_matrices
   implementation = _kernels.resolve(implementation)
+  stochastic = _rounding.check_mode(rounding) == 'stochastic'
 
   def dims_tree(params):
     return dn.resolve(weight_dimension_numbers, params)
@@ -242,17 +281,23 @@ def _parts(learning_rate: optax.ScalarOrSchedule, k: Optional[int],
           values_dtype=values_dtype, index_dtype=index_dtype,
           implementation=implementation),
       learning_rate=optax.scale_by_learning_rate(learning_rate),
-      adam=_adam(adam_learning_rate, *adam),
+      adam=_adam(adam_learning_rate, *adam,
+                 rounding_seed=rounding_seed if stochastic else None),
       mu=mu, update_topk=1 if update_topk is None else update_topk,
-      update_scale=update_scale, implementation=implementation)
+      update_scale=update_scale, implementation=implementation,
+      rounding=(_rounding.stochastic_rounding(rounding_seed) if stochastic
+                else None),
+      rounding_seed=rounding_seed)
 
 
-def _adam(learning_rate, b1, b2, eps, eps_root, weight_decay):
+def _adam(learning_rate, b1, b2, eps, eps_root, weight_decay, *,
+          rounding_seed: Optional[int]):
   """AdamW, or Adam (no ``params`` needed) for a decay of ``None`` or ``0``.
 
   Both are ``chain(scale_by_adam, decay, scale_by_learning_rate)`` with the
   same state structure, so the state does not depend on whether the decay is a
-  Python number or an array (:func:`optax.inject_hyperparams`).
+  Python number or an array (:func:`optax.inject_hyperparams`); with a
+  ``rounding_seed``, stochastic rounding of 16-bit parameters last.
   """
   no_decay = weight_decay is None or (
       isinstance(weight_decay, (int, float)) and weight_decay == 0)
@@ -261,4 +306,6 @@ def _adam(learning_rate, b1, b2, eps, eps_root, weight_decay):
       optax.identity() if no_decay else optax.add_decayed_weights(
           weight_decay),
       optax.scale_by_learning_rate(learning_rate),
+      *(() if rounding_seed is None else (
+          _rounding.stochastic_rounding(rounding_seed),)),
   )

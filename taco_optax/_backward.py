@@ -14,7 +14,9 @@ import jax.numpy as jnp
 from taco_optax import _leaf
 from taco_optax import _leaf_update
 
-# update(param, grad, state, plan, after=None) -> (param, *state)
+# update(leaf, param, grad, state, plan, after=None, layer=None)
+#   -> (param, *state); ``leaf`` indexes the leaves of ``layers``, ``layer`` is
+#   the slice of a stacked leaf.
 LeafUpdate = Callable[..., tuple[jax.Array, ...]]
 Plans = list[Optional[_leaf.LeafPlan]]
 
@@ -69,7 +71,7 @@ def unrolled(run_layer, layers: list[Any], plans: Plans, layer_inputs,
       if plans[i] is None:
         grads_out[i] = grad
         continue
-      new_leaves[i], *state = update(leaves[i], grad, states[i], plans[i],
+      new_leaves[i], *state = update(i, leaves[i], grad, states[i], plans[i],
                                      after=d_hidden)
       new_states[i] = tuple(state)
       updated = new_leaves[i] if updated is None else updated
@@ -112,8 +114,8 @@ def scanned(run_layer, layers: Any, plans: Plans, layer_inputs, d_hidden,
     new_weights, new_weight_states = [], []
     for i, weight, state in zip(taco_ids, weights, weight_states):
       new_slice, *new_state = update(
-          layer_leaves[i], grads[i], tuple(take(s, l) for s in state),
-          slice_plans[i])
+          i, layer_leaves[i], grads[i], tuple(take(s, l) for s in state),
+          slice_plans[i], layer=l)
       new_weights.append(put(weight, new_slice, l))
       new_weight_states.append(tuple(put(s, u, l)
                                      for s, u in zip(state, new_state)))

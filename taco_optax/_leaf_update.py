@@ -8,7 +8,7 @@ over an explicit mesh.
 """
 
 import functools
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +17,7 @@ from taco_optax import _dimension_numbers as dn
 from taco_optax import _kernels
 from taco_optax import _leaf
 from taco_optax import _mesh
+from taco_optax import _rounding
 from taco_optax import _token_table
 
 
@@ -53,11 +54,51 @@ def column_chunk(layout: dn.MatrixLayout) -> Optional[int]:
   return chunk if chunk < layout.n else None
 
 
+class LeafRounding(NamedTuple):
+  """Stochastic rounding of one 16-bit leaf's winners (see ``_rounding``).
+
+  Attributes:
+    key: the leaf's ``(2,)`` key at this step (``_rounding.leaf_key``).
+    shape: the whole leaf's shape (every layer of a stacked leaf).
+    layer: the slice's index when the update is one slice of a stacked
+      leaf, else ``None``.
+  """
+  key: jax.Array
+  shape: tuple[int, ...]
+  layer: Optional[jax.Array] = None
+
+
+def winner_bits(rounding: LeafRounding, layout: dn.MatrixLayout,
+                shape: tuple[int, ...], row_ids: jax.Array,
+                winners: jax.Array, shards=None) -> jax.Array:
+  """The random bits of the elements at ``(row_ids, winners)`` of the rows.
+
+  ``layout`` and ``shape`` are those of the block being updated (a slice, a
+  device's block); the bits are those of the same elements of the whole leaf
+  (``_rounding.element_bits`` of their flat index), as the optax path draws
+  them.
+  """
+  flat = row_ids.astype(jnp.int32) * layout.m + winners
+  permuted = jnp.unravel_index(jnp.maximum(flat, 0),
+                               tuple(shape[a] for a in layout.transpose))
+  coords = [None] * len(shape)
+  for position, axis in zip(permuted, layout.transpose):
+    coords[axis] = position
+  if shards is not None:
+    coords = [c + _mesh.block_start(shards, axis, shape[axis])
+              for axis, c in enumerate(coords)]
+  if rounding.layer is not None:
+    coords = [jnp.broadcast_to(rounding.layer, flat.shape)] + coords
+  return _rounding.element_bits(rounding.key,
+                                _rounding.flat_index(rounding.shape, coords))
+
+
 def taco_leaf_update(param, grad, values, indices, exponents, *, plan, mu,
-                     lr_tx, lr_state, after=None):
+                     lr_tx, lr_state, after=None, rounding=None):
   """One TACO leaf: the history step, then the winners scattered into param.
 
   Same arithmetic as ``scale_by_taco`` -> ``scale_by_learning_rate`` ->
+  (with ``rounding``, a :class:`LeafRounding`, stochastic rounding) ->
   ``optax.apply_updates`` on the winners; every other entry is ``p + 0``. A
   parameter split over an explicit mesh is updated per device in
   :func:`jax.shard_map`, as ``scale_by_taco`` does (exact merged top-k).
@@ -73,12 +114,14 @@ def taco_leaf_update(param, grad, values, indices, exponents, *, plan, mu,
     grad = grad.dense()
   if sharded is None:
     return local_update(param, grad, values, indices, exponents, plan=plan,
-                        mu=mu, lr_state=lr_state, after=after)
+                        mu=mu, lr_state=lr_state, after=after,
+                        rounding=rounding)
   if after is not None:  # the one element data_dependency reads
     after = _mesh.first_element(jax.tree.leaves(after)[0])
   return _mesh.map_over_shards(local_update, *sharded, param, grad,
                                values, indices, exponents, plan=plan, mu=mu,
-                               lr_state=lr_state, after=after)
+                               lr_state=lr_state, after=after,
+                               rounding=rounding)
 
 
 def _local_winners(winners, shards):
@@ -92,11 +135,13 @@ def _local_winners(winners, shards):
   return jnp.where(held, local, -1)
 
 
-def scatter_add(x, where, delta, dropping):
+def scatter_add(x, where, delta, dropping, bits=None):
   """``x`` with ``delta`` added at ``where``, rounded once to ``x.dtype``.
 
   In place on a donated ``x``; with ``dropping``, out-of-range positions
-  (winners held by another device, marked ``-1``) are skipped.
+  (winners held by another device, marked ``-1``) are skipped. With ``bits``
+  (one per position) ``delta`` is first rounded stochastically as
+  ``_rounding.rounded_update`` rounds it on the optax path.
   """
   if dropping:
     rows, winners = where
@@ -104,13 +149,15 @@ def scatter_add(x, where, delta, dropping):
     current = x.at[where].get(mode='fill', fill_value=0)
   else:
     current = x[where]
+  if bits is not None:
+    delta = _rounding.rounded_update(current, delta, bits)
   new = jnp.asarray(current + delta).astype(x.dtype)
   return x.at[where].set(new, unique_indices=not dropping,
                          mode='drop' if dropping else 'promise_in_bounds')
 
 
-def _add_at_winners(rows: jax.Array, winners: jax.Array,
-                    delta: jax.Array) -> jax.Array:
+def _add_at_winners(rows: jax.Array, winners: jax.Array, delta: jax.Array,
+                    bits: Optional[jax.Array]) -> jax.Array:
   """``rows`` with ``delta[i, s]`` added at ``rows[i, winners[i, s]]``.
 
   As :func:`scatter_add` (each sum rounded once to ``rows.dtype``, every
@@ -118,7 +165,12 @@ def _add_at_winners(rows: jax.Array, winners: jax.Array,
   rows: inside the chunked loop, where XLA:CPU would run a scatter of 16-bit
   floats in float32 by converting the whole weight on every iteration.
   Winners outside ``[0, m)`` (``-1``: held by another device) match nothing.
+  With ``bits``, ``delta`` is rounded stochastically as in :func:`scatter_add`.
   """
+  if bits is not None:
+    current = jnp.take_along_axis(rows, jnp.clip(winners, 0, rows.shape[1] - 1),
+                                  axis=1)
+    delta = _rounding.rounded_update(current, delta, bits)
   positions = jax.lax.broadcasted_iota(jnp.int32, rows.shape, 1)
   out = rows
   for slot in range(winners.shape[1]):
@@ -136,7 +188,8 @@ def winner_delta(step, scale, dtype, lr_tx, lr_state, after):
 
 
 def _local_leaf_update(param, grad, values, indices, exponents, *, plan, mu,
-                       lr_tx, lr_state, after=None, shards=None):
+                       lr_tx, lr_state, after=None, rounding=None,
+                       shards=None):
   """:func:`taco_leaf_update` on whole arrays, or on one device's blocks.
 
   With ``shards`` (inside :func:`jax.shard_map`) the arrays are this device's
@@ -150,7 +203,7 @@ def _local_leaf_update(param, grad, values, indices, exponents, *, plan, mu,
   if chunk is not None:
     return _chunked_leaf_update(param, grad, values, indices, exponents,
                                 layout, plan, mu, lr_tx, lr_state, after,
-                                shards, chunk)
+                                shards, chunk, rounding)
   step, state = _kernels.history_step(
       layout.to_rows(grad), values, indices, exponents,
       update_topk=plan.update_topk, mu=mu,
@@ -159,8 +212,11 @@ def _local_leaf_update(param, grad, values, indices, exponents, *, plan, mu,
   rows = layout.to_rows(param)
   row_ids = jnp.arange(rows.shape[0], dtype=jnp.int32)[:, None]
   winners = _local_winners(step.winner_indices, shards)
+  bits = None if rounding is None else winner_bits(
+      rounding, layout, param.shape, row_ids, winners, shards)
   rows = scatter_add(rows, (row_ids, winners), delta,
-                      dropping=shards is not None and bool(shards.gather_axes))
+                     dropping=shards is not None and bool(shards.gather_axes),
+                     bits=bits)
   # The optax path turns a non-finite gradient into an all-NaN update.
   new_param = jnp.where(step.finite, layout.from_rows(rows, param.shape),
                         jnp.nan)
@@ -173,7 +229,8 @@ def column_axis(layout: dn.MatrixLayout) -> int:
 
 
 def _chunked_leaf_update(param, grad, values, indices, exponents, layout,
-                         plan, mu, lr_tx, lr_state, after, shards, chunk):
+                         plan, mu, lr_tx, lr_state, after, shards, chunk,
+                         rounding):
   """:func:`_local_leaf_update` of a 2-D leaf, ``chunk`` columns at a time.
 
   Columns are independent in TACO, so a ``lax.scan`` over column blocks gives
@@ -228,8 +285,12 @@ def _chunked_leaf_update(param, grad, values, indices, exponents, layout,
         update_topk=plan.update_topk, mu=mu,
         implementation=plan.implementation, shards=shards)
     delta = winner_delta(step, plan.scale, grad.dtype, lr_tx, lr_state, after)
-    block = _add_at_winners(rows(param_bits, start, param.dtype),
-                            _local_winners(step.winner_indices, shards), delta)
+    winners = _local_winners(step.winner_indices, shards)
+    bits = None if rounding is None else winner_bits(
+        rounding, layout, param.shape,
+        start + jnp.arange(chunk, dtype=jnp.int32)[:, None], winners, shards)
+    block = _add_at_winners(rows(param_bits, start, param.dtype), winners,
+                            delta, bits)
     param_bits = put_rows(param_bits, block, start)
     keep = (lambda old, new: new) if blockwise else (
         lambda old, new: jnp.where(finite, new, columns(old)))

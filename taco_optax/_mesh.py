@@ -177,6 +177,12 @@ def _offsets(shards: LeafSharding) -> list[Any]:
   return offsets
 
 
+def block_start(shards: LeafSharding, axis: int, size: int) -> Any:
+  """Where this device's block of size ``size`` starts along param ``axis``."""
+  axes = shards.param_axes[axis]
+  return jax.lax.axis_index(axes) * size if axes else 0
+
+
 def global_rows(local_indices: jax.Array, shards: LeafSharding) -> jax.Array:
   """Global row (flat output) indices of this device's local ``indices``."""
   parts = jnp.unravel_index(local_indices, shards.local_output_sizes)

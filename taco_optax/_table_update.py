@@ -30,6 +30,7 @@ from taco_optax import _kernels
 from taco_optax import _leaf
 from taco_optax import _leaf_update
 from taco_optax import _mesh
+from taco_optax import _rounding
 from taco_optax import _token_table
 
 
@@ -152,7 +153,8 @@ def head_phase(gradient, ids, param, state, plan, mu) -> tuple[Any, ...]:
                                          chunk)
 
 
-def update(param, kept, gather, d_rows, state, plan, mu, lr_tx, lr_state):
+def update(param, kept, gather, d_rows, state, plan, mu, lr_tx, lr_state,
+           rounding=None):
   """Phase 2 and the winners written into ``param``.
 
   Args:
@@ -164,6 +166,8 @@ def update(param, kept, gather, d_rows, state, plan, mu, lr_tx, lr_state):
     plan: the table's plan.
     mu: EMA decay.
     lr_tx: the learning-rate transformation; ``lr_state`` its state.
+    rounding: the table's ``LeafRounding`` when it is rounded
+      stochastically.
 
   Returns:
     ``(param, values, indices, exponents)``, updated.
@@ -180,7 +184,10 @@ def update(param, kept, gather, d_rows, state, plan, mu, lr_tx, lr_state):
   columns = jnp.arange(param.shape[axis], dtype=jnp.int32)[:, None]
   where = ((step.winner_indices, columns) if axis == 1
            else (columns, step.winner_indices))
-  param = _leaf_update.scatter_add(param, where, delta, dropping=False)
+  bits = None if rounding is None else _rounding.element_bits(
+      rounding.key, _rounding.flat_index(param.shape, list(where)))
+  param = _leaf_update.scatter_add(param, where, delta, dropping=False,
+                                   bits=bits)
   return (jnp.where(step.finite, param, jnp.nan),
           _kernels.stored_history(step.values, state[0].shape),
           _kernels.stored_history(step.indices, state[1].shape),

@@ -37,8 +37,8 @@ def test_parts_rebuild_taco_bit_for_bit():
       'stack': _alias.ADAM_LABEL}
   tx = taco_optax.taco(1e-2, k=2, mu=0.5, adam_weight_decay=1e-3)
   by_hand = optax.partition(
-      {_alias.TACO_LABEL: optax.chain(parts.direction,
-                                      parts.learning_rate),
+      {_alias.TACO_LABEL: optax.chain(parts.direction, parts.learning_rate,
+                                      parts.rounding),
        _alias.ADAM_LABEL: parts.adam}, parts.param_labels)
   params = _params()
   state, hand_state = tx.init(params), by_hand.init(params)
@@ -103,7 +103,11 @@ def test_params_none_with_injected_default_decay():
 
 @pytest.mark.parametrize('decay', [None, 1e-3])
 def test_taco_is_a_partition_of_optax_pieces_bit_for_bit(decay):
-  """The default branch is optax.adam, with a decay optax.adamw."""
+  """The default branch is optax.adam, with a decay optax.adamw.
+
+  Rounding to nearest: stochastic rounding (the default) leaves float32
+  updates alone (test_rounding.py) but adds a step count to each branch.
+  """
   params = _params()
   labels = lambda p: {'w': 'matrix', 'b': 'other', 'stack': 'other'}
   other = (optax.adam(1e-2) if decay is None
@@ -112,7 +116,7 @@ def test_taco_is_a_partition_of_optax_pieces_bit_for_bit(decay):
       {'matrix': optax.chain(taco_optax.scale_by_taco(k=2),
                              optax.scale_by_learning_rate(1e-2)),
        'other': other}, labels)
-  tx = taco_optax.taco(1e-2, k=2, adam_weight_decay=decay)
+  tx = taco_optax.taco(1e-2, k=2, adam_weight_decay=decay, rounding='nearest')
   state, reference_state = tx.init(params), reference.init(params)
   step = jax.jit(lambda tx, g, s: tx.update(g, s, params), static_argnums=0)
   for seed in range(3):

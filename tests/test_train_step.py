@@ -10,7 +10,7 @@ import pytest
 import taco_optax
 from taco_optax import _alias
 from taco_optax import _leaf_update
-from taco_optax import _train_step
+from taco_optax import _outer_step
 from taco_optax._dimension_numbers import leaf_dimension_numbers
 from taco_optax._dimension_numbers import matrix_layout
 from taco_optax._dimension_numbers import TacoDimensionNumbers
@@ -273,7 +273,7 @@ def test_untied_head_is_updated_before_the_layers_and_equals_plain(
   outer = dict(outer, w_head=jax.random.normal(jax.random.key(7),
                                                (WIDTH, VOCAB)) / 4)
   params = (outer, layers)
-  embed_reads = _train_step._used_inputs(lambda o: _embed(o, _tokens(0)),
+  embed_reads = _outer_step._used_inputs(lambda o: _embed(o, _tokens(0)),
                                          outer)
   # Leaves in key order: embedding, final_scale, w_head.
   assert embed_reads == [True, False, False]
