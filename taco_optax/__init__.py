@@ -2,7 +2,9 @@
 
 The optimizer: :func:`taco` (TACO on matrices, AdamW on the rest),
 :func:`scale_by_taco` (the direction alone), :class:`TacoState`,
-:class:`TacoDimensionNumbers` and :func:`state_shardings`. The memory-lean
+:class:`TacoDimensionNumbers` and :func:`state_shardings`; and
+:func:`stochastic_rounding`, which :func:`taco` ends with for 16-bit
+parameters and any optax chain can end with. The memory-lean
 layer-wise train step lives in :mod:`taco_optax.layerwise`, Flax NNX support
 in :mod:`taco_optax.nnx`.
 """
@@ -10,6 +12,7 @@ in :mod:`taco_optax.nnx`.
 from taco_optax import layerwise
 from taco_optax._alias import taco
 from taco_optax._dimension_numbers import TacoDimensionNumbers
+from taco_optax._rounding import stochastic_rounding
 from taco_optax._state_shardings import state_shardings
 from taco_optax._transform import scale_by_taco
 from taco_optax._transform import TacoState
@@ -42,5 +45,6 @@ __all__ = (
     'TacoState',
     'scale_by_taco',
     'state_shardings',
+    'stochastic_rounding',
     'taco',
 )

@@ -151,6 +151,16 @@ def stochastic_rounding(seed: int = 0) -> optax.GradientTransformation:
   Returns:
     A transformation with state :class:`StochasticRoundingState`; its
     ``update`` needs ``params`` when an update is 16-bit.
+
+  Examples:
+    >>> import jax.numpy as jnp, optax, taco_optax
+    >>> params = {'w': jnp.full((4096,), 0.02, jnp.bfloat16)}
+    >>> tx = optax.chain(optax.sgd(1e-5), taco_optax.stochastic_rounding())
+    >>> updates, _ = tx.update({'w': -jnp.ones((4096,), jnp.bfloat16)},
+    ...                        tx.init(params), params)
+    >>> new = optax.apply_updates(params, updates)['w']
+    >>> bool((new == params['w']).all())  # not all dropped, as nearest would
+    False
   """
 
   def init_fn(params):

@@ -208,7 +208,7 @@ def test_no_module_is_over_400_lines():
 def test_top_level_is_what_optax_would_export():
   assert sorted(taco_optax.__all__) == [
       'TacoDimensionNumbers', 'TacoState', 'scale_by_taco', 'state_shardings',
-      'taco']
+      'stochastic_rounding', 'taco']
   assert sorted(taco_optax.layerwise.__all__) == [
       'COLUMN_BLOCK_ELEMENTS', 'LayeredLoss', 'TableLookup',
       'TableProjection', 'TrainStep', 'train_step']
