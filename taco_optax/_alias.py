@@ -296,16 +296,21 @@ def _adam(learning_rate, b1, b2, eps, eps_root, weight_decay, *,
 
   Both are ``chain(scale_by_adam, decay, scale_by_learning_rate)`` with the
   same state structure, so the state does not depend on whether the decay is a
-  Python number or an array (:func:`optax.inject_hyperparams`); with a
-  ``rounding_seed``, stochastic rounding of 16-bit parameters last.
+  Python number or an array (:func:`optax.inject_hyperparams`). It runs in
+  float32 for 16-bit parameters (its moments would underflow in float16, and
+  its update is rounded once, at the end): these are vectors, so the float32
+  moments cost a few bytes per norm or bias element. With a
+  ``rounding_seed`` it ends with stochastic rounding.
   """
   no_decay = weight_decay is None or (
       isinstance(weight_decay, (int, float)) and weight_decay == 0)
-  return optax.chain(
+  pieces = (
       optax.scale_by_adam(b1=b1, b2=b2, eps=eps, eps_root=eps_root),
       optax.identity() if no_decay else optax.add_decayed_weights(
           weight_decay),
       optax.scale_by_learning_rate(learning_rate),
-      *(() if rounding_seed is None else (
-          _rounding.stochastic_rounding(rounding_seed),)),
   )
+  pieces = tuple(map(_rounding.in_float32, pieces))
+  if rounding_seed is None:
+    return optax.chain(*pieces, _rounding.rounded_to_params())
+  return optax.chain(*pieces, _rounding.stochastic_rounding(rounding_seed))

@@ -134,6 +134,45 @@ def rounded_update(param: jax.Array, delta: jax.Array,
   return (new.astype(jnp.float32) - start).astype(param.dtype)
 
 
+def in_float32(inner: optax.GradientTransformation
+               ) -> optax.GradientTransformation:
+  """``inner`` run on float32 copies of 16-bit updates and params.
+
+  Its state is float32 too (built from float32 params), and so are the
+  updates it returns (wider floats pass as they are): for 16-bit
+  parameters, an Adam whose moments do not
+  underflow (float16's smallest subnormal is 6e-8; a squared fine-tuning
+  gradient is far below) and whose update :func:`stochastic_rounding` then
+  rounds from its exact value.
+  """
+  as_float32 = lambda tree: jax.tree.map(
+      lambda x: x.astype(jnp.float32) if is_low_precision(x.dtype) else x,
+      tree)
+
+  def init_fn(params):
+    return inner.init(as_float32(params))
+
+  def update_fn(updates, state, params=None):
+    return inner.update(as_float32(updates), state,
+                        None if params is None else as_float32(params))
+
+  return optax.GradientTransformation(init_fn, update_fn)
+
+
+def rounded_to_params() -> optax.GradientTransformation:
+  """Casts each update to its parameter's dtype (round to nearest)."""
+
+  def update_fn(updates, state, params=None):
+    if params is None:
+      return updates, state
+    return jax.tree.map(
+        lambda u, p: u if _is_masked(u) else u.astype(p.dtype), updates,
+        params, is_leaf=_is_masked), state
+
+  return optax.GradientTransformation(lambda params: optax.EmptyState(),
+                                      update_fn)
+
+
 def _is_masked(x: Any) -> bool:
   return isinstance(x, optax.MaskedNode)
 
@@ -141,9 +180,10 @@ def _is_masked(x: Any) -> bool:
 def stochastic_rounding(seed: int = 0) -> optax.GradientTransformation:
   """Rounds the updates of 16-bit parameters stochastically; put it last.
 
-  Each update ``u`` of a bfloat16 or float16 parameter ``p`` becomes the
-  update that takes ``p`` to :func:`round_stochastically` of the exact sum
-  ``p + u`` under :func:`optax.apply_updates`; other updates pass unchanged.
+  Each update ``u`` (of any float dtype; float32 keeps it exact) of a
+  bfloat16 or float16 parameter ``p`` becomes the update, in ``p``'s dtype,
+  that takes ``p`` to :func:`round_stochastically` of the exact sum ``p + u``
+  under :func:`optax.apply_updates`; other updates pass unchanged.
 
   Args:
     seed: the seed of the random bits (see the module docstring).
@@ -169,20 +209,18 @@ def stochastic_rounding(seed: int = 0) -> optax.GradientTransformation:
 
   def update_fn(updates, state, params=None):
     leaves, treedef = jax.tree.flatten(updates, is_leaf=_is_masked)
-    rounded = [not _is_masked(u) and is_low_precision(u.dtype)
-               for u in leaves]
     if params is None:
-      if any(rounded):
+      if any(not _is_masked(u) and is_low_precision(u.dtype)
+             for u in leaves):
         raise ValueError(
             'Stochastic rounding of 16-bit parameters reads them: pass '
             "params to update(), or build the optimizer with rounding="
             "'nearest'.")
       return updates, advanced(state)
-    param_leaves = treedef.flatten_up_to(params)
     out = []
-    for i, (update, param, here) in enumerate(zip(leaves, param_leaves,
-                                                  rounded)):
-      if here:
+    for i, (update, param) in enumerate(zip(leaves,
+                                            treedef.flatten_up_to(params))):
+      if not _is_masked(update) and is_low_precision(param.dtype):
         bits = element_bits(leaf_key(seed, state.count, i),
                             dense_flat_index(param))
         update = rounded_update(param, update, bits)

@@ -57,6 +57,22 @@ def test_unbiased_and_within_one_ulp(dtype):
   assert np.mean(draws != nearest) > 0.1
 
 
+def test_float16_adam_leaves_stay_finite():
+  # Adam's second moment of a 1e-3 gradient is 1e-9 after one step: below
+  # float16's smallest subnormal, so a float16 Adam divides by zero.
+  params = {'scale': jnp.ones((256,), jnp.float16)}
+  grads = {'scale': jnp.full((256,), 1e-3, jnp.float16)}
+  pure = optax.adam(1e-4)
+  broken = optax.apply_updates(params, pure.update(grads, pure.init(params))[0])
+  assert not np.all(np.isfinite(np.asarray(broken['scale'])))
+  for rounding in ('stochastic', 'nearest'):
+    tx = taco_optax.taco(1e-4, rounding=rounding)
+    updates, _ = tx.update(grads, tx.init(params), params)
+    new = optax.apply_updates(params, updates)['scale']
+    assert new.dtype == jnp.float16
+    assert np.all(np.isfinite(np.asarray(new))), rounding
+
+
 @pytest.mark.parametrize('dtype', DTYPES)
 def test_exact_and_non_finite_targets_round_to_nearest(dtype):
   target = jnp.asarray([0.0, -0.0, 1.0, 0.5, jnp.inf, -jnp.inf, jnp.nan],
@@ -134,17 +150,22 @@ def test_float32_parameters_are_untouched_by_rounding():
 
 
 def test_nearest_is_the_partition_of_optax_pieces():
+  # TACO's branch in the 16-bit dtype; Adam's on float32 copies (its
+  # moments would underflow in float16), its update cast back.
   params = _bf16_params()
   tx = taco_optax.taco(1e-3, k=4, rounding='nearest')
   reference = optax.partition(
       {'taco': optax.chain(taco_optax.scale_by_taco(k=4),
                            optax.scale_by_learning_rate(1e-3)),
-       'adam': optax.adam(1e-3)},
+       'adam': optax.chain(_rounding.in_float32(optax.adam(1e-3)),
+                           _rounding.rounded_to_params())},
       lambda p: {'w': 'taco', 'scale': 'adam'})
   state, ref_state = tx.init(params), reference.init(params)
-  updates, _ = tx.update(_grads(params, 0), state, params)
-  expected, _ = reference.update(_grads(params, 0), ref_state, params)
+  updates, state = tx.update(_grads(params, 0), state, params)
+  expected, ref_state = reference.update(_grads(params, 0), ref_state, params)
   assert_bitwise_equal(updates, expected)
+  assert_bitwise_equal(jax.tree.leaves(state), jax.tree.leaves(ref_state))
+  assert _alias.taco_states(state).adam[0].mu['scale'].dtype == jnp.float32
 
 
 def test_adam_leaves_are_rounded_stochastically_too():
