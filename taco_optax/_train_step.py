@@ -129,7 +129,6 @@ def train_step(loss: LayeredLoss,
     states = _alias.taco_states(opt_state)
     # Per leaf: (values, indices, exponents), MaskedNodes for non-TACO leaves.
     leaf_states = list(zip(*(_flatten(s) for s in states.direction)))
-
     rounding = _leaf_rounding(parts, states, params)
 
     def update(i, param, grad, state, plan, after=None, layer=None):
@@ -139,7 +138,8 @@ def train_step(loss: LayeredLoss,
           after=after, rounding=rounding(i, layer))
 
     context = _outer_step.Outer(loss, outer, batch, plans[:num_outer],
-                     leaf_states[:num_outer], update, parts, states, rounding)
+                                leaf_states[:num_outer], update, parts,
+                                states, rounding)
     run_layer = lambda p, h: loss.layer(p, h, batch)
 
     # Forward, keeping each layer's input (the only saved activations).
