@@ -20,8 +20,8 @@ and stochastically (``taco(rounding='stochastic')``; AdamW chained with
 ``taco_optax.stochastic_rounding()``), at the paper's rate (3e-5) and at the
 example CLI's 40-step rates (TACO 1e-4, AdamW 3.2e-5). TACO's winners depend
 on the gradients only, so every rounding sees the same ones. The last line is
-``taco_stochastic_landed=... taco_nearest_landed=...`` (bfloat16, paper's
-rate, over every TACO matrix).
+``taco_stochastic_landed=... taco_nearest_landed=... taco_stochastic_moved=...``
+(bfloat16, the paper's rate, averaged over TACO's matrix kinds).
 
     python -m benchmarks.landed_updates [--layers 4] [--steps 3]
         [--write docs/landed_updates.md]
@@ -137,8 +137,8 @@ def run(config: dict, layers: int, steps: int, dtypes=('bfloat16', 'float16')
   return rows
 
 
-def _total(result: dict, kinds) -> float:
-  return float(np.mean([result[k][0] for k in kinds if k in result]))
+def _mean(result: dict, kinds, field: int) -> float:
+  return float(np.mean([result[k][field] for k in kinds if k in result]))
 
 
 def _cell(landed: float, moved: float, non_finite: float) -> str:
@@ -162,10 +162,13 @@ def table(rows: list[tuple]) -> list[str]:
 def summary(rows: list[tuple]) -> str:
   matrices = [k for k in KINDS if k != 'norm']
   pick = {(d, n, r, m): res for d, n, r, m, res in rows}
-  taco = lambda m: _total(pick[('bfloat16', 'taco', PAPER_RATE, m)], matrices)
+  taco = lambda m, field: _mean(pick[('bfloat16', 'taco', PAPER_RATE, m)],
+                                matrices, field)
   adam_norm = lambda m: pick[('bfloat16', 'taco', PAPER_RATE, m)]['norm'][1]
-  return (f'taco_stochastic_landed={taco("stochastic"):.3f} '
-          f'taco_nearest_landed={taco("nearest"):.3f} '
+  return (f'taco_stochastic_landed={taco("stochastic", 0):.3f} '
+          f'taco_nearest_landed={taco("nearest", 0):.3f} '
+          f'taco_stochastic_moved={taco("stochastic", 1):.3f} '
+          f'taco_nearest_moved={taco("nearest", 1):.3f} '
           f'norm_stochastic_moved={adam_norm("stochastic"):.3f} '
           f'norm_nearest_moved={adam_norm("nearest"):.3f}')
 
