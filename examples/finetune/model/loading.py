@@ -100,6 +100,7 @@ class _SafetensorsSource:
 
 
 def load_pretrained(path: str, *, dtype: Any = jnp.bfloat16,
+                    param_dtype: Any = None,
                     remat: Optional[str] = 'block',
                     remat_policy: str = 'nothing_saveable',
                     scan_layers: bool = False
@@ -111,7 +112,8 @@ def load_pretrained(path: str, *, dtype: Any = jnp.bfloat16,
     path: a Hugging Face model directory (``config.json``,
       ``model.safetensors`` or shards with ``model.safetensors.index.json``,
       ``tokenizer.json``) or a ``.gguf`` file (Llama architecture).
-    dtype: parameter and computation dtype.
+    dtype: computation dtype.
+    param_dtype: stored parameters' dtype; ``None``: ``dtype``.
     remat: see :class:`decoder.DecoderLM`.
     remat_policy: see :class:`decoder.DecoderLM`.
     scan_layers: see :class:`decoder.DecoderLM`.
@@ -126,8 +128,8 @@ def load_pretrained(path: str, *, dtype: Any = jnp.bfloat16,
       missing, unexpected or mis-shaped tensors, or a missing tokenizer.
   """
   path = os.fspath(path)
-  build = dict(dtype=dtype, remat=remat, remat_policy=remat_policy,
-               scan_layers=scan_layers)
+  build = dict(dtype=dtype, param_dtype=param_dtype, remat=remat,
+               remat_policy=remat_policy, scan_layers=scan_layers)
   if not os.path.exists(path):
     raise weights_lib.ModelLoadError(f'model path {path} does not exist.')
   if os.path.isfile(path):

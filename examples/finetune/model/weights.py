@@ -151,16 +151,30 @@ def _load_parameters(abstract_state: Any, source: TensorSource,
 
 
 def build(config: config_lib.ModelConfig, source: TensorSource,
-          table: NameTable, *, dtype: Any, remat: Optional[str],
-          remat_policy: str, scan_layers: bool) -> decoder_lib.DecoderLM:
-  """The ``DecoderLM`` of ``config`` with every parameter from ``source``."""
+          table: NameTable, *, dtype: Any, param_dtype: Any = None,
+          remat: Optional[str], remat_policy: str,
+          scan_layers: bool) -> decoder_lib.DecoderLM:
+  """The ``DecoderLM`` of ``config`` with every parameter from ``source``.
+
+  Args:
+    config: the architecture.
+    source: the checkpoint's tensors.
+    table: where each parameter lives in the checkpoint.
+    dtype: computation dtype.
+    param_dtype: stored parameters' dtype (``None``: ``dtype``); float32
+      with a 16-bit ``dtype`` keeps master weights.
+    remat: see :class:`decoder.DecoderLM`.
+    remat_policy: see :class:`decoder.DecoderLM`.
+    scan_layers: see :class:`decoder.DecoderLM`.
+  """
+  param_dtype = dtype if param_dtype is None else param_dtype
   abstract_model = nnx.eval_shape(lambda: decoder_lib.DecoderLM(
-      config, dtype=dtype, param_dtype=dtype, remat=remat,
+      config, dtype=dtype, param_dtype=param_dtype, remat=remat,
       remat_policy=remat_policy, scan_layers=scan_layers,
       rngs=nnx.Rngs(0)))
   graphdef, abstract_state = nnx.split(abstract_model)
   state = _load_parameters(abstract_state, source, table, config,
-                           scan_layers, dtype)
+                           scan_layers, param_dtype)
   return nnx.merge(graphdef, state)
 
 
