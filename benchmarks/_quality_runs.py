@@ -228,7 +228,9 @@ class Runner:
 def layerwise_taco_peak(model, batch, hints) -> tuple[Optional[int], str]:
   """Compiled peak memory of the example's layer-wise TACO step."""
   schedule = optimizers_lib.linear_schedule(3e-5, 10, 1)
-  trainer = trainers_lib.LayerwiseTacoTrainer(model, schedule, hints)
+  trainer = trainers_lib.LayerwiseTacoTrainer(
+      model, optimizers_lib.taco_optimizer(schedule, hints,
+                                           optimizers_lib.TacoSettings()))
   return trainers_lib.peak_memory(trainer.compile(batch))
 
 

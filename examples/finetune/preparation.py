@@ -8,7 +8,7 @@ passed, so a refusal (a :class:`flags.FinetuneError`) leaves no trace.
 """
 
 import os
-from typing import Callable, Iterator, NamedTuple, Optional, Union
+from typing import Any, Callable, Iterator, NamedTuple, Optional, Union
 
 from flax import nnx
 import jax
@@ -19,9 +19,11 @@ from examples.finetune import checkpoint as checkpoint_lib
 from examples.finetune import data as data_lib
 from examples.finetune import evaluation as evaluation_lib
 from examples.finetune import flags as flags_lib
+from examples.finetune import landed as landed_lib
 from examples.finetune import memory_plan
 from examples.finetune import optimizers as optimizers_lib
 from examples.finetune import phases
+from examples.finetune import precision as precision_lib
 from examples.finetune import resume as resume_lib
 from examples.finetune import run_dirs
 from examples.finetune import tasks as tasks_lib
@@ -33,22 +35,17 @@ from examples.finetune.model import loading
 from examples.finetune.model import weights as weights_lib
 
 
-def _dtype(name: str):
-  if name == 'auto':
-    # CPUs upcast bf16 matmuls (slower, no memory gain in the temporaries).
-    return jnp.float32 if jax.default_backend() == 'cpu' else jnp.bfloat16
-  return jnp.dtype(name)
-
-
-def load_model(path: Optional[str], *, dtype: str, remat: bool,
+def load_model(path: Optional[str], *, dtype: Any, remat: bool,
+               param_dtype: Any = None,
                remat_policy: str = 'nothing_saveable',
                scan_layers: bool = False):
   """``(model, tokenizer, model_config, path)``; bad inputs -> FinetuneError.
 
   Args:
     path: a Hugging Face directory or ``.gguf`` file; ``None``: SmolLM2-135M.
-    dtype: ``'auto'``, ``'float32'`` or ``'bfloat16'`` (``RunConfig.dtype``).
+    dtype: the computation dtype (``'float32'``, ``jnp.bfloat16``, ...).
     remat: recompute each block in the backward pass.
+    param_dtype: the stored parameters' dtype; ``None``: ``dtype``.
     remat_policy: what a rematerialised block keeps.
     scan_layers: stack the blocks for ``lax.scan``.
   """
@@ -56,8 +53,10 @@ def load_model(path: Optional[str], *, dtype: str, remat: bool,
     if path is None:
       path = gguf_lib.smollm2_gguf_path()
     model, tokenizer, model_config = loading.load_pretrained(
-        path, dtype=_dtype(dtype), remat='block' if remat else None,
-        remat_policy=remat_policy, scan_layers=scan_layers)
+        path, dtype=jnp.dtype(dtype),
+        param_dtype=None if param_dtype is None else jnp.dtype(param_dtype),
+        remat='block' if remat else None, remat_policy=remat_policy,
+        scan_layers=scan_layers)
   except weights_lib.ModelLoadError as e:
     raise flags_lib.FinetuneError(str(e)) from e
   return model, tokenizer, model_config, path
@@ -97,14 +96,15 @@ def load_task(config: flags_lib.RunConfig):
   return task, train, data_lib.balanced_subset(test, config.eval_size)
 
 
-def _check_memory(config: flags_lib.RunConfig, model, schedule,
-                  hints) -> None:
+def _check_memory(config: flags_lib.RunConfig, model, tx,
+                  precision: precision_lib.Precision) -> None:
   """Refuses a run whose predicted peak exceeds the device's memory.
 
   The limit is ``config.memory_limit_gb``, else the device's own
   (``bytes_limit``; CPUs report none, so nothing is checked there), times the
   devices of an active mesh (the plan is unsharded: a run over this is sure
-  not to fit). The prediction is :mod:`memory_plan`'s, with this optimizer's
+  not to fit). The prediction is :mod:`memory_plan`'s, with the parameters as
+  stored (float32 master weights count 4 bytes each) and this optimizer's
   exact state size.
   """
   limit = (memory_plan.device_memory_limit() if config.memory_limit_gb is None
@@ -115,7 +115,6 @@ def _check_memory(config: flags_lib.RunConfig, model, schedule,
   devices = 1 if mesh.empty else mesh.size
   limit *= devices
   params = memory_plan.model_params(model)
-  tx = optimizers_lib.get(config.optimizer).build(schedule, hints, config.taco)
   state_bytes = memory_plan.tree_bytes(
       jax.eval_shape(tx.init, nnx.state(model, nnx.Param)))
   layerwise = trainers_lib.uses_layerwise_step(config)
@@ -129,6 +128,8 @@ def _check_memory(config: flags_lib.RunConfig, model, schedule,
              if peak_of(b) <= limit]
   advice = [f'--batch-size {fitting[0]}'] if fitting else []
   advice += [] if config.remat else ['--remat on']
+  if precision.rounding == 'master':
+    advice.append('--rounding stochastic')
   if config.optimizer != 'taco':
     advice.append('--optimizer taco')
   elif not layerwise:
@@ -180,6 +181,9 @@ class PreparedRun(NamedTuple):
     warmup_steps: the schedule's warm-up.
     trainer: the step and the state it trains (``trainers``).
     start_step: the steps done before this process (a resume's).
+    precision: the dtypes and how 16-bit updates land (``--rounding``).
+    master_cost: ``(parameter bytes, state bytes)`` that float32 master
+      weights add (0, 0 otherwise), measured from the shapes.
   """
   config: flags_lib.RunConfig
   checkpoints: checkpoint_lib.RunCheckpoints
@@ -198,6 +202,8 @@ class PreparedRun(NamedTuple):
   warmup_steps: int
   trainer: Union[trainers_lib.NnxTrainer, trainers_lib.LayerwiseTacoTrainer]
   start_step: int
+  precision: precision_lib.Precision
+  master_cost: tuple[int, int]
 
 
 def _check_lengths(config: flags_lib.RunConfig, task, model_config) -> None:
@@ -227,6 +233,16 @@ def _stop_ids(model_config, tokenizer) -> list[int]:
   return stop_ids + tokenizer.encode('\n', add_special_tokens=False).ids[:1]
 
 
+def _measurement(config: flags_lib.RunConfig, checkpoints, hints,
+                 schedule) -> Optional[landed_lib.Measurement]:
+  """What ``--measure-landed`` counts (a resumed run's totals carried on)."""
+  if not config.measure_landed:
+    return None
+  return landed_lib.Measurement(
+      hints.taco_dimension_numbers, config.taco.update_topk or 1, schedule,
+      landed_lib.LandedCounts(checkpoints.history.get('landed')))
+
+
 def prepare(config: flags_lib.RunConfig,
             log: Callable[[str], None] = phases.flushed_print) -> PreparedRun:
   """Checks every input and builds the run; writes nothing.
@@ -244,10 +260,13 @@ def prepare(config: flags_lib.RunConfig,
     task, train_examples, held_out = load_task(config)
   except (data_lib.DataError, tasks_lib.TaskDataError) as e:
     raise flags_lib.FinetuneError(str(e)) from e
+  precision = precision_lib.resolve(config.dtype, config.rounding,
+                                    config.optimizer)
   with phases.phase('loading the model '
                     + (config.model or '(SmolLM2-135M GGUF)'), log):
     model, tokenizer, model_config, model_path = load_model(
-        config.model, dtype=config.dtype, remat=config.remat,
+        config.model, dtype=precision.compute_dtype,
+        param_dtype=precision.param_dtype, remat=config.remat,
         remat_policy=config.remat_policy, scan_layers=config.scan_layers)
   _check_lengths(config, task, model_config)
   with phases.phase(f'tokenising {len(train_examples)} training and '
@@ -262,13 +281,21 @@ def prepare(config: flags_lib.RunConfig,
   schedule = optimizers_lib.linear_schedule(lr, config.steps, warmup)
   resume_lib.check_resolved(checkpoints, **{
       'learning rate': lr, 'warm-up steps': warmup,
-      'parameter dtype': jnp.dtype(_dtype(config.dtype)).name,
+      'parameter dtype': precision.param_dtype.name,
+      'compute dtype': precision.compute_dtype.name,
+      '16-bit updates': precision.rounding,
       'model file': os.path.abspath(model_path),
       'training data': resume_lib.data_digest(train_tokens)})
   hints = optimizers_lib.decoder_hints(model_config)
-  _check_memory(config, model, schedule, hints)
+  tx = optimizers_lib.get(config.optimizer).build(
+      schedule, hints, config.taco, precision.optimizer_rounding(config.seed))
+  _check_memory(config, model, tx, precision)
+  master_cost = precision_lib.master_cost(
+      nnx.as_pure(nnx.state(model, nnx.Param)), tx.init,
+      precision.compute_dtype)
   with phases.phase(f'setting up {config.optimizer}', log):
-    trainer = trainers_lib.make_trainer(config, model, schedule, hints)
+    trainer = trainers_lib.make_trainer(
+        config, model, tx, _measurement(config, checkpoints, hints, schedule))
     start_step = resume_lib.restore(checkpoints, trainer, batches, log)
   log(f'run directory {config.output_dir}')
   log(f'model {model_path} ({model_config.family}, '
@@ -277,10 +304,13 @@ def prepare(config: flags_lib.RunConfig,
       f'warm-up {warmup}, '
       f'{config.steps} steps x batch {config.batch_size} x {config.seq_len} '
       f'tokens, {objective}; step path: {trainer.path}')
+  log(f'16-bit updates: {precision_lib.describe(precision, *master_cost)} '
+      f'({precision.why})')
   return PreparedRun(
       config=config, checkpoints=checkpoints, task=task, held_out=held_out,
       eval_set=eval_set, tokenizer=tokenizer,
       stop_ids=_stop_ids(model_config, tokenizer), model=model,
       model_config=model_config, model_path=model_path, batches=batches,
       objective=objective, learning_rate=lr, learning_rate_source=lr_source,
-      warmup_steps=warmup, trainer=trainer, start_step=start_step)
+      warmup_steps=warmup, trainer=trainer, start_step=start_step,
+      precision=precision, master_cost=master_cost)

@@ -9,6 +9,8 @@ from typing import Mapping, Optional
 
 import jax
 
+from examples.finetune import landed as landed_lib
+
 
 def write_json_atomic(path: str, payload: dict) -> None:
   """Writes ``path`` whole or not at all, readable as ``open`` would make it
@@ -115,6 +117,8 @@ def results_table(results: dict) -> str:
       (f'{metric} after', f"{results['after'][metric]:.4f}"),
       ('optimizer state', format_bytes(results['optimizer_state_bytes'])),
       ('parameters', format_bytes(results['parameter_bytes'])),
+      ('16-bit updates', results.get('updates_16bit', 'n/a')),
+      ('updates landed', landed_lib.summary(results.get('landed_updates'))),
       ('peak memory', f"{format_bytes(results['peak_memory_bytes'])} "
                       f"({results['peak_memory_source']})"),
       ('process peak RSS',

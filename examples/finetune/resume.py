@@ -4,8 +4,9 @@
 decides what goes into them and what a resume must match. The run's settings
 are its :class:`flags.RunConfig` fields named as flags (``--taco-k``),
 so a refusal names the flag, plus what the defaults resolve to (learning
-rate, warm-up, dtype, model file, a digest of the training data). The batch
-order is a function of those settings, so it continues exactly.
+rate, warm-up, dtypes and how 16-bit updates land, model file, a digest of
+the training data). The batch order is a function of those settings, so it
+continues exactly.
 :class:`StopRequest` turns SIGINT/SIGTERM into a stop after the current step,
 so that a run saves and exits instead of dying mid-step.
 """

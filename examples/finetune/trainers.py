@@ -12,7 +12,9 @@ from typing import Callable, Optional
 from flax import nnx
 import jax
 import numpy as np
+import optax
 
+from examples.finetune import landed as landed_lib
 from examples.finetune import losses as losses_lib
 from examples.finetune import memory_plan
 from examples.finetune import optimizers as optimizers_lib
@@ -20,20 +22,30 @@ from examples.finetune.model import layered
 import taco_optax
 
 
-def make_train_step(needs_loss: bool) -> Callable:
-  """``step(model, optimizer, batch) -> loss``, jitted, model/state donated.
-  """
+def make_train_step(needs_loss: bool,
+                    measurement: Optional[landed_lib.Measurement] = None
+                    ) -> Callable:
+  """``step(model, optimizer, batch) -> loss``, jitted, model/state donated;
+  with ``measurement``, ``-> (loss, landed counts)`` (:mod:`landed`)."""
 
   def train_step(model, optimizer, batch):
     loss, grads = nnx.value_and_grad(losses_lib.completion_loss)(model, batch)
+    extra_args = {}
     if needs_loss:
       graphdef, _, rest = nnx.split(model, nnx.Param, ...)
-      objective = lambda params: losses_lib.completion_loss(
+      extra_args['obj_fn'] = lambda params: losses_lib.completion_loss(
           nnx.merge(graphdef, params, rest), batch)
-      optimizer.update(model, grads, obj_fn=objective)
-    else:
-      optimizer.update(model, grads)
-    return loss
+    if measurement is None:
+      optimizer.update(model, grads, **extra_args)
+      return loss
+    before = nnx.as_pure(nnx.state(model, nnx.Param))
+    exact = landed_lib.float32_updates(
+        optimizer.tx, nnx.as_pure(nnx.state(grads, nnx.Param)),
+        nnx.as_pure(optimizer.opt_state), before, **extra_args)
+    optimizer.update(model, grads, **extra_args)
+    return loss, landed_lib.optax_counts(
+        before, nnx.as_pure(nnx.state(model, nnx.Param)), exact,
+        measurement.dimension_numbers)
 
   return nnx.jit(train_step, donate_argnames=('model', 'optimizer'))
 
@@ -66,17 +78,23 @@ class NnxTrainer:
   """
   path = 'optax (nnx.Optimizer + nnx.jit)'
 
-  def __init__(self, model, tx, needs_loss: bool):
+  def __init__(self, model, tx, needs_loss: bool,
+               measurement: Optional[landed_lib.Measurement] = None):
     self.model = model
     self.optimizer = nnx.Optimizer(
         model, taco_optax.nnx.for_nnx_optimizer(tx), wrt=nnx.Param)
-    self._step = make_train_step(needs_loss)
+    self.measurement = measurement
+    self._step = make_train_step(needs_loss, measurement)
 
   def compile(self, batch):
     return self._step.lower(self.model, self.optimizer, batch).compile()
 
   def step(self, batch):
-    return self._step(self.model, self.optimizer, batch)
+    if self.measurement is None:
+      return self._step(self.model, self.optimizer, batch)
+    loss, counts = self._step(self.model, self.optimizer, batch)
+    self.measurement.counts.add(counts)
+    return loss
 
   @property
   def step_count(self) -> int:
@@ -103,25 +121,35 @@ class LayerwiseTacoTrainer:
   path = ('layer-wise TACO step (taco_optax): per-block backward, winners '
           'written into the weights during backprop')
 
-  def __init__(self, model, schedule, hints: optimizers_lib.ModelHints,
-               taco: Optional[optimizers_lib.TacoSettings] = None):
+  def __init__(self, model, tx: optax.GradientTransformation,
+               measurement: Optional[landed_lib.Measurement] = None):
+    """``tx`` is the ``taco_optax.taco`` transformation itself
+    (``optimizers.taco_optimizer``)."""
     self.model = model
     self._layered = layered.layered_model(model)
-    taco = optimizers_lib.TacoSettings() if taco is None else taco
-    tx = optimizers_lib.taco_optimizer(schedule, hints, taco)
     self.params = self._layered.params
     self.opt_state = tx.init(self.params)
     self.count = 0
-    self._step = jax.jit(taco_optax.layerwise.train_step(self._layered.loss,
-                                                         tx),
-                         donate_argnums=(0, 1))
+    self.measurement = measurement
+    step = taco_optax.layerwise.train_step(self._layered.loss, tx)
+    if measurement is not None:
+      self._moves = landed_lib.layerwise_moves(
+          self.params, measurement.dimension_numbers,
+          measurement.update_topk)
+      step = _with_changed_counts(step, measurement.dimension_numbers)
+    self._step = jax.jit(step, donate_argnums=(0, 1))
 
   def compile(self, batch):
     return self._step.lower(self.params, self.opt_state, batch).compile()
 
   def step(self, batch):
-    self.params, self.opt_state, loss = self._step(self.params,
-                                                   self.opt_state, batch)
+    self.params, self.opt_state, loss, *counts = self._step(
+        self.params, self.opt_state, batch)
+    if counts:
+      rate = float(self.measurement.schedule(self.count))
+      self.measurement.counts.add(
+          counts[0], {group: moves if rate else 0
+                      for group, moves in self._moves.items()})
     # The donated old arrays are gone: point the model at the new ones.
     self._layered.write_back(self.params)
     self.count += 1
@@ -144,16 +172,34 @@ class LayerwiseTacoTrainer:
     self._layered.write_back(self.params)
 
 
+def _with_changed_counts(step: Callable, dimension_numbers: Callable
+                         ) -> Callable:
+  """The layer-wise ``step``, also returning its changed entries per group.
+  """
+  def measured(params, opt_state, batch):
+    new_params, new_state, loss = step(params, opt_state, batch)
+    return new_params, new_state, loss, landed_lib.changed_counts(
+        params, new_params, dimension_numbers)
+  return measured
+
+
 def uses_layerwise_step(config) -> bool:
   """Whether ``config`` (a ``flags.RunConfig``) trains with the
   layer-wise TACO step: TACO, unless ``--taco-step optax``."""
   return config.optimizer == 'taco' and config.taco_step != 'optax'
 
 
-def make_trainer(config, model, schedule, hints):
-  """The layer-wise step for TACO when ``--taco-step`` allows, else optax."""
+def make_trainer(config, model, tx: optax.GradientTransformation,
+                 measurement: Optional[landed_lib.Measurement] = None):
+  """The layer-wise step for TACO when ``--taco-step`` allows, else optax.
+
+  Args:
+    config: the run's ``flags.RunConfig``.
+    model: the model to train.
+    tx: ``optimizers.get(config.optimizer).build(...)``.
+    measurement: what ``--measure-landed`` counts, if given.
+  """
   if uses_layerwise_step(config):
-    return LayerwiseTacoTrainer(model, schedule, hints, config.taco)
-  spec = optimizers_lib.get(config.optimizer)
-  return NnxTrainer(model, spec.build(schedule, hints, config.taco),
-                    spec.needs_loss)
+    return LayerwiseTacoTrainer(model, tx, measurement)
+  return NnxTrainer(model, tx, optimizers_lib.get(config.optimizer).needs_loss,
+                    measurement)

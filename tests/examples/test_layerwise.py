@@ -106,8 +106,8 @@ def test_layerwise_steps_equal_optax_path(family, scan_layers):
                                                     _hints(reference.config)),
                               needs_loss=False)
   lean_model = _model(family, scan_layers)
-  lean = trainers.LayerwiseTacoTrainer(lean_model, schedule,
-                                       _hints(lean_model.config))
+  lean = trainers.LayerwiseTacoTrainer(
+      lean_model, spec.build(schedule, _hints(lean_model.config)))
   for batch in batches:
     np.testing.assert_allclose(lean.step(batch), plain.step(batch),
                                rtol=1e-5)

@@ -60,7 +60,8 @@ def test_taco_flags_reach_the_trainer(taco_step):
   schedule = optimizers.linear_schedule(1e-2, 4, 0)
   hints = optimizers.decoder_hints(config)
   run = flags.RunConfig(taco_k=4, taco_mu=0.5, taco_step=taco_step)
-  trainer = trainers.make_trainer(run, new_model(), schedule, hints)
+  trainer = trainers.make_trainer(run, new_model(), optimizers.get(
+      'taco').build(schedule, hints, run.taco))
   reference = trainers.NnxTrainer(new_model(), taco_optax.taco(
       schedule, k=4, mu=0.5,
       weight_dimension_numbers=model_lib.taco_dimension_numbers,
