@@ -112,35 +112,43 @@ def task_flags(task: str) -> list[str]:
           '--template', '{text}\nTopic:']
 
 
-def result(point: Point) -> Optional[dict]:
-  path = os.path.join(point.directory, 'results.json')
+def result(directory: str) -> Optional[dict]:
+  """The results.json of a run in ``directory``, if it finished."""
+  path = os.path.join(directory, 'results.json')
   if not os.path.exists(path):
     return None
   with open(path) as f:
     return json.load(f)
 
 
-def run(point: Point, eval_size: int) -> dict:
-  """One CLI run (skipped when its results exist)."""
-  done = result(point)
+def cli_run(directory: str, flags: list[str]) -> dict:
+  """``python -m examples.finetune FLAGS --output-dir DIRECTORY`` as its own
+  process (skipped when its results exist), logged to ``DIRECTORY.log``."""
+  done = result(directory)
   if done is not None:
     return done
-  command = [sys.executable, '-m', 'examples.finetune',
-             '--optimizer', point.optimizer, '--lr', repr(point.lr),
-             '--steps', str(point.steps), '--batch-size', str(point.batch),
-             '--eval-size', str(eval_size), '--no-checkpoint', '--no-progress',
-             '--output-dir', point.directory] + task_flags(point.task)
+  command = [sys.executable, '-m', 'examples.finetune', *flags,
+             '--output-dir', directory]
   print('+', ' '.join(command[1:]), flush=True)
-  log_path = point.directory + '.log'
-  os.makedirs(RUNS, exist_ok=True)
+  log_path = directory + '.log'
+  os.makedirs(os.path.dirname(directory), exist_ok=True)
   with open(log_path, 'w') as log:
     code = subprocess.call(command, stdout=log, stderr=subprocess.STDOUT)
   if code:
-    sys.exit(f'{point.name} failed (exit {code}); see {log_path}')
-  done = result(point)
-  print(f'  {point.name}: accuracy {done["after"]["accuracy"]:.3f}',
+    sys.exit(f'{directory} failed (exit {code}); see {log_path}')
+  done = result(directory)
+  print(f'  {directory}: accuracy {done["after"]["accuracy"]:.3f}',
         flush=True)
   return done
+
+
+def run(point: Point, eval_size: int) -> dict:
+  """One CLI run (skipped when its results exist)."""
+  return cli_run(point.directory, [
+      '--optimizer', point.optimizer, '--lr', repr(point.lr),
+      '--steps', str(point.steps), '--batch-size', str(point.batch),
+      '--eval-size', str(eval_size), '--no-checkpoint', '--no-progress',
+      *task_flags(point.task)])
 
 
 def grid_rates(centre: float, steps: int) -> list[float]:
