@@ -3,9 +3,10 @@
 Reads each run directory's ``results.json`` (as ``python -m examples.finetune``
 writes it), prints one table (optimizer, learning rate, steps, the task metric
 before and after, optimizer state, compiled and process peak memory, tokens/s,
-wall time) and writes a PNG of the training loss and the held-out metric
-against the step. The PNG needs matplotlib (``pip install -e ".[bench]"``);
-without it the table is still printed. Paths that hold no ``results.json``
+wall time, parameters and how 16-bit updates landed: ``--rounding``) and
+writes a PNG of the training loss and the held-out metric against the step.
+The PNG needs matplotlib (``pip install -e ".[bench]"``); without it the
+table is still printed. Paths that hold no ``results.json``
 (an unfinished run, the PNG of an earlier comparison) are skipped with a note.
 """
 
@@ -40,7 +41,7 @@ def table(runs: Sequence[tuple[str, dict]]) -> str:
   """One row per run, columns aligned; the metric is each run's own."""
   header = ('run', 'optimizer', 'lr', 'steps', 'metric', 'before', 'after',
             'state MiB', 'peak MiB (compiled)', 'process peak RSS MiB',
-            'tokens/s', 'wall s')
+            'tokens/s', 'wall s', 'params MiB', 'rounding')
   rows = [header]
   for directory, results in runs:
     metric = results['metric']
@@ -54,7 +55,10 @@ def table(runs: Sequence[tuple[str, dict]]) -> str:
         # Runs from before the process peak was recorded have none.
         _mib(results.get('process_peak_rss_bytes')),
         f"{results['tokens_per_second']:.1f}",
-        f"{results['wall_seconds']:.1f}"))
+        f"{results['wall_seconds']:.1f}",
+        _mib(results['parameter_bytes']),
+        # Runs from before --rounding existed name none.
+        results.get('rounding', 'n/a')))
   widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
   return '\n'.join('  '.join(cell.ljust(width) for cell, width
                              in zip(row, widths)).rstrip() for row in rows)

@@ -97,6 +97,8 @@ def test_runs_get_their_own_directories_and_compare(workspace, monkeypatch,
     process_peak = results.get('process_peak_rss_bytes')
     assert cells[9] == ('n/a' if process_peak is None
                         else f'{process_peak / 2**20:.1f}')
+    assert cells[12:] == [f"{results['parameter_bytes'] / 2**20:.1f}",
+                          results['rounding']]
   png = tmp_path / 'runs' / 'finetune' / 'compare.png'
   assert lines[-1] == f'curves: {os.path.join("runs", "finetune", "compare.png")}'
   with open(png, 'rb') as f:
