@@ -23,6 +23,7 @@ table of finished points with the commands, the commit and the machine.
 
 import argparse
 import os
+import shlex
 from typing import NamedTuple, Optional
 
 from benchmarks import lr_sweep
@@ -118,6 +119,29 @@ def target_outcome(finished: dict) -> list[str]:
   return lines
 
 
+def nearest_cost(finished: dict) -> list[str]:
+  """Per task and optimizer: accuracy after, stochastic minus nearest."""
+  lines = []
+  for task in TASKS:
+    for optimizer in ('taco', 'adamw'):
+      runs = [finished.get(Point(task, optimizer, 'bfloat16', rounding))
+              for rounding in ('stochastic', 'nearest')]
+      if None in runs:
+        continue
+      metric = runs[0]['metric']
+      gap = 100 * (runs[0]['after'][metric] - runs[1]['after'][metric])
+      lines.append(f'- {task}, {optimizer}: rounding to nearest ends '
+                   f'{gap:.1f} points below stochastic rounding.')
+  return lines
+
+
+def _shell_word(word: str) -> str:
+  """``word`` as bash reads it back (a newline as ``$'...\\n...'``)."""
+  if '\n' in word:
+    return "$'" + word.replace("'", "\\'").replace('\n', '\\n') + "'"
+  return shlex.quote(word)
+
+
 def _provenance(point: Point) -> Optional[str]:
   try:
     with open(point.directory + '.provenance') as f:
@@ -134,8 +158,9 @@ def write(path: str) -> None:
       '# Fine-tuning in bfloat16: how updates land, and what it costs',
       '',
       f'Written by `python -m benchmarks.bf16_quality --write {path}` from '
-      f'the runs it made; this table {provenance.stamp()}. Each run\'s own '
-      'stamp (commit, date, machine, load at its start):',
+      f'the runs it made (written at: {provenance.stamp()}). The runs\' '
+      'stamps (commit, date, machine, load at a run\'s start; identical '
+      'ones once):',
       '',
       *[f'- {stamp}' for stamp in stamps],
       '',
@@ -147,7 +172,8 @@ def write(path: str) -> None:
       'python -m examples.finetune --optimizer O --dtype D --rounding R '
       '--measure-landed --no-checkpoint --no-progress --output-dir '
       f'{RUNS}/TASK-O-D-R',
-      '# bbc adds: ' + ' '.join(lr_sweep.task_flags('bbc')),
+      '# bbc adds: ' + ' '.join(map(_shell_word,
+                                    lr_sweep.task_flags('bbc'))),
       '```',
       '',
       '`--rounding`: `stochastic` keeps bfloat16 parameters and rounds each '
@@ -158,7 +184,12 @@ def write(path: str) -> None:
       'is the share of the updates a step makes (exact arithmetic) that '
       'changed the stored weight, over the run, for TACO\'s matrices / the '
       'other leaves (norm scales: Adam in TACO), `--measure-landed`, see '
-      '`examples/finetune/landed.py`. Memory is the persistent parameters + '
+      '`examples/finetune/landed.py`. With stochastic rounding a step of a '
+      'fraction f of an ulp lands with probability f and then moves the '
+      'weight a whole ulp, so its share stays well below 100% while the '
+      'weights move by the right amount on average; rounded to nearest, a '
+      'step under half an ulp never lands. Memory is the persistent '
+      'parameters + '
       'optimizer state. tokens/s is the steady-state throughput of these '
       'runs on a CPU shared with other work, measurement included (the '
       'optax path runs a second update per step to count): a rough guide '
@@ -171,9 +202,16 @@ def write(path: str) -> None:
       *[_row(point, done) for point, done in finished.items()],
       '',
       f'Target: bf16 TACO with stochastic rounding within {TARGET_POINTS:g} '
-      'points of float32 TACO (accuracy after).',
+      'points of float32 TACO (accuracy after). A gap this small is below '
+      'one run\'s noise (one standard error, about 3 points): the verdict '
+      'says the bfloat16 run is not measurably worse, not that it is '
+      'equal.',
       '',
       *target_outcome(finished),
+      '',
+      'The ablation, bfloat16 parameters rounded to nearest:',
+      '',
+      *nearest_cost(finished),
   ]
   with open(path, 'w') as f:
     f.write('\n'.join(lines) + '\n')
