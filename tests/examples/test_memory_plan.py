@@ -10,7 +10,8 @@ from examples.finetune import memory_plan
 
 
 @pytest.mark.parametrize('name, layerwise_gb, taco_plain_gb, adamw_gb', [
-    ('opt-30b', 63.21, 121.90, 241.53),
+    # OPT-30B's biases and norms: +0.02 GB of float32 Adam moments (eaf479a).
+    ('opt-30b', 63.23, 121.92, 241.53),
     ('qwen3-32b', 68.25, 132.80, 263.54),
 ])
 def test_plan_gives_the_documented_figures(name, layerwise_gb, taco_plain_gb,
