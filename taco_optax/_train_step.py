@@ -120,7 +120,17 @@ def train_step(loss: LayeredLoss,
     TACO: Ternary Absolute-max Column-wise One-sparse Optimizer for LLM
     Fine-Tuning, 2026 (Section 5, immediate gradient processing).
   """
-  parts = _alias.parts_of(optimizer)
+  return step_from_parts(loss, _alias.parts_of(optimizer))
+
+
+def step_from_parts(loss: LayeredLoss, parts: _alias.TacoParts) -> TrainStep:
+  """:func:`train_step` from a :func:`taco` optimizer's :class:`TacoParts`.
+
+  For callers that lay the same parameters out differently from the tree the
+  optimizer was built for (``taco_optax.tunix`` re-lays a model's state as
+  ``(outer, layers)``): ``parts.dimension_numbers`` and ``parts.update_scale``
+  must then describe the ``(outer, layers)`` pair.
+  """
 
   def step(params, opt_state, batch):
     outer, layers = params
