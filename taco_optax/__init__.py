@@ -6,7 +6,8 @@ The optimizer: :func:`taco` (TACO on matrices, AdamW on the rest),
 :func:`stochastic_rounding`, which :func:`taco` ends with for 16-bit
 parameters and any optax chain can end with. The memory-lean
 layer-wise train step lives in :mod:`taco_optax.layerwise`, Flax NNX support
-in :mod:`taco_optax.nnx`.
+in :mod:`taco_optax.nnx`, tunix's trainer with the layer-wise step in
+:mod:`taco_optax.tunix`.
 """
 
 from taco_optax import layerwise
@@ -31,10 +32,11 @@ _MOVED = {
 
 
 def __getattr__(name):
-  # Flax is optional: taco_optax.nnx imports it, and names the extra if absent.
-  if name == 'nnx':
+  # Flax and tunix are optional: taco_optax.nnx and taco_optax.tunix import
+  # them, and name the extra if absent.
+  if name in ('nnx', 'tunix'):
     import importlib  # pylint: disable=g-import-not-at-top
-    return importlib.import_module('taco_optax.nnx')
+    return importlib.import_module(f'taco_optax.{name}')
   if name in _MOVED:
     raise AttributeError(f'taco_optax.{name} moved: use {_MOVED[name]}.')
   raise AttributeError(f'module {__name__!r} has no attribute {name!r}')

@@ -151,6 +151,20 @@ def test_nnx_module_names_the_flax_extra(monkeypatch):
     getattr(taco_optax, 'nnx')
 
 
+def test_tunix_module_names_the_tunix_extra(monkeypatch):
+  monkeypatch.setitem(sys.modules, 'tunix.sft', None)
+  monkeypatch.delitem(sys.modules, 'taco_optax.tunix', raising=False)
+  if 'tunix' in vars(taco_optax):  # imported already: forget it
+    monkeypatch.delattr(taco_optax, 'tunix')
+  with pytest.raises(ImportError, match=r'taco_optax\[tunix\]'):
+    getattr(taco_optax, 'tunix')
+
+
+def test_tunix_module_exports_the_trainer():
+  pytest.importorskip('tunix')
+  assert list(taco_optax.tunix.__all__) == ['LayerwisePeftTrainer']
+
+
 def _imports(path):
   tree = ast.parse(path.read_text())
   for node in ast.walk(tree):

@@ -1,0 +1,165 @@
+"""tunix support: the layer-wise TACO step inside tunix's ``PeftTrainer``.
+
+Needs tunix: ``pip install "taco_optax[tunix]"``.
+
+:class:`LayerwisePeftTrainer` is built exactly like tunix's
+``PeftTrainer(model, optimizer, training_config)`` with
+``optimizer=taco_optax.taco(...)``; its train step is
+:func:`taco_optax.layerwise.train_step` on the model's own modules, so no
+whole dense gradient exists (peak memory near inference). tunix's loop,
+hooks, metrics, evaluation and checkpoints are tunix's own: the optimizer
+state keeps the layout of ``PeftTrainer``'s, so checkpoints of either resume
+in the other.
+"""
+
+import functools
+import logging
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from taco_optax import _alias
+from taco_optax import _leaf
+from taco_optax import _prefix
+from taco_optax import _train_step
+from taco_optax import _tunix_model
+from taco_optax import _dimension_numbers as dn
+
+try:
+  from flax import nnx
+  from tunix.sft import peft_trainer
+except ImportError as error:  # pragma: no cover - depends on the install
+  raise ImportError(
+      'taco_optax.tunix needs tunix; install it with '
+      '`pip install "taco_optax[tunix]"`.') from error
+
+__all__ = ('LayerwisePeftTrainer',)
+
+_logger = logging.getLogger('taco_optax')
+
+
+def pair_parts(parts: _alias.TacoParts, params: Any,
+               relayout: Any) -> _alias.TacoParts:
+  """``parts`` of an optimizer built for ``params``, for its relayout.
+
+  The dimension numbers and update scales are read per leaf of ``params``
+  (what ``nnx.Optimizer`` hands to the optimizer) and moved with the leaves.
+  """
+  dims = _prefix.per_leaf(parts.dimension_numbers(params), params,
+                          dn.is_prefix_leaf)
+  scales = _leaf._leaf_scales(parts.update_scale, params)
+  pair_dims = relayout.target.unflatten([dims[i] for i in relayout.order])
+  pair_scales = relayout.target.unflatten(
+      [scales[i] for i in relayout.order])
+  return parts._replace(dimension_numbers=lambda _: pair_dims,
+                        update_scale=pair_scales)
+
+
+class LayerwisePeftTrainer(peft_trainer.PeftTrainer):
+  """tunix's ``PeftTrainer`` whose train step is TACO's layer-wise step.
+
+  Construct it as ``PeftTrainer``: ``LayerwisePeftTrainer(model,
+  taco_optax.taco(lr, weight_dimension_numbers=...), training_config)``.
+  Each layer's weight gradient is consumed by its column step as the
+  backward pass makes it, the token tables never get a dense gradient, and
+  the result equals ``PeftTrainer`` with the same optimizer up to the
+  floating-point order of the recomputed gradients (tested). The model is a
+  tunix decoder (``embedder``, a list of ``layers``, ``final_norm``, tied or
+  ``lm_head``: ``Qwen3``, ``Llama3``, ``Gemma3``...) trained with tunix's
+  default loss on full parameters.
+
+  Where the layer-wise step does not apply, the trainer logs one warning
+  naming the reason and runs ``PeftTrainer``'s own step, which is correct but
+  keeps the dense gradients: ``gradient_accumulation_steps`` > 1
+  (``optax.MultiSteps``), LoRA, a loss set with ``with_loss_fn``, or a model
+  of another shape.
+
+  The ``grad_norm`` metric is ``NaN`` on the layer-wise step: no whole
+  gradient exists to take the norm of. The train step donates the model's
+  parameters as well as the optimizer state (``PeftTrainer`` donates the
+  state only), so the weights are updated in place: arrays read from the
+  model before a step are invalid after it.
+
+  Raises:
+    ValueError: if ``optimizer`` is not the transformation
+      :func:`taco_optax.taco` returns (use ``PeftTrainer`` for others).
+  """
+
+  def __init__(self, model: nnx.Module, optimizer: optax.GradientTransformation,
+               training_config: peft_trainer.TrainingConfig, *args, **kwargs):
+    try:
+      self._taco_parts = _alias.parts_of(optimizer)
+    except ValueError as error:
+      raise ValueError(
+          'LayerwisePeftTrainer runs the layer-wise TACO step and needs the '
+          'transformation taco_optax.taco(...) returns, unwrapped; use '
+          f'tunix\'s PeftTrainer for other optimizers. ({error})') from None
+    super().__init__(model, optimizer, training_config, *args, **kwargs)
+
+  donated_arguments = ('model', 'optimizer')
+
+  def fallback_reason(self) -> Optional[str]:
+    """Why this trainer runs ``PeftTrainer``'s step, or ``None``."""
+    steps = self.config.gradient_accumulation_steps
+    if steps not in (None, 1):
+      return (f'gradient_accumulation_steps={steps} is not fused into the '
+              'layer-wise step yet (optax.MultiSteps keeps a dense '
+              'gradient-sized buffer)')
+    if self._lora_enabled:
+      return 'the model has LoRA parameters'
+    if self.loss_fn is not peft_trainer._default_loss_fn:  # pylint: disable=protected-access
+      return 'a custom loss was set with with_loss_fn'
+    return _tunix_model.unsupported(self.model)
+
+  def create_train_step_fn(self):
+    reason = self.fallback_reason()
+    if reason is not None:
+      _logger.warning(
+          'LayerwisePeftTrainer: %s; running PeftTrainer\'s train step '
+          '(correct, with dense gradients).', reason)
+      return super().create_train_step_fn()
+    return self._layerwise_train_step
+
+  def jit_train_and_eval_step(self, skip_jit: bool = False,
+                              cache_nnx_graph: bool = False):
+    """As ``PeftTrainer``'s, with the model donated on the layer-wise step."""
+    if (skip_jit or self._jitted_train_step_fn is not None
+        or self.fallback_reason() is not None):
+      return super().jit_train_and_eval_step(skip_jit, cache_nnx_graph)
+    self._shard_optimizer(_physical_mesh())
+    bind = nnx.cached_partial if cache_nnx_graph else functools.partial
+    train = nnx.jit(self.create_train_step_fn(),
+                    donate_argnames=self.donated_arguments)
+    evaluate = nnx.jit(self.create_eval_step_fn())
+    # functools.partial outside, as tunix reads ``.func.jitted_fn``.
+    self._jitted_train_step_fn = functools.partial(
+        bind(train, self.model, self.optimizer))
+    self._jitted_eval_step_fn = functools.partial(bind(evaluate, self.model))
+    return self._jitted_train_step_fn, self._jitted_eval_step_fn
+
+  def _layerwise_train_step(self, model, optimizer, inputs):
+    inputs = self.gen_model_input_fn(inputs)
+    if inputs.get('images') is not None:
+      raise ValueError('LayerwisePeftTrainer: image inputs are not supported '
+                       'by the layer-wise step; use PeftTrainer.')
+    layered = _tunix_model.layered(model)
+    relayout = layered.relayout
+    params = nnx.as_pure(nnx.state(model, nnx.Param))
+    step = _train_step.step_from_parts(
+        layered.loss, pair_parts(self._taco_parts, params, relayout))
+    new_params, new_state, loss = step(
+        relayout.forward(params),
+        relayout.forward_state(nnx.as_pure(optimizer.opt_state)), inputs)
+    nnx.update(model, relayout.backward(new_params))
+    nnx.update(optimizer.opt_state,
+               nnx.state(relayout.backward_state(new_state)))
+    optimizer.step[...] += 1
+    return loss, None, jnp.full((), jnp.nan, jnp.float32)
+
+
+def _physical_mesh():
+  """The mesh tunix trains under (``with mesh:``), as its trainer reads it."""
+  from jax.interpreters import pxla  # pylint: disable=import-outside-toplevel
+  return pxla.thread_resources.env.physical_mesh
