@@ -92,49 +92,76 @@ def layer_backward(layer: Callable[[Params, Any, Batch], Any],
   return backward
 
 
-def head_backward(head: Callable[[Params, Any, Batch], jax.Array],
-                  outer: Params, hidden: Any, batches: Batch):
-  """``(mean loss, mean outer gradients (float32), stacked d_hidden)``.
+def _restricted(fn: Callable[..., Any], leaves: list[Any], treedef,
+                reads: list[bool]) -> Callable[..., Any]:
+  """``fn(outer, *args)`` as a function of the leaves ``reads`` marks."""
+  def restricted(read_leaves, *args):
+    it = iter(read_leaves)
+    return fn(treedef.unflatten([next(it) if r else x
+                                 for x, r in zip(leaves, reads)]), *args)
+  return restricted
 
-  The head's gradient of every outer leaf, a micro-batch at a time (a token
-  table's dense gradient included: accumulating it costs one float32 table,
-  keeping each micro-batch's logits' cotangent would cost the whole batch's).
+
+def _spread(read_values: list[Any], reads: list[bool]) -> list[Any]:
+  it = iter(read_values)
+  return [next(it) if r else None for r in reads]
+
+
+def head_backward(head: Callable[[Params, Any, Batch], jax.Array],
+                  outer: Params, hidden: Any, batches: Batch,
+                  reads: list[bool]):
+  """``(mean loss, mean gradients, stacked d_hidden)`` of the head.
+
+  The head's mean gradient (float32) of each outer leaf it ``reads``
+  (``None`` at the others), a micro-batch at a time. A token table's is
+  accumulated dense: one float32 table, where keeping each micro-batch's
+  logits' cotangent for a blockwise update would cost the whole batch's.
   """
+  leaves, treedef = jax.tree.flatten(outer)
+  read = [x for x, r in zip(leaves, reads) if r]
+  restricted = _restricted(head, leaves, treedef, reads)
+
   def body(acc, xs):
     index, h, batch = xs
-    value, head_vjp = jax.vjp(lambda o, x: head(o, x, batch), outer, h)
+    value, head_vjp = jax.vjp(lambda o, x: restricted(o, x, batch), read, h)
     grads, d_hidden = head_vjp(jnp.ones_like(value))
     return running_mean(acc, grads, index), (value, d_hidden)
   count = micro_batch_count(batches)
   acc, (values, d_hidden) = jax.lax.scan(
-      body, zeros_like_float32(outer),
+      body, zeros_like_float32(read),
       (jnp.arange(count, dtype=jnp.int32), hidden, batches))
-  return jnp.mean(values.astype(jnp.float32)), acc, d_hidden
+  return jnp.mean(values.astype(jnp.float32)), _spread(acc, reads), d_hidden
 
 
 def embed_backward(embed: Callable[[Params, Batch], Any], outer: Params,
-                   d_hidden: Any, batches: Batch, reads: list[bool]):
-  """The embedding's mean gradient (float32) of the outer leaves it reads
-  (``None`` at the others)."""
+                   d_hidden: Any, batches: Batch, reads: list[bool],
+                   head_means: list[Any]) -> list[Any]:
+  """Each outer leaf's whole mean gradient (float32; ``None``: unread).
+
+  The embedding's mean gradient of each leaf it ``reads``, added to the
+  head's (``head_means``). A leaf only the embedding reads gets MultiSteps'
+  running mean; one both read (a tied table) continues in the head's
+  accumulator, ``acc + g_a / A``, so no second table-sized buffer exists.
+  """
   leaves, treedef = jax.tree.flatten(outer)
   read = [x for x, r in zip(leaves, reads) if r]
-
-  def embed_read(read_leaves, batch):
-    it = iter(read_leaves)
-    return embed(treedef.unflatten([next(it) if r else x
-                                    for x, r in zip(leaves, reads)]), batch)
+  restricted = _restricted(embed, leaves, treedef, reads)
+  shared = [h is not None for h, r in zip(head_means, reads) if r]
+  start = [h if h is not None else jnp.zeros(x.shape, jnp.float32)
+           for h, x, r in zip(head_means, leaves, reads) if r]
+  count = micro_batch_count(batches)
 
   def body(acc, xs):
     index, d, batch = xs
-    _, embed_vjp = jax.vjp(lambda o: embed_read(o, batch), read)
+    _, embed_vjp = jax.vjp(lambda o: restricted(o, batch), read)
     (grads,) = embed_vjp(d)
-    return running_mean(acc, grads, index), None
-  count = micro_batch_count(batches)
-  acc, _ = jax.lax.scan(body, zeros_like_float32(read),
+    return [a + g / count if both else a + (g - a) / (index + 1)
+            for a, g, both in zip(acc, grads, shared)], None
+  acc, _ = jax.lax.scan(body, start,
                         (jnp.arange(count, dtype=jnp.int32), d_hidden,
                          batches))
-  it = iter(acc)
-  return [next(it) if r else None for r in reads]
+  return [e if r else h for e, h, r in zip(_spread(acc, reads), head_means,
+                                           reads)]
 
 
 def embed_forward(embed: Callable[[Params, Batch], Any], outer: Params,

@@ -17,6 +17,7 @@ head, and after the embedding's backward pass).
 from typing import Any, Callable, NamedTuple, Optional
 
 import jax
+import jax.numpy as jnp
 import optax
 
 from taco_optax import _accumulation
@@ -235,39 +236,47 @@ def _accumulated_step(loss: LayeredLoss, parts: _alias.TacoParts,
   Outer leaves the embedding does not read are updated after the head (their
   mean gradient is complete then); the others after the embedding's pass.
   """
+  one_batch = _one_batch_step(loss, parts)
 
   def step(params, opt_state, batches):
     _accumulation.check_micro_batches(batches, steps)
+    if steps == 1:  # the one-batch step, and its memory
+      return one_batch(params, opt_state,
+                       jax.tree.map(lambda x: x[0], batches))
     outer, layers = params
     ctx = _leaves(parts, params, opt_state)
     n = ctx.num_outer
     outer_leaves = jax.tree.leaves(outer)
     first = jax.tree.map(lambda x: x[0], batches)
-    reads = _outer_step._used_inputs(lambda o: loss.embed(o, first), outer)
+    embed_reads = _outer_step._used_inputs(lambda o: loss.embed(o, first),
+                                           outer)
     hidden, layer_inputs = _backward.forward(
         _accumulation.layer_forward(loss.layer, batches),
         _accumulation.embed_forward(loss.embed, outer, batches), layers,
         loss.scan_layers)
+    head_reads = _outer_step._used_inputs(
+        lambda o: loss.head(o, jax.tree.map(lambda x: x[0], hidden), first),
+        outer)
     value, head_grads, d_hidden = _accumulation.head_backward(
-        loss.head, outer, hidden, batches)
-    head_grads = jax.tree.leaves(head_grads)
+        loss.head, outer, hidden, batches, head_reads)
     updated = {}
     for i, plan in enumerate(ctx.plans[:n]):
-      if plan is not None and not reads[i]:  # complete now: let it die
+      if plan is not None and head_reads[i] and not embed_reads[i]:
+        # Its mean gradient is complete now: update it so the mean dies.
         grad = head_grads[i].astype(outer_leaves[i].dtype)
         updated[i] = ctx.update(i, outer_leaves[i], grad, ctx.leaf_states[i],
                                 plan)
+        head_grads[i] = None
         d_hidden = _outer_step._ordered_after(d_hidden, updated[i][0])
     d_hidden, layer_leaves, layer_states, layer_grads = _layers_backward(
         loss, _accumulation.layer_backward(loss.layer, batches), layers, ctx,
         layer_inputs, d_hidden)
-    embed_grads = _accumulation.embed_backward(loss.embed, outer, d_hidden,
-                                               batches, reads)
+    grads = _accumulation.embed_backward(loss.embed, outer, d_hidden,
+                                         batches, embed_reads, head_grads)
     outer_grads = []
-    for i, (x, plan) in enumerate(zip(outer_leaves, ctx.plans[:n])):
-      grad = head_grads[i] if embed_grads[i] is None else (
-          head_grads[i] + embed_grads[i])
-      grad = grad.astype(x.dtype)
+    for i, (x, plan, grad) in enumerate(zip(outer_leaves, ctx.plans[:n],
+                                            grads)):
+      grad = jnp.zeros_like(x) if grad is None else grad.astype(x.dtype)
       if plan is not None and i not in updated:
         updated[i] = ctx.update(i, x, grad, ctx.leaf_states[i], plan)
       outer_grads.append(None if plan is not None else grad)
