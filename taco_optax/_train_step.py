@@ -137,8 +137,21 @@ def train_step(loss: LayeredLoss,
     TACO: Ternary Absolute-max Column-wise One-sparse Optimizer for LLM
     Fine-Tuning, 2026 (Section 5, immediate gradient processing).
   """
-  return step_from_parts(loss, _alias.parts_of(optimizer),
-                         accumulation_steps=accumulation_steps)
+  try:
+    parts = _alias.parts_of(optimizer)
+  except ValueError as error:
+    raise ValueError(f'{error} {_NO_CLIPPING}') from None
+  return step_from_parts(loss, parts, accumulation_steps=accumulation_steps)
+
+
+# Why a chain such as optax.chain(optax.clip_by_global_norm(c), taco(...))
+# is refused (README, "Clipping").
+_NO_CLIPPING = (
+    'Global-norm clipping cannot run layer-wise: the norm needs every '
+    'gradient before the first column step, and this step consumes each '
+    "layer's gradient as backprop makes it. TACO's own step moves each column "
+    'by exactly lr * s (bounded by construction); to clip, use the optax '
+    'path (jax.grad -> tx.update).')
 
 
 def step_from_parts(loss: LayeredLoss, parts: _alias.TacoParts, *,
