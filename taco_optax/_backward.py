@@ -19,6 +19,18 @@ from taco_optax import _leaf_update
 #   the slice of a stacked leaf.
 LeafUpdate = Callable[..., tuple[jax.Array, ...]]
 Plans = list[Optional[_leaf.LeafPlan]]
+# layer_backward(layer_params, layer_input, d_output) -> (grads, d_input): one
+#   layer's weight gradients and input cotangent (``vjp_backward`` for one
+#   batch; ``_accumulation.layer_backward`` for micro-batches).
+LayerBackward = Callable[[Any, Any, Any], tuple[Any, Any]]
+
+
+def vjp_backward(run_layer: Callable[[Any, Any], Any]) -> LayerBackward:
+  """The layer's backward pass on one batch: its ``jax.vjp``, recomputed."""
+  def backward(layer_params, layer_input, d_output):
+    _, layer_vjp = jax.vjp(run_layer, layer_params, layer_input)
+    return layer_vjp(d_output)
+  return backward
 
 
 def forward(run_layer: Callable[[Any, Any], Any], hidden: Any, layers: Any,
@@ -33,12 +45,12 @@ def forward(run_layer: Callable[[Any, Any], Any], hidden: Any, layers: Any,
   return hidden, layer_inputs
 
 
-def unrolled(run_layer, layers: list[Any], plans: Plans, layer_inputs,
-             d_hidden, states: list[Any], update: LeafUpdate):
+def unrolled(layer_backward: LayerBackward, layers: list[Any], plans: Plans,
+             layer_inputs, d_hidden, states: list[Any], update: LeafUpdate):
   """Backward over a list of layers; each layer's update is forced in order.
 
   Args:
-    run_layer: ``(layer_params, hidden) -> hidden``.
+    layer_backward: one layer's backward pass (:data:`LayerBackward`).
     layers: the per-layer parameter trees.
     plans: one plan per leaf of ``layers`` (``None``: not a TACO leaf).
     layer_inputs: each layer's saved input.
@@ -64,8 +76,7 @@ def unrolled(run_layer, layers: list[Any], plans: Plans, layer_inputs,
     # activations alive (measured: +1 layer of weights' worth per layer).
     layer_input = jax.tree.map(
         lambda x: _leaf_update.data_dependency(x, d_hidden), layer_inputs[l])
-    _, layer_vjp = jax.vjp(run_layer, layers[l], layer_input)
-    grads, d_hidden = layer_vjp(d_hidden)
+    grads, d_hidden = layer_backward(layers[l], layer_input, d_hidden)
     updated = None
     for i, grad in enumerate(jax.tree.leaves(grads), start=offsets[l]):
       if plans[i] is None:
@@ -83,8 +94,8 @@ def unrolled(run_layer, layers: list[Any], plans: Plans, layer_inputs,
   return d_hidden, new_leaves, new_states, grads_out
 
 
-def scanned(run_layer, layers: Any, plans: Plans, layer_inputs, d_hidden,
-            states: list[Any], update: LeafUpdate):
+def scanned(layer_backward: LayerBackward, layers: Any, plans: Plans,
+            layer_inputs, d_hidden, states: list[Any], update: LeafUpdate):
   """Backward ``lax.scan`` over stacked layers; weights updated in the carry.
 
   Same arguments and results as :func:`unrolled`, for ``layers`` whose leaves
@@ -107,9 +118,8 @@ def scanned(run_layer, layers: Any, plans: Plans, layer_inputs, d_hidden,
       layer_leaves[i] = take(w, l)
     for i, p in zip(adam_ids, adam_params):
       layer_leaves[i] = p
-    _, layer_vjp = jax.vjp(run_layer, layer_def.unflatten(layer_leaves),
-                           layer_input)
-    grads, d_hidden = layer_vjp(d_hidden)
+    grads, d_hidden = layer_backward(layer_def.unflatten(layer_leaves),
+                                     layer_input, d_hidden)
     grads = jax.tree.leaves(grads)
     new_weights, new_weight_states = [], []
     for i, weight, state in zip(taco_ids, weights, weight_states):

@@ -14,11 +14,13 @@ The parameters outside the layers are updated in ``_outer_step`` (after the
 head, and after the embedding's backward pass).
 """
 
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple, Optional
 
 import jax
+import jax.numpy as jnp
 import optax
 
+from taco_optax import _accumulation
 from taco_optax import _alias
 from taco_optax import _backward
 from taco_optax import _leaf_update
@@ -43,7 +45,8 @@ def _flatten(tree: Any) -> list[Any]:
 
 
 def train_step(loss: LayeredLoss,
-               optimizer: optax.GradientTransformation) -> TrainStep:
+               optimizer: optax.GradientTransformation, *,
+               accumulation_steps: Optional[int] = None) -> TrainStep:
   r"""A memory-lean train step for :func:`taco`: gradients die as they appear.
 
   The step runs the forward pass saving only each layer's input, then a
@@ -87,13 +90,27 @@ def train_step(loss: LayeredLoss,
       ``(outer, layers)`` (its ``weight_dimension_numbers`` is a tree prefix
       of, or a callable of, that pair), not wrapped in another
       transformation: the step applies its pieces itself.
+    accumulation_steps: ``None`` (default): ``batch`` is one batch. An int
+      ``A >= 1``: every leaf of ``batch`` has a leading micro-batch axis of
+      size ``A``, and the step is the step on the mean gradient of the ``A``
+      micro-batches, the same as ``optax.MultiSteps(optimizer, A)`` fed them
+      one at a time (bit for bit, except a leaf read by both the embedding
+      and the head: there the mean is summed in another order), with no
+      gradient-sized buffer: the pieces run layer-major, each layer's
+      backward over the ``A`` micro-batches, folding its gradient into one
+      float32 running mean before its column step. Peak memory is one
+      micro-batch's plus the saved layer inputs of all ``A`` (and a float32
+      gradient of each outer leaf, e.g. the token table). The returned loss is
+      the micro-batches' mean.
 
   Returns:
     ``step(params, opt_state, batch) -> (params, opt_state, loss)``, to be
     wrapped in ``jax.jit(step, donate_argnums=(0, 1))``.
 
   Raises:
-    ValueError: if ``optimizer`` is not a :func:`taco` transformation.
+    ValueError: if ``optimizer`` is not a :func:`taco` transformation, or
+      ``accumulation_steps`` is not an int >= 1 (or the batch's leading axis
+      is not of that size).
 
   Examples:
     >>> import jax, jax.numpy as jnp, optax
@@ -120,56 +137,172 @@ def train_step(loss: LayeredLoss,
     TACO: Ternary Absolute-max Column-wise One-sparse Optimizer for LLM
     Fine-Tuning, 2026 (Section 5, immediate gradient processing).
   """
-  return step_from_parts(loss, _alias.parts_of(optimizer))
+  try:
+    parts = _alias.parts_of(optimizer)
+  except ValueError as error:
+    raise ValueError(f'{error} {_NO_CLIPPING}') from None
+  return step_from_parts(loss, parts, accumulation_steps=accumulation_steps)
 
 
-def step_from_parts(loss: LayeredLoss, parts: _alias.TacoParts) -> TrainStep:
+# Why a chain such as optax.chain(optax.clip_by_global_norm(c), taco(...))
+# is refused (README, "Clipping").
+_NO_CLIPPING = (
+    'Global-norm clipping cannot run layer-wise: the norm needs every '
+    'gradient before the first column step, and this step consumes each '
+    "layer's gradient as backprop makes it. TACO's own step moves each column "
+    'by exactly lr * s (bounded by construction); to clip, use the optax '
+    'path (jax.grad -> tx.update).')
+
+
+def step_from_parts(loss: LayeredLoss, parts: _alias.TacoParts, *,
+                    accumulation_steps: Optional[int] = None) -> TrainStep:
   """:func:`train_step` from a :func:`taco` optimizer's :class:`TacoParts`.
 
   For callers that lay the same parameters out differently from the tree the
   optimizer was built for (``taco_optax.tunix`` re-lays a model's state as
   ``(outer, layers)``): ``parts.dimension_numbers`` and ``parts.update_scale``
-  must then describe the ``(outer, layers)`` pair.
+  must then describe the ``(outer, layers)`` pair. ``accumulation_steps`` is
+  :func:`train_step`'s.
   """
+  if accumulation_steps is None:
+    return _one_batch_step(loss, parts)
+  if (isinstance(accumulation_steps, bool)
+      or not isinstance(accumulation_steps, int) or accumulation_steps < 1):
+    raise ValueError('accumulation_steps must be an int >= 1 (or None for a '
+                     f'batch without a micro-batch axis); got '
+                     f'{accumulation_steps!r}.')
+  return _accumulated_step(loss, parts, accumulation_steps)
+
+
+class _Leaves(NamedTuple):
+  """What every leaf's update reads in one step."""
+  num_outer: int
+  plans: list[Any]
+  states: _alias.TacoStates
+  leaf_states: list[Any]  # (values, indices, exponents); MaskedNode: Adam
+  rounding: Callable[..., Any]
+  update: Callable[..., tuple[jax.Array, ...]]
+
+
+def _leaves(parts, params, opt_state) -> _Leaves:
+  plans = parts.plans(params)
+  states = _alias.taco_states(opt_state)
+  leaf_states = list(zip(*(_flatten(s) for s in states.direction)))
+  rounding = _leaf_rounding(parts, states, params)
+
+  def update(i, param, grad, state, plan, after=None, layer=None):
+    return _leaf_update.taco_leaf_update(
+        param, grad, *state, plan=plan, mu=parts.mu,
+        lr_tx=parts.learning_rate, lr_state=states.learning_rate,
+        after=after, rounding=rounding(i, layer))
+
+  return _Leaves(len(jax.tree.leaves(params[0])), plans, states, leaf_states,
+                 rounding, update)
+
+
+def _layers_backward(loss, layer_backward, layers, ctx: _Leaves,
+                     layer_inputs, d_hidden):
+  """The backward pass over the layers, each TACO weight updated in it."""
+  backward = _backward.scanned if loss.scan_layers else _backward.unrolled
+  n = ctx.num_outer
+  return backward(layer_backward, layers, ctx.plans[n:], layer_inputs,
+                  d_hidden, ctx.leaf_states[n:],
+                  lambda i, *args, **kwargs: ctx.update(n + i, *args,
+                                                        **kwargs))
+
+
+def _one_batch_step(loss: LayeredLoss, parts: _alias.TacoParts) -> TrainStep:
+  """The step on one batch (no micro-batch axis)."""
 
   def step(params, opt_state, batch):
     outer, layers = params
-    num_outer = len(jax.tree.leaves(outer))
-    plans = parts.plans(params)
-    states = _alias.taco_states(opt_state)
-    # Per leaf: (values, indices, exponents), MaskedNodes for non-TACO leaves.
-    leaf_states = list(zip(*(_flatten(s) for s in states.direction)))
-    rounding = _leaf_rounding(parts, states, params)
-
-    def update(i, param, grad, state, plan, after=None, layer=None):
-      return _leaf_update.taco_leaf_update(
-          param, grad, *state, plan=plan, mu=parts.mu,
-          lr_tx=parts.learning_rate, lr_state=states.learning_rate,
-          after=after, rounding=rounding(i, layer))
-
-    context = _outer_step.Outer(loss, outer, batch, plans[:num_outer],
-                                leaf_states[:num_outer], update, parts,
-                                states, rounding)
+    ctx = _leaves(parts, params, opt_state)
+    n = ctx.num_outer
+    context = _outer_step.Outer(loss, outer, batch, ctx.plans[:n],
+                                ctx.leaf_states[:n], ctx.update, parts,
+                                ctx.states, ctx.rounding)
     run_layer = lambda p, h: loss.layer(p, h, batch)
 
     # Forward, keeping each layer's input (the only saved activations).
     hidden, layer_inputs = _backward.forward(
         run_layer, loss.embed(outer, batch), layers, loss.scan_layers)
     head = _outer_step.after_head(context, hidden)
-    backward = (_backward.scanned if loss.scan_layers
-                else _backward.unrolled)
-    d_hidden, layer_leaves, layer_states, layer_grads = backward(
-        run_layer, layers, plans[num_outer:], layer_inputs, head.d_hidden,
-        leaf_states[num_outer:],
-        lambda i, *args, **kwargs: update(num_outer + i, *args, **kwargs))
+    d_hidden, layer_leaves, layer_states, layer_grads = _layers_backward(
+        loss, _backward.vjp_backward(run_layer), layers, ctx, layer_inputs,
+        head.d_hidden)
     outer_leaves, outer_states, outer_grads = _outer_step.after_embedding(
         context, head, d_hidden)
-    new_leaves, adam_state = _adam(parts, params, plans,
+    new_leaves, adam_state = _adam(parts, params, ctx.plans,
                                    outer_leaves + layer_leaves,
-                                   outer_grads + layer_grads, states.adam)
+                                   outer_grads + layer_grads, ctx.states.adam)
     return (jax.tree.structure(params).unflatten(new_leaves),
-            _pack(parts, opt_state, states, outer_states + layer_states,
+            _pack(parts, opt_state, ctx.states, outer_states + layer_states,
                   adam_state), head.value)
+
+  return step
+
+
+def _accumulated_step(loss: LayeredLoss, parts: _alias.TacoParts,
+                      steps: int) -> TrainStep:
+  """The step on ``steps`` micro-batches, layer-major (``_accumulation``).
+
+  Outer leaves the embedding does not read are updated after the head (their
+  mean gradient is complete then); the others after the embedding's pass.
+  """
+  one_batch = _one_batch_step(loss, parts)
+
+  def step(params, opt_state, batches):
+    _accumulation.check_micro_batches(batches, steps)
+    if steps == 1:  # the one-batch step, and its memory
+      return one_batch(params, opt_state,
+                       jax.tree.map(lambda x: x[0], batches))
+    outer, layers = params
+    ctx = _leaves(parts, params, opt_state)
+    n = ctx.num_outer
+    outer_leaves = jax.tree.leaves(outer)
+    first = jax.tree.map(lambda x: x[0], batches)
+    embed_reads = _outer_step._used_inputs(lambda o: loss.embed(o, first),
+                                           outer)
+    hidden, layer_inputs = _backward.forward(
+        _accumulation.layer_forward(loss.layer, batches),
+        _accumulation.embed_forward(loss.embed, outer, batches), layers,
+        loss.scan_layers)
+    head_reads = _outer_step._used_inputs(
+        lambda o: loss.head(o, jax.tree.map(lambda x: x[0], hidden), first),
+        outer)
+    value, head_grads, d_hidden = _accumulation.head_backward(
+        loss.head, outer, hidden, batches, head_reads)
+    updated = {}
+    for i, plan in enumerate(ctx.plans[:n]):
+      if plan is not None and head_reads[i] and not embed_reads[i]:
+        # Its mean gradient is complete now: update it so the mean dies.
+        grad = head_grads[i].astype(outer_leaves[i].dtype)
+        updated[i] = ctx.update(i, outer_leaves[i], grad, ctx.leaf_states[i],
+                                plan)
+        head_grads[i] = None
+        d_hidden = _outer_step._ordered_after(d_hidden, updated[i][0])
+    d_hidden, layer_leaves, layer_states, layer_grads = _layers_backward(
+        loss, _accumulation.layer_backward(loss.layer, batches), layers, ctx,
+        layer_inputs, d_hidden)
+    grads = _accumulation.embed_backward(loss.embed, outer, d_hidden,
+                                         batches, embed_reads, head_grads)
+    outer_grads = []
+    for i, (x, plan, grad) in enumerate(zip(outer_leaves, ctx.plans[:n],
+                                            grads)):
+      grad = jnp.zeros_like(x) if grad is None else grad.astype(x.dtype)
+      if plan is not None and i not in updated:
+        updated[i] = ctx.update(i, x, grad, ctx.leaf_states[i], plan)
+      outer_grads.append(None if plan is not None else grad)
+    new_outer = [updated[i][0] if i in updated else x
+                 for i, x in enumerate(outer_leaves)]
+    outer_states = [tuple(updated[i][1:]) if i in updated else s
+                    for i, s in enumerate(ctx.leaf_states[:n])]
+    new_leaves, adam_state = _adam(parts, params, ctx.plans,
+                                   new_outer + layer_leaves,
+                                   outer_grads + layer_grads, ctx.states.adam)
+    return (jax.tree.structure(params).unflatten(new_leaves),
+            _pack(parts, opt_state, ctx.states, outer_states + layer_states,
+                  adam_state), value)
 
   return step
 

@@ -10,8 +10,10 @@ import importlib.util
 import json
 import os
 import re
-from typing import Iterable, Iterator, NamedTuple, Optional, Sequence
+from typing import Iterable, Iterator, NamedTuple, Optional, Sequence, Union
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from examples.finetune import tasks as tasks_lib
@@ -208,10 +210,14 @@ class Batch(NamedTuple):
     attention_mask: bool ``[B, T]``, False on padding.
     loss_mask: float32 ``[B, T]``, 1 where the token is a completion token to
       predict (from the position before it).
+    loss_tokens: the tokens the mean loss divides by; ``None``: this batch's
+      own (a micro-batch of :func:`micro_batches` carries its whole batch's,
+      over the number of micro-batches).
   """
   input_ids: np.ndarray
   attention_mask: np.ndarray
   loss_mask: np.ndarray
+  loss_tokens: Optional[np.ndarray] = None
 
 
 def collate(examples: Sequence[TokenizedExample], seq_len: int,
@@ -296,3 +302,26 @@ def training_batches(examples: Sequence[TokenizedExample], batch_size: int,
 
 def longest(examples: Sequence[TokenizedExample]) -> int:
   return max(len(e.prompt_ids) + len(e.completion_ids) for e in examples)
+
+
+def micro_batches(batch: Union[Batch, 'ChoiceBatch'], count: int):
+  """``batch`` split into ``count`` micro-batches along a new leading axis.
+
+  Micro-batch ``a`` holds rows ``[a B/count, (a+1) B/count)``. The mean of
+  the micro-batches' losses is the whole batch's loss: a completion batch's
+  micro-batches divide by the whole batch's loss tokens over ``count``
+  (a mean over each micro-batch's own tokens would weigh a token by how few
+  its micro-batch holds); a candidates batch's loss is a mean over rows,
+  which equal micro-batches keep. Works on numpy and jax arrays (in ``jit``).
+  """
+  rows = batch.input_ids.shape[0]
+  if count < 1 or rows % count:
+    raise ValueError(f'{rows} sequences do not split into {count} '
+                     'micro-batches')
+  split = lambda x: x.reshape((count, rows // count) + x.shape[1:])
+  if isinstance(batch, Batch):
+    tokens = jnp.maximum(jnp.sum(batch.loss_mask[:, 1:]), 1.0) / count
+    batch = batch._replace(loss_tokens=None)
+    return jax.tree.map(split, batch)._replace(
+        loss_tokens=jnp.broadcast_to(tokens, (count,)).astype(jnp.float32))
+  return jax.tree.map(split, batch)

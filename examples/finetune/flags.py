@@ -194,7 +194,12 @@ class RunConfig:
       and where it comes from).
     steps: Training steps in all; with --resume, the total (the steps
       before the resume included).
-    batch_size: Sequences per training step.
+    batch_size: Sequences per training step (per optimizer step, whatever
+      --grad-accum is).
+    grad_accum: Micro-batches per step: the --batch-size sequences are split
+      into N micro-batches whose mean gradient makes the step (the same step
+      on less memory; TACO's layer-wise step accumulates layer by layer,
+      every other path through optax.MultiSteps).
     seq_len: Tokens per sequence (prompts are cut from the left to fit).
     warmup_steps: Linear warm-up steps; None: min(50, steps // 10).
     eval_every: Held-out evaluation every N steps (0: before and after only).
@@ -262,6 +267,7 @@ class RunConfig:
   lr: Annotated[Optional[float], _ABOVE_ZERO] = None
   steps: Annotated[int, _POSITIVE] = 40
   batch_size: Annotated[int, _POSITIVE] = 4
+  grad_accum: Annotated[int, _POSITIVE] = 1
   seq_len: Annotated[int, _POSITIVE] = 64
   warmup_steps: Annotated[Optional[int], _NON_NEGATIVE] = None
   eval_every: Annotated[int, _NON_NEGATIVE] = 0
@@ -310,6 +316,13 @@ class RunConfig:
       message = _refusal(getattr(self, name), annotation)
       if message:
         raise FinetuneError(f'{flag(name)} {message}')
+    if self.batch_size % self.grad_accum:
+      raise FinetuneError(
+          f'--grad-accum {self.grad_accum} does not divide --batch-size '
+          f'{self.batch_size} (the sequences of one step)')
+    if self.grad_accum > 1 and self.measure_landed:
+      raise FinetuneError('--measure-landed counts one update per batch; run '
+                          'it with --grad-accum 1')
 
 
 def flag(field_name: str) -> str:

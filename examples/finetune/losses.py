@@ -67,7 +67,9 @@ def completion_nll(logits, batch: data_lib.Batch):
   rows = logits.shape[:-1]
   mask = batch.loss_mask[:, 1:].reshape(rows)
   log_probs = _token_log_probs(logits, batch.input_ids[:, 1:].reshape(rows))
-  return -(log_probs * mask).sum() / jnp.maximum(mask.sum(), 1.0)
+  tokens = (jnp.maximum(mask.sum(), 1.0) if batch.loss_tokens is None
+            else batch.loss_tokens)
+  return -(log_probs * mask).sum() / tokens
 
 
 def candidate_nll(scores, labels):

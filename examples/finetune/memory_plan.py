@@ -145,7 +145,7 @@ def device_memory_limit() -> Optional[int]:
 
 
 def model_peak(model, params, state_bytes: int, *, batch: int, seq: int,
-               layerwise: bool) -> int:
+               layerwise: bool, accumulation_steps: int = 1) -> int:
   """Predicted peak bytes of a train step of a live ``DecoderLM``.
 
   Args:
@@ -155,6 +155,12 @@ def model_peak(model, params, state_bytes: int, *, batch: int, seq: int,
     batch: sequences per step.
     seq: tokens per sequence.
     layerwise: the layer-wise TACO step, else the plain optax step.
+    accumulation_steps: micro-batches per step; ``batch`` is then one
+      micro-batch's sequences. The plain step runs one micro-batch per call
+      (``optax.MultiSteps``: its accumulator is in ``state_bytes``); the
+      layer-wise step keeps every micro-batch's layer inputs and a float32
+      accumulator plus one micro-batch's share of every outer parameter
+      (``taco_optax``'s accumulation densifies the token table's gradient).
 
   Returns:
     Predicted peak bytes.
@@ -163,5 +169,12 @@ def model_peak(model, params, state_bytes: int, *, batch: int, seq: int,
                      itemsize=jnp.dtype(model.dtype).itemsize,
                      scan_layers=model.scan_layers,
                      remat=model.remat is not None)
-  peak = layerwise_peak if layerwise else plain_peak
-  return peak(plan_terms, state_bytes)
+  if not layerwise:
+    return plain_peak(plan_terms, state_bytes)
+  if accumulation_steps > 1:
+    outer_elements = sum(x.size for x in jax.tree.leaves(params[0]))
+    plan_terms = plan_terms._replace(
+        layer_inputs=plan_terms.layer_inputs * accumulation_steps,
+        embed_matrix_grads=plan_terms.embed_matrix_grads + 4 * outer_elements,
+        table_blocks=plan_terms.table_blocks + 8 * outer_elements)
+  return layerwise_peak(plan_terms, state_bytes)

@@ -13,6 +13,7 @@ from typing import Any, Callable, Iterator, NamedTuple, Optional, Union
 from flax import nnx
 import jax
 import jax.numpy as jnp
+import optax
 import tokenizers
 
 from examples.finetune import checkpoint as checkpoint_lib
@@ -115,18 +116,29 @@ def _check_memory(config: flags_lib.RunConfig, model, tx,
   devices = 1 if mesh.empty else mesh.size
   limit *= devices
   params = memory_plan.model_params(model)
-  state_bytes = memory_plan.tree_bytes(
-      jax.eval_shape(tx.init, nnx.state(model, nnx.Param)))
   layerwise = trainers_lib.uses_layerwise_step(config)
-  peak_of = lambda batch: memory_plan.model_peak(
-      model, params, state_bytes, batch=batch, seq=config.seq_len,
-      layerwise=layerwise)
-  peak = peak_of(config.batch_size)
+
+  def peak_of(batch, accumulation):
+    state_tx = (optax.MultiSteps(tx, accumulation).gradient_transformation()
+                if accumulation > 1 and not layerwise else tx)
+    state_bytes = memory_plan.tree_bytes(
+        jax.eval_shape(state_tx.init, nnx.state(model, nnx.Param)))
+    return memory_plan.model_peak(
+        model, params, state_bytes, batch=batch // accumulation,
+        seq=config.seq_len, layerwise=layerwise,
+        accumulation_steps=accumulation)
+
+  peak = peak_of(config.batch_size, config.grad_accum)
   if peak <= limit:
     return
+  splits = [n for n in range(config.grad_accum + 1, config.batch_size + 1)
+            if config.batch_size % n == 0
+            and peak_of(config.batch_size, n) <= limit]
   fitting = [b for b in range(config.batch_size - 1, 0, -1)
-             if peak_of(b) <= limit]
-  advice = [f'--batch-size {fitting[0]}'] if fitting else []
+             if b % config.grad_accum == 0
+             and peak_of(b, config.grad_accum) <= limit]
+  advice = [f'--grad-accum {splits[0]}'] if splits else []
+  advice += [f'--batch-size {fitting[0]}'] if fitting else []
   advice += [] if config.remat else ['--remat on']
   if precision.rounding == 'master':
     advice.append('--rounding stochastic')
@@ -139,6 +151,8 @@ def _check_memory(config: flags_lib.RunConfig, model, tx,
   holder = 'device has' if devices == 1 else f'{devices} devices have'
   raise flags_lib.FinetuneError(
       f'--optimizer {config.optimizer} at --batch-size {config.batch_size} '
+      + (f'(--grad-accum {config.grad_accum}) ' if config.grad_accum > 1
+         else '') +
       f'x --seq-len {config.seq_len} needs about {gb(peak)} (predicted), the '
       f'{holder} {gb(limit)}; try {advice}')
 
@@ -303,7 +317,11 @@ def prepare(config: flags_lib.RunConfig,
   log(f'optimizer {config.optimizer}: lr {lr:g} ({lr_source}), '
       f'warm-up {warmup}, '
       f'{config.steps} steps x batch {config.batch_size} x {config.seq_len} '
-      f'tokens, {objective}; step path: {trainer.path}')
+      f'tokens'
+      + (f' ({config.grad_accum} micro-batches of '
+         f'{config.batch_size // config.grad_accum})'
+         if config.grad_accum > 1 else '')
+      + f', {objective}; step path: {trainer.path}')
   log(f'16-bit updates: {precision_lib.describe(precision, *master_cost)} '
       f'({precision.why})')
   return PreparedRun(

@@ -14,6 +14,7 @@ import jax
 import numpy as np
 import optax
 
+from examples.finetune import data as data_lib
 from examples.finetune import landed as landed_lib
 from examples.finetune import losses as losses_lib
 from examples.finetune import memory_plan
@@ -79,26 +80,47 @@ class NnxTrainer:
   path = 'optax (nnx.Optimizer + nnx.jit)'
 
   def __init__(self, model, tx, needs_loss: bool,
-               measurement: Optional[landed_lib.Measurement] = None):
+               measurement: Optional[landed_lib.Measurement] = None,
+               accumulation_steps: int = 1):
+    """With ``accumulation_steps`` ``A > 1``, ``tx`` runs inside
+    ``optax.MultiSteps(tx, A)`` and each step is ``A`` calls of the jitted
+    micro-step, one per micro-batch (``data.micro_batches``)."""
     self.model = model
+    self.accumulation_steps = accumulation_steps
+    if accumulation_steps > 1:
+      tx = optax.MultiSteps(tx, accumulation_steps).gradient_transformation()
     self.optimizer = nnx.Optimizer(
         model, taco_optax.nnx.for_nnx_optimizer(tx), wrt=nnx.Param)
     self.measurement = measurement
     self._step = make_train_step(needs_loss, measurement)
+    self._micro_batch = jax.jit(
+        lambda batch, index: jax.tree.map(
+            lambda x: x[index],
+            data_lib.micro_batches(batch, accumulation_steps)))
+
+  def _micro_batches(self, batch):
+    if self.accumulation_steps == 1:
+      return [batch]
+    return [self._micro_batch(batch, index)
+            for index in range(self.accumulation_steps)]
 
   def compile(self, batch):
-    return self._step.lower(self.model, self.optimizer, batch).compile()
+    return self._step.lower(self.model, self.optimizer,
+                            self._micro_batches(batch)[0]).compile()
 
   def step(self, batch):
     if self.measurement is None:
-      return self._step(self.model, self.optimizer, batch)
+      losses = [self._step(self.model, self.optimizer, micro)
+                for micro in self._micro_batches(batch)]
+      return sum(losses) / len(losses)
     loss, counts = self._step(self.model, self.optimizer, batch)
     self.measurement.counts.add(counts)
     return loss
 
   @property
   def step_count(self) -> int:
-    return int(self.optimizer.step[...])
+    """Optimizer steps (``nnx.Optimizer`` counts every micro-step)."""
+    return int(self.optimizer.step[...]) // self.accumulation_steps
 
   def optimizer_state_bytes(self) -> int:
     return memory_plan.tree_bytes(
@@ -122,16 +144,25 @@ class LayerwiseTacoTrainer:
           'written into the weights during backprop')
 
   def __init__(self, model, tx: optax.GradientTransformation,
-               measurement: Optional[landed_lib.Measurement] = None):
+               measurement: Optional[landed_lib.Measurement] = None,
+               accumulation_steps: int = 1):
     """``tx`` is the ``taco_optax.taco`` transformation itself
-    (``optimizers.taco_optimizer``)."""
+    (``optimizers.taco_optimizer``); with ``accumulation_steps > 1`` each
+    batch is split into that many micro-batches inside the jitted step."""
     self.model = model
     self._layered = layered.layered_model(model)
     self.params = self._layered.params
     self.opt_state = tx.init(self.params)
     self.count = 0
     self.measurement = measurement
-    step = taco_optax.layerwise.train_step(self._layered.loss, tx)
+    if accumulation_steps == 1:
+      step = taco_optax.layerwise.train_step(self._layered.loss, tx)
+    else:
+      accumulated = taco_optax.layerwise.train_step(
+          self._layered.loss, tx, accumulation_steps=accumulation_steps)
+      step = lambda params, opt_state, batch: accumulated(
+          params, opt_state,
+          data_lib.micro_batches(batch, accumulation_steps))
     if measurement is not None:
       self._moves = landed_lib.layerwise_moves(
           self.params, measurement.dimension_numbers,
@@ -200,6 +231,7 @@ def make_trainer(config, model, tx: optax.GradientTransformation,
     measurement: what ``--measure-landed`` counts, if given.
   """
   if uses_layerwise_step(config):
-    return LayerwiseTacoTrainer(model, tx, measurement)
+    return LayerwiseTacoTrainer(model, tx, measurement,
+                                accumulation_steps=config.grad_accum)
   return NnxTrainer(model, tx, optimizers_lib.get(config.optimizer).needs_loss,
-                    measurement)
+                    measurement, accumulation_steps=config.grad_accum)

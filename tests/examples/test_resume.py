@@ -213,3 +213,85 @@ def test_stop_request_catches_a_signal_and_restores_handlers():
     # A second signal gets the default handling (here: pytest's SIGINT).
     assert signal.getsignal(signal.SIGINT) is before[signal.SIGINT]
   assert {n: signal.getsignal(n) for n in before} == before
+
+
+# A value other than the run's for every setting a resume must keep: the
+# words after the flag (the base run is test_changed_settings_are_refused's,
+# AdamW, 2 steps). A RunConfig field is either free (resume._FREE_FIELDS) or
+# listed here, so a new flag cannot slip past the resume check unnoticed.
+_OTHER_VALUES = {
+    'optimizer': ['taco'], 'lr': ['0.002'], 'steps': ['3'],
+    'batch_size': ['4'], 'grad_accum': ['2'], 'seq_len': ['20'],
+    'warmup_steps': ['1'], 'eval_size': ['5'], 'seed': ['7'],
+    'model': ['{root}/other-model'], 'dtype': ['bfloat16'],
+    'rounding': ['nearest'], 'measure_landed': [], 'remat': ['off'],
+    'remat_policy': ['dots_saveable'], 'scan_layers': ['on'],
+    'task': ['tweets'], 'train_file': ['{root}/other-train.jsonl'],
+    'test_file': ['{root}/other-test.jsonl'], 'label_words': ['neg=no,pos=yes'],
+    'template': ['{text}! It was'], 'max_new_tokens': ['3'],
+    'objective': ['completion'], 'taco_k': ['8'], 'taco_mu': ['0.9'],
+    'taco_step': ['optax'], 'mesh': ['data=1'],
+}
+
+
+def test_every_setting_that_must_match_is_listed():
+  from examples.finetune import flags  # pylint: disable=g-import-not-at-top
+  import dataclasses  # pylint: disable=g-import-not-at-top
+  fields = {f.name for f in dataclasses.fields(flags.RunConfig)}
+  checked = fields - resume._FREE_FIELDS  # pylint: disable=protected-access
+  assert checked == set(_OTHER_VALUES), (
+      'a setting a resume must keep has no test value (or a free one is '
+      f'listed): {sorted(checked ^ set(_OTHER_VALUES))}')
+
+
+def _with(args, flag, words):
+  """``args`` with ``flag`` set to ``words`` (replaced, or appended)."""
+  args = list(args)
+  if flag in args:
+    at = args.index(flag)
+    del args[at:at + 2]
+  return args + [flag, *words]
+
+
+def test_resume_refuses_another_value_of_every_setting(workspace, capsys):
+  from examples.finetune import flags  # pylint: disable=g-import-not-at-top
+  output_dir = workspace['root'] / 'resume-every-setting'
+  args = _args(workspace, output_dir, 'adamw', '--no-progress')
+  args[args.index('--steps') + 1] = '2'
+  assert cli.main(args) == 0
+  capsys.readouterr()
+  untouched = _tree_digest(output_dir)
+  accepted = []
+  for name, words in _OTHER_VALUES.items():
+    flag = flags.flag(name)
+    words = [w.replace('{root}', str(workspace['root'])) for w in words]
+    changed = _with(args, flag, words) if words else args + [flag]
+    if name == 'steps':  # the total: 3 would leave a step to train
+      changed = _with(args, flag, ['3'])
+    if cli.main(changed + ['--resume']) != 2:
+      accepted.append(flag)
+      continue
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith('error: --resume: '), (
+        flag, lines)
+    assert f'checkpoint has {flag} ' in lines[0], (flag, lines[0])
+  assert not accepted, f'resumed with another value of {accepted}'
+  assert _tree_digest(output_dir) == untouched, 'a refusal wrote something'
+
+
+def test_resume_refuses_other_training_data_under_the_same_name(
+    workspace, capsys):
+  train = workspace['root'] / 'resume-data.jsonl'
+  shutil.copy(workspace['train'], train)
+  output_dir = workspace['root'] / 'resume-data'
+  args = _with(_args(workspace, output_dir, 'adamw', '--no-progress'),
+               '--train-file', [str(train)])
+  args = _with(_with(args, '--steps', ['3']), '--checkpoint-every', ['1'])
+  assert cli.main(args) == 0
+  capsys.readouterr()
+  # The newest checkpoint left is step 2 of 3: a step is left to train.
+  shutil.rmtree(output_dir / _CHECKPOINTS / 'step_00000003')
+  with open(train, 'a') as f:
+    f.write(json.dumps({'text': 'new day', 'label': 'pos'}) + '\n')
+  message = _one_line_error(args + ['--resume'], capsys)
+  assert 'training data' in message, message

@@ -1,0 +1,166 @@
+"""Compiled peak memory of gradient accumulation, per path and ``A``.
+
+For the example's decoder (SmolLM2-135M shapes, remat on, params and state
+donated), compiles on abstract shapes (nothing is allocated) and reads XLA's
+``memory_analysis()`` of one optimizer step on ``A`` micro-batches of
+``--micro-batch`` sequences, for A = 1, 4, 16:
+
+* ``taco layerwise``: ``layerwise.train_step(loss, taco, accumulation_steps=A)``
+  (one call takes the ``A`` micro-batches);
+* ``MultiSteps(taco)`` and ``MultiSteps(adamw)``: ``optax.MultiSteps(tx, A)``
+  on the plain ``value_and_grad -> update -> apply_updates`` step (one call
+  per micro-batch; its state holds the float32 gradient accumulator);
+* ``taco layerwise, one batch``: the layer-wise step without accumulation on
+  the whole batch of ``A x micro-batch`` sequences (what accumulation saves).
+
+Overhead is (peak - forward peak of one micro-batch) / weight bytes. The last
+line is ``layerwise_A16_over_A1=<peak ratio> multisteps_taco_over_layerwise_A16=
+<peak ratio>``.
+
+  python -m benchmarks.accumulation [--dtype float32] [--micro-batch 4]
+      [--seq 64] [--layers N] [--write docs/accumulation.md]
+"""
+
+import argparse
+import contextlib
+import sys
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from benchmarks import memory
+from benchmarks import provenance
+from examples.finetune import memory_plan
+import taco_optax
+
+STEPS = (1, 4, 16)
+
+
+def _tokens(shape):
+  return jax.eval_shape(memory.token_batch,
+                        jax.ShapeDtypeStruct(shape, jnp.int32),
+                        jax.ShapeDtypeStruct(shape, jnp.bool_))
+
+
+def measure(*, dtype, micro_batch, seq, num_layers, scan_layers=True,
+            steps=STEPS):
+  """``(weights, forward peak, rows)``; rows are ``(A, path, peak, state)``."""
+  config, decoder = memory.abstract_decoder(
+      memory.SMOLLM2_135M, dtype=dtype, scan_layers=scan_layers,
+      num_layers=num_layers)
+  params = decoder.params
+  train = memory.layerwise_taco(decoder, config)
+  micro = _tokens((micro_batch, seq))
+  forward, _ = memory.peak_bytes(decoder.loss, (params, micro))
+  rows = []
+  for count in steps:
+    stacked = _tokens((count, micro_batch, seq))
+    state = jax.eval_shape(train.optimizer.init, params)
+    step = taco_optax.layerwise.train_step(decoder.loss, train.optimizer,
+                                           accumulation_steps=count)
+    peak, _ = memory.peak_bytes(step, (params, state, stacked), donate=(0, 1))
+    rows.append((count, 'taco layerwise', peak, memory_plan.tree_bytes(state)))
+    for name, tx in (('MultiSteps(taco)', train.optimizer),
+                     ('MultiSteps(adamw)', optax.adamw(1e-5))):
+      multi = optax.MultiSteps(tx, count)
+      state = jax.eval_shape(multi.init, params)
+      peak, _ = memory.peak_bytes(memory.plain_step(decoder.loss, multi),
+                                  (params, state, micro), donate=(0, 1))
+      rows.append((count, name, peak, memory_plan.tree_bytes(state)))
+    if count > 1:
+      state = jax.eval_shape(train.optimizer.init, params)
+      peak, _ = memory.peak_bytes(
+          train.step, (params, state, _tokens((count * micro_batch, seq))),
+          donate=(0, 1))
+      rows.append((count, 'taco layerwise, one batch', peak,
+                   memory_plan.tree_bytes(state)))
+  return memory_plan.tree_bytes(params), forward, rows
+
+
+def print_table(weights, forward, rows):
+  mib = lambda x: x / 2**20
+  print(f'weights {mib(weights):.1f} MiB, forward of one micro-batch '
+        f'{mib(forward):.1f} MiB')
+  print(f'{"A":>3}  {"path":<27}{"peak MiB":>10}{"state MiB":>11}'
+        f'{"overhead":>10}')
+  for count, path, peak, state in rows:
+    print(f'{count:>3}  {path:<27}{mib(peak):>10.1f}{mib(state):>11.1f}'
+          f'{(peak - forward) / weights:>10.3f}')
+  peaks = {(count, path): peak for count, path, peak, _ in rows}
+  largest = max(count for count, *_ in rows)
+  print(f'layerwise_A{largest}_over_A1='
+        f'{peaks[largest, "taco layerwise"] / peaks[1, "taco layerwise"]:.3f}'
+        f' multisteps_taco_over_layerwise_A{largest}='
+        f'{peaks[largest, "MultiSteps(taco)"] / peaks[largest, "taco layerwise"]:.3f}')
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+  parser.add_argument('--dtype', default='float32')
+  parser.add_argument('--micro-batch', type=int, default=4)
+  parser.add_argument('--seq', type=int, default=64)
+  parser.add_argument('--layers', type=int, default=None,
+                      help='override the number of layers (default: 30)')
+  parser.add_argument('--write', metavar='PATH', default=None,
+                      help='also write the output, with its provenance, as '
+                      'Markdown')
+  args = parser.parse_args()
+  output = memory._Tee()  # pylint: disable=protected-access
+  with contextlib.redirect_stdout(output):
+    print(f'SmolLM2-135M shapes, dtype={args.dtype}, micro-batch='
+          f'{args.micro_batch}, seq={args.seq}, layers={args.layers or 30} '
+          f'(scanned), remat on, backend={jax.default_backend()}')
+    print_table(*measure(dtype=jnp.dtype(args.dtype),
+                         micro_batch=args.micro_batch, seq=args.seq,
+                         num_layers=args.layers))
+  if args.write:
+    command = ' '.join(['python -m benchmarks.accumulation'] + sys.argv[1:])
+    with open(args.write, 'w') as f:
+      f.write(_DOC_HEAD.format(command=command, stamp=provenance.stamp(),
+                               table=output.getvalue()))
+
+
+_DOC_HEAD = """# Gradient accumulation at inference memory
+
+`taco_optax.layerwise.train_step(loss, taco(...), accumulation_steps=A)`
+takes a batch whose every leaf leads with a micro-batch axis of size `A` and
+makes one step on the mean gradient of the `A` micro-batches: the step
+`optax.MultiSteps(taco(...), A)` makes when fed them one at a time, without
+its float32 gradient-sized accumulator. The pieces run layer-major: the
+embedding and each layer's forward over the micro-batches one after another
+(keeping each one's layer inputs), the head's backward likewise, then each
+layer's backward over the `A` micro-batches, folding that one layer's
+gradient into a float32 running mean (MultiSteps' `acc + (g - acc)/(a + 1)`)
+before its column step.
+
+What is equal to `MultiSteps(taco(...), A)` (tests/test_accumulation.py):
+
+* bfloat16 parameters: params and the whole state, bit for bit;
+* float32: TACO's history (values, indices, exponents) and learning-rate
+  state bit for bit; the vectors' gradients (Adam's moments) are reduced in
+  another order by the per-layer backward, and a winner's `p - lr * s` may be
+  one fused multiply-add, as without accumulation;
+* a leaf read by both the embedding and the head (a tied token table): its
+  mean is `mean(head shares) + mean(embedding shares)` instead of
+  `mean(head share + embedding share)`: its stored indices and exponents are
+  still those of MultiSteps and of the numpy rule on the float64 mean
+  gradient (tests/reference.py); its stored FP8 values may differ by their
+  rounding.
+
+What costs memory beyond one micro-batch: the saved layer inputs of all `A`
+micro-batches (as large as the whole batch's), the `A` cotangents of the
+current layer's output, one layer's float32 gradient accumulator, and a
+float32 accumulator per outer leaf (the token table: its two-phase update
+needs the batch's tokens at the head, which accumulation spreads over `A`
+calls, so with `A > 1` the table's gradient is accumulated dense).
+
+Written by `{command}`, {stamp}.
+
+```
+{table}```
+"""
+
+
+if __name__ == '__main__':
+  main()

@@ -1,0 +1,159 @@
+"""Gradient accumulation in the layer-wise step equals optax.MultiSteps(taco)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import taco_optax
+from taco_optax import _alias
+from tests import reference
+from tests import test_train_step as case
+from tests.bitwise import assert_bitwise_equal
+
+LayeredLoss = taco_optax.layerwise.LayeredLoss
+MICRO = 3
+
+
+def _micro_batches(step, count=MICRO):
+  """``count`` micro-batches of 2 sequences: shape (count, 2, 8)."""
+  keys = jax.random.split(jax.random.key(200 + step), count)
+  return jnp.stack([jax.random.randint(k, (2, 8), 0, case.VOCAB)
+                    for k in keys])
+
+
+def _untied_params(scan_layers, dtype):
+  outer, layers = case._params(scan_layers, dtype)
+  w_head = (jax.random.normal(jax.random.key(7), (case.WIDTH, case.VOCAB))
+            / 4).astype(dtype)
+  return dict(outer, w_head=w_head), layers
+
+
+def _multisteps_run(loss, tx, params, steps, count=MICRO):
+  """``MultiSteps(tx, count)`` fed each micro-batch: params and inner state."""
+  multi = optax.MultiSteps(tx, count)
+  state = multi.init(params)
+
+  @jax.jit
+  def micro_step(params, state, batch):
+    grads = jax.grad(loss)(params, batch)
+    updates, state = multi.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  for step in range(steps):
+    for batch in _micro_batches(step, count):
+      params, state = micro_step(params, state, batch)
+  return params, state.inner_opt_state
+
+
+def _layerwise_run(loss, tx, params, steps, count=MICRO):
+  step_fn = jax.jit(taco_optax.layerwise.train_step(
+      loss, tx, accumulation_steps=count))
+  state = tx.init(params)
+  for step in range(steps):
+    params, state, _ = step_fn(params, state, _micro_batches(step, count))
+  return params, state
+
+
+@pytest.mark.parametrize('scan_layers', [True, False])
+@pytest.mark.parametrize('dtype', [jnp.float32, jnp.bfloat16])
+def test_untied_equals_multisteps_bit_for_bit(scan_layers, dtype):
+  loss = LayeredLoss(case._embed, case._layer, case._untied_head,
+                     scan_layers=scan_layers)
+  tx = taco_optax.taco(1e-2, mu=0.9, k=4, adam_learning_rate=1e-3,
+                       weight_dimension_numbers=case._matrix_dims)
+  params = _untied_params(scan_layers, dtype)
+  expected = _multisteps_run(loss, tx, params, steps=3)
+  got = _layerwise_run(loss, tx, params, steps=3)
+  # Every leaf's gradient comes from one part of the model and the mean is
+  # MultiSteps' own running mean: TACO's history, winners and learning-rate
+  # state match bit for bit. In float32 the vectors' gradients (Adam) are
+  # reduced in another order by the per-layer backward, and XLA may fuse a
+  # winner's ``p - lr * s`` into one FMA, exactly as without accumulation
+  # (test_train_step); in bfloat16 everything matches bit for bit.
+  if dtype == jnp.bfloat16:
+    assert_bitwise_equal(got, expected)
+  else:
+    case._assert_same_step(got, expected, exact_params=False)
+  for moved, before in zip(jax.tree.leaves(got[0]), jax.tree.leaves(params)):
+    assert not np.array_equal(moved, before)
+
+
+def test_one_micro_batch_equals_the_plain_step():
+  loss = LayeredLoss(case._embed, case._layer, case._head, scan_layers=True)
+  tx = taco_optax.taco(1e-2, mu=0.9, k=4,
+                       weight_dimension_numbers=case._matrix_dims)
+  params = case._params(True, jnp.float32)
+  state = tx.init(params)
+  batch = case._tokens(0)
+  plain = jax.jit(taco_optax.layerwise.train_step(loss, tx))(
+      params, state, batch)
+  one = jax.jit(taco_optax.layerwise.train_step(loss, tx,
+                                                accumulation_steps=1))(
+      params, state, batch[None])
+  assert_bitwise_equal(one, plain)
+
+
+def _mean_gradient(loss, params, micro_batches, path):
+  """float64 mean gradient of one outer leaf over the micro-batches."""
+  grads = [np.asarray(jax.grad(loss)(params, b)[0][path], np.float64)
+           for b in micro_batches]
+  return np.mean(grads, axis=0)
+
+
+@pytest.mark.parametrize('scan_layers', [True, False])
+def test_tied_table_matches_multisteps_winners_and_float64_reference(
+    scan_layers):
+  # The tied table's mean is mean(head) + mean(embedding), MultiSteps' is
+  # mean(head + embedding): same value, other rounding. Its winners and
+  # indices must still be MultiSteps' and the float64 rule's; every other
+  # leaf is bit for bit.
+  loss = LayeredLoss(case._embed, case._layer, case._head,
+                     scan_layers=scan_layers)
+  tx = taco_optax.taco(1e-2, mu=0.9, k=4,
+                       weight_dimension_numbers=case._matrix_dims)
+  params = case._params(scan_layers, jnp.float32)
+  expected = _multisteps_run(loss, tx, params, steps=3)
+  got = _layerwise_run(loss, tx, params, steps=3)
+  assert_bitwise_equal(got[0][1], expected[0][1])  # the layers
+  got_dir = _alias.taco_states(got[1]).direction
+  want_dir = _alias.taco_states(expected[1]).direction
+  assert_bitwise_equal(got_dir.indices, want_dir.indices)
+  for g, w in zip(jax.tree.leaves(got_dir.values),
+                  jax.tree.leaves(want_dir.values)):
+    np.testing.assert_allclose(np.asarray(g, np.float32),
+                               np.asarray(w, np.float32), rtol=0.07)
+  # The table moved at the same winners by the same step.
+  np.testing.assert_allclose(got[0][0]['embedding'],
+                             expected[0][0]['embedding'], rtol=0, atol=1e-6)
+
+  # The numpy rule (tests/reference.py, the library's FP8 storage) on the
+  # float64 mean gradient: the same indices (winners first) at every step.
+  current, state = params, tx.init(params)
+  step_fn = jax.jit(taco_optax.layerwise.train_step(
+      loss, tx, accumulation_steps=MICRO))
+  history = reference.init(case.WIDTH, case.VOCAB, k=4)
+  for step in range(3):
+    # (vocab, width) with dims (0, 1): the paper's G is its transpose.
+    mean = _mean_gradient(loss, current, _micro_batches(step), 'embedding')
+    _, history = reference.step(mean.T.astype(np.float32), history, mu=0.9,
+                                scale=1.0)
+    current, state, _ = step_fn(current, state, _micro_batches(step))
+    table = _alias.taco_states(state).direction
+    np.testing.assert_array_equal(table.indices[0]['embedding'],
+                                  history.indices)
+    np.testing.assert_array_equal(table.exponents[0]['embedding'],
+                                  history.exponents)
+
+
+def test_refuses_a_batch_without_the_micro_batch_axis():
+  loss = LayeredLoss(case._embed, case._layer, case._head, scan_layers=True)
+  tx = taco_optax.taco(1e-2, weight_dimension_numbers=case._matrix_dims)
+  params = case._params(True, jnp.float32)
+  step = taco_optax.layerwise.train_step(loss, tx, accumulation_steps=4)
+  with pytest.raises(ValueError, match='accumulation_steps=4 but the batch '
+                     'has 3 micro-batches'):
+    step(params, tx.init(params), _micro_batches(0))
+  with pytest.raises(ValueError, match='accumulation_steps must be an int'):
+    taco_optax.layerwise.train_step(loss, tx, accumulation_steps=0)
