@@ -35,22 +35,28 @@ from benchmarks import provenance
 from benchmarks import tunix_models
 
 MODES = ('peft_adamw', 'peft_taco', 'layerwise_taco')
+# Compiled only: gradient_accumulation_steps=ACCUMULATION (micro-batches of
+# BATCH sequences).
+ACCUMULATING = ('peft_taco_accum', 'layerwise_taco_accum')
+ACCUMULATION = 4
 SIZE = dict(layers=12, vocab=16384, dim=512, hidden=1536, heads=8,
             head_dim=64, kv_heads=4, tied=False)
 BATCH, SEQ, STEPS, RSS_STEP = 4, 128, 5, 3
 
 
 def trainer(mode: str, steps: int = STEPS):
-  """The mode's trainer on a fresh ~55M Qwen3."""
+  """The mode's trainer on a fresh ~55M Qwen3 (``*_accum``: accumulating)."""
   from tunix.sft import peft_trainer  # pylint: disable=import-outside-toplevel
   from taco_optax import tunix as taco_tunix  # pylint: disable=import-outside-toplevel
   model = tunix_models.qwen3(**SIZE)
   optimizer = (optax.adamw(1e-4) if mode == 'peft_adamw'
                else tunix_models.taco(1e-4))
-  cls = (taco_tunix.LayerwisePeftTrainer if mode == 'layerwise_taco'
+  cls = (taco_tunix.LayerwisePeftTrainer if mode.startswith('layerwise')
          else peft_trainer.PeftTrainer)
-  config = peft_trainer.TrainingConfig(eval_every_n_steps=1000,
-                                       max_steps=steps, pbar_description=None)
+  config = peft_trainer.TrainingConfig(
+      eval_every_n_steps=1000, max_steps=steps, pbar_description=None,
+      gradient_accumulation_steps=(ACCUMULATION if mode.endswith('_accum')
+                                   else None))
   return cls(model, optimizer, config).with_gen_model_input_fn(
       tunix_models.model_input)
 
@@ -86,6 +92,9 @@ def compiled(mode: str) -> dict[str, Any]:
   donate = tuple(i for i, name in enumerate(('model', 'optimizer'))
                  if name in donated)
   batch = jax.tree.map(np.asarray, data(1)[0])
+  if getattr(run, 'fused_accumulation_steps', None):  # a group of micro-batches
+    batch = jax.tree.map(lambda x: np.stack([x] * ACCUMULATION, axis=1),
+                         batch)
   stats = jax.jit(pure, donate_argnums=donate).lower(
       model_state, opt_state, batch).compile().memory_analysis()
   params = nnx.state(run.model, nnx.Param)
@@ -170,7 +179,7 @@ def report(rows: dict[str, dict[str, Any]]) -> str:
       '| trainer | optimizer state MiB | compiled peak MiB | temporaries MiB '
       '| aliased MiB | peak RSS MiB |',
       '|---|---:|---:|---:|---:|---:|']
-  for mode in ('forward',) + MODES:
+  for mode in ('forward',) + MODES + ACCUMULATING:
     row = rows[mode]
     lines.append(
         f'| {mode} | {"-" if mode == "forward" else _mib(row["state_bytes"])}'
@@ -186,6 +195,10 @@ def report(rows: dict[str, dict[str, Any]]) -> str:
       '(updated in place; PeftTrainer donates only the optimizer state). '
       f'It is {above_forward:.2f}x the weights above the forward pass alone '
       '(`forward`: tunix\'s eval step).', '',
+      f'`*_accum`: `gradient_accumulation_steps={ACCUMULATION}`, '
+      f'micro-batches of {BATCH} (compiled only): PeftTrainer wraps TACO in '
+      '`optax.MultiSteps` (a float32 gradient-sized accumulator in the state); '
+      'the layer-wise trainer takes the group in one step, layer by layer.', '',
       'Losses of the first steps (PeftTrainer + TACO, then the layer-wise '
       'trainer): ' + ', '.join(f'{x:.6f}' for x in peft) + '; '
       + ', '.join(f'{x:.6f}' for x in ours) + f'. Largest relative '
@@ -205,7 +218,7 @@ def main(argv=None):
     if args.measure:
       print(json.dumps(measured(args.measure)))
       return
-    rows = {'forward': compiled('forward')}
+    rows = {mode: compiled(mode) for mode in ('forward',) + ACCUMULATING}
     for mode in MODES:
       rows[mode] = compiled(mode) | in_subprocess(mode)
       print(mode, {k: v for k, v in rows[mode].items() if k != 'losses'},

@@ -12,12 +12,14 @@ state keeps the layout of ``PeftTrainer``'s, so checkpoints of either resume
 in the other.
 """
 
+import dataclasses
 import functools
 import logging
 from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from taco_optax import _alias
@@ -70,11 +72,22 @@ class LayerwisePeftTrainer(peft_trainer.PeftTrainer):
   ``lm_head``: ``Qwen3``, ``Llama3``, ``Gemma3``...) trained with tunix's
   default loss on full parameters.
 
+  ``gradient_accumulation_steps=A`` is fused into the step: the trainer
+  groups each ``A`` consecutive batches of ``train_ds`` (an incomplete last
+  group is dropped, as ``optax.MultiSteps`` would never apply it) and runs
+  the layer-wise step with ``accumulation_steps=A`` on the group, layer by
+  layer, with no gradient-sized buffer; the result is ``PeftTrainer``'s
+  (``optax.MultiSteps``) on the same batches. tunix then counts one
+  iteration per optimizer step (``trainer.config`` has
+  ``gradient_accumulation_steps=None``), and the optimizer state has no
+  ``MultiSteps`` wrapper: a checkpoint of ``PeftTrainer`` with accumulation
+  does not resume here, nor the other way round.
+
   Where the layer-wise step does not apply, the trainer logs one warning
   naming the reason and runs ``PeftTrainer``'s own step, which is correct but
-  keeps the dense gradients: ``gradient_accumulation_steps`` > 1
-  (``optax.MultiSteps``), LoRA, a loss set with ``with_loss_fn``, or a model
-  of another shape.
+  keeps the dense gradients: LoRA, a loss set with ``with_loss_fn``, or a
+  model of another shape (with accumulation, a loss set later is refused:
+  the ``MultiSteps`` fallback would have to be built with the trainer).
 
   The ``grad_norm`` metric is ``NaN`` on the layer-wise step: no whole
   gradient exists to take the norm of. The train step donates the model's
@@ -96,17 +109,23 @@ class LayerwisePeftTrainer(peft_trainer.PeftTrainer):
           'LayerwisePeftTrainer runs the layer-wise TACO step and needs the '
           'transformation taco_optax.taco(...) returns, unwrapped; use '
           f'tunix\'s PeftTrainer for other optimizers. ({error})') from None
+    steps = training_config.gradient_accumulation_steps
+    self._fused_steps = None
+    if steps not in (None, 1) and _fusable(model):
+      self._fused_steps = steps
+      training_config = dataclasses.replace(training_config,
+                                            gradient_accumulation_steps=None)
     super().__init__(model, optimizer, training_config, *args, **kwargs)
 
   donated_arguments = ('model', 'optimizer')
 
+  @property
+  def fused_accumulation_steps(self) -> Optional[int]:
+    """``A`` when gradient accumulation runs inside the layer-wise step."""
+    return self._fused_steps
+
   def fallback_reason(self) -> Optional[str]:
     """Why this trainer runs ``PeftTrainer``'s step, or ``None``."""
-    steps = self.config.gradient_accumulation_steps
-    if steps not in (None, 1):
-      return (f'gradient_accumulation_steps={steps} is not fused into the '
-              'layer-wise step yet (optax.MultiSteps keeps a dense '
-              'gradient-sized buffer)')
     if self._lora_enabled:
       return 'the model has LoRA parameters'
     if self.loss_fn is not peft_trainer._default_loss_fn:  # pylint: disable=protected-access
@@ -115,6 +134,12 @@ class LayerwisePeftTrainer(peft_trainer.PeftTrainer):
 
   def create_train_step_fn(self):
     reason = self.fallback_reason()
+    if reason is not None and self._fused_steps:
+      raise ValueError(
+          f'LayerwisePeftTrainer: {reason}, which needs PeftTrainer\'s step, '
+          f'but gradient_accumulation_steps={self._fused_steps} was fused '
+          'into the layer-wise step when the trainer was built; use '
+          'PeftTrainer for this loss.')
     if reason is not None:
       _logger.warning(
           'LayerwisePeftTrainer: %s; running PeftTrainer\'s train step '
@@ -139,8 +164,27 @@ class LayerwisePeftTrainer(peft_trainer.PeftTrainer):
     self._jitted_eval_step_fn = functools.partial(bind(evaluate, self.model))
     return self._jitted_train_step_fn, self._jitted_eval_step_fn
 
+  def train(self, train_ds, eval_ds=None, skip_jit=False, **kwargs):
+    """tunix's loop; with fused accumulation, over groups of batches."""
+    if self._fused_steps:
+      if self.data_hooks is not None:
+        raise ValueError('LayerwisePeftTrainer: data hooks with fused '
+                         'gradient accumulation are not supported; pass the '
+                         'batches as train_ds.')
+      train_ds = _Grouped(train_ds, self._fused_steps)
+    return super().train(train_ds, eval_ds, skip_jit, **kwargs)
+
+  def _model_inputs(self, inputs):
+    if not self._fused_steps:
+      return self.gen_model_input_fn(inputs)
+    # A group stacked on axis 1 (tunix shards axis 0, the batch, on a mesh).
+    micro = [self.gen_model_input_fn(jax.tree.map(lambda x, i=i: x[:, i],
+                                                  inputs))
+             for i in range(self._fused_steps)]
+    return jax.tree.map(lambda *xs: jnp.stack(xs), *micro)
+
   def _layerwise_train_step(self, model, optimizer, inputs):
-    inputs = self.gen_model_input_fn(inputs)
+    inputs = self._model_inputs(inputs)
     if inputs.get('images') is not None:
       raise ValueError('LayerwisePeftTrainer: image inputs are not supported '
                        'by the layer-wise step; use PeftTrainer.')
@@ -148,7 +192,8 @@ class LayerwisePeftTrainer(peft_trainer.PeftTrainer):
     relayout = layered.relayout
     params = nnx.as_pure(nnx.state(model, nnx.Param))
     step = _train_step.step_from_parts(
-        layered.loss, pair_parts(self._taco_parts, params, relayout))
+        layered.loss, pair_parts(self._taco_parts, params, relayout),
+        accumulation_steps=self._fused_steps)
     new_params, new_state, loss = step(
         relayout.forward(params),
         relayout.forward_state(nnx.as_pure(optimizer.opt_state)), inputs)
@@ -163,3 +208,24 @@ def _physical_mesh():
   """The mesh tunix trains under (``with mesh:``), as its trainer reads it."""
   from jax.interpreters import pxla  # pylint: disable=import-outside-toplevel
   return pxla.thread_resources.env.physical_mesh
+
+
+def _fusable(model) -> bool:
+  from tunix.sft import utils  # pylint: disable=import-outside-toplevel
+  return (not utils.is_lora_enabled(model)
+          and _tunix_model.unsupported(model) is None)
+
+
+class _Grouped:
+  """``A`` consecutive batches of ``batches`` stacked on a new axis 1."""
+
+  def __init__(self, batches, steps: int):
+    self._batches, self._steps = batches, steps
+
+  def __iter__(self):
+    group = []
+    for batch in self._batches:
+      group.append(batch)
+      if len(group) == self._steps:
+        yield jax.tree.map(lambda *xs: np.stack(xs, axis=1), *group)
+        group = []

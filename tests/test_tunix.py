@@ -128,17 +128,48 @@ def test_checkpoint_resumes(tmp_path, first):
                peft_trainer.PeftTrainer)
 
 
-def test_accumulation_falls_back_to_peft_step_with_one_warning(caplog):
+def _taco_winners(trainer):
+  state = nnx.as_pure(trainer.optimizer.opt_state)
+  state = getattr(state, 'inner_opt_state', state)  # optax.MultiSteps
+  return taco_optax._alias.taco_states(state).direction.indices  # pylint: disable=protected-access
+
+
+def test_accumulation_is_fused_and_matches_multisteps(caplog):
+  """gradient_accumulation_steps=2 in the layer-wise step (no warning, no
+  MultiSteps buffer) = PeftTrainer's MultiSteps on the same 4 batches."""
   data = tunix_models.batches(4)
   with caplog.at_level(logging.WARNING, logger='taco_optax'):
     ours = _train(taco_tunix.LayerwisePeftTrainer, MODELS['qwen3'](), 2,
                   data, gradient_accumulation_steps=2)
-  warnings = [r for r in caplog.records if r.name == 'taco_optax']
-  assert len(warnings) == 1
-  assert 'gradient_accumulation_steps=2' in warnings[0].getMessage()
+  assert not [r for r in caplog.records if r.name == 'taco_optax']
+  assert ours.train_steps == 2
   peft = _train(peft_trainer.PeftTrainer, MODELS['qwen3'](), 2, data,
                 gradient_accumulation_steps=2)
-  _assert_same(ours, peft)
+  np.testing.assert_allclose(_losses(ours), _losses(peft), rtol=1e-5)
+  chex_like = zip(jax.tree.leaves(_taco_winners(ours)),
+                  jax.tree.leaves(_taco_winners(peft)), strict=True)
+  for mine, theirs in chex_like:
+    np.testing.assert_array_equal(mine, theirs)
+  for mine, theirs in zip(
+      jax.tree.leaves(nnx.as_pure(nnx.state(ours.model, nnx.Param))),
+      jax.tree.leaves(nnx.as_pure(nnx.state(peft.model, nnx.Param))),
+      strict=True):
+    np.testing.assert_allclose(mine, theirs, atol=1e-5)
+  state_bytes = lambda t: sum(x.nbytes for x in jax.tree.leaves(
+      nnx.as_pure(t.optimizer.opt_state)))
+  params_bytes = sum(x.nbytes for x in jax.tree.leaves(
+      nnx.as_pure(nnx.state(ours.model, nnx.Param))))
+  # MultiSteps holds a float32 gradient-sized accumulator; the fused step not.
+  assert state_bytes(peft) - state_bytes(ours) >= params_bytes
+
+
+def test_accumulation_with_a_later_custom_loss_is_refused():
+  trainer = taco_tunix.LayerwisePeftTrainer(
+      MODELS['qwen3'](), tunix_models.taco(),
+      _config(1, gradient_accumulation_steps=2))
+  trainer.with_loss_fn(lambda model, **inputs: jnp.zeros(()))
+  with pytest.raises(ValueError, match='use PeftTrainer for this loss'):
+    trainer.create_train_step_fn()
 
 
 def test_custom_loss_falls_back_with_its_reason(caplog):
