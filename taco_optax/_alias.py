@@ -10,6 +10,7 @@ import jax
 import optax
 
 from taco_optax import _dimension_numbers as dn
+from taco_optax import _inject_guard
 from taco_optax import _kernels
 from taco_optax import _leaf
 from taco_optax import _prefix
@@ -151,7 +152,10 @@ def taco(
   :func:`optax.adamw`. Routing uses :func:`optax.partition` with labels
   computed from shapes only, as :func:`optax.contrib.muon` does.
 
-  With :func:`optax.inject_hyperparams`, pass ``static_args=('k',)``.
+  With :func:`optax.inject_hyperparams`, pass ``static_args=('k',)``, plus
+  ``weight_dimension_numbers`` and ``update_scale`` when they are callables
+  (optax would call them as schedules; taco refuses that with the names to
+  add); trees of them need no ``static_args``.
 
   The paper's defaults: ``learning_rate=3e-5``, ``k=16``, ``mu=0.95``, batch
   size 4, linear schedule with 50 warm-up steps, scale 1 for the token
@@ -226,6 +230,7 @@ def taco(
     TACO: Ternary Absolute-max Column-wise One-sparse Optimizer for LLM
     Fine-Tuning, 2026.
   """
+  _inject_guard.refuse_scheduled_routing('taco_optax.taco')
   parts = _parts(
       learning_rate, k, mu, update_topk=update_topk,
       weight_dimension_numbers=weight_dimension_numbers,
