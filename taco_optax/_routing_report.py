@@ -67,17 +67,34 @@ class RoutingReport(NamedTuple):
         f'{sum(_size(r.shape) for r in self.rows):,} parameters), the rest '
         f'to Adam; optimizer state {self.state_bytes:,} B vs AdamW '
         f'{self.adamw_state_bytes:,} B ({ratio:.1f}x smaller)']
-    table = [('path', 'shape', 'dtype', 'route', 'm x n', 'state B', 'why')]
-    for row in self.rows:
-      matrix = ('' if row.route != 'taco' else
-                f'{row.matrices} x ' * (row.matrices > 1)
-                + f'{row.m} x {row.n}, k={row.k}, s={row.scale:.3g}')
-      table.append((row.path, str(row.shape), row.dtype, row.route, matrix,
-                    f'{row.state_bytes:,}', row.why))
+    table = [('path', 'shape', 'dtype', 'route', 'm x n', 'state B each',
+              'why')]
+    for (path, *cells), count in _grouped(self.rows):
+      table.append((path + (f' (x{count})' if count > 1 else ''), *cells))
     widths = [max(len(line[i]) for line in table) for i in range(6)]
     lines += ['  '.join(cell.ljust(w) for cell, w in zip(line, widths))
               + '  ' + line[6] for line in table]
     return '\n'.join(line.rstrip() for line in lines)
+
+
+def _cells(row: LeafRoute) -> tuple[str, ...]:
+  matrix = ('' if row.route != 'taco' else
+            f'{row.matrices} x ' * (row.matrices > 1)
+            + f'{row.m} x {row.n}, k={row.k}, s={row.scale:.3g}')
+  return (str(row.shape), row.dtype, row.route, matrix,
+          f'{row.state_bytes:,}', row.why)
+
+
+def _grouped(rows: tuple[LeafRoute, ...]) -> list[tuple[tuple[str, ...], int]]:
+  """Rows alike but for layer numbers in their paths, as one ``*`` row."""
+  groups: dict[tuple[str, ...], list[Any]] = {}
+  for row in rows:
+    path = '/'.join('*' if part.isdigit() else part
+                    for part in row.path.split('/'))
+    group = groups.setdefault((path,) + _cells(row), [row.path, 0])
+    group[1] += 1
+  return [((key[0] if count > 1 else first,) + key[1:], count)
+          for key, (first, count) in groups.items()]
 
 
 def _size(shape: tuple[int, ...]) -> int:
@@ -144,9 +161,9 @@ def routing_report(tx: optax.GradientTransformation, params: Any
     >>> print(report)  # doctest: +NORMALIZE_WHITESPACE
     TACO routing: 1 of 2 leaves to TACO (2,048 of 2,080 parameters), the rest
     to Adam; optimizer state 5,452 B vs AdamW 16,644 B (3.1x smaller)
-    path  shape     dtype    route  m x n                 state B  why
-    b     (32,)     float32  adam                         256      vector
-    w     (64, 32)  float32  taco   32 x 64, k=16, s=0.5  5,184    reduction (0,), output (1,)
+    path  shape     dtype    route  m x n                 state B each  why
+    b     (32,)     float32  adam                         256           vector
+    w     (64, 32)  float32  taco   32 x 64, k=16, s=0.5  5,184         reduction (0,), output (1,)
   """
   parts = _alias.parts_of(tx)
   params = _abstract(params)

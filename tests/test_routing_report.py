@@ -111,3 +111,12 @@ def test_report_reads_nnx_states_and_wrapped_optimizers():
   with pytest.raises(ValueError, match='taco_optax.taco'):
     taco_optax.routing_report(
         optax.inject_hyperparams(taco_optax.taco)(1e-3), {'w': jnp.ones(2)})
+
+
+def test_report_text_groups_layers_alike():
+  params = {'layers': [{'w': jnp.ones((8, 4)), 'b': jnp.ones((4,))}
+                       for _ in range(3)], 'head': jnp.ones((4, 2))}
+  text = str(taco_optax.routing_report(taco_optax.taco(1e-3), params))
+  assert 'layers/*/w (x3)' in text and 'layers/*/b (x3)' in text
+  assert 'head ' in text and '(x' not in text.split('head ')[1].split('\n')[0]
+  assert len(text.splitlines()) == 2 + 3

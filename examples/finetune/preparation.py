@@ -15,6 +15,8 @@ import jax
 import jax.numpy as jnp
 import tokenizers
 
+import taco_optax
+
 from examples.finetune import checkpoint as checkpoint_lib
 from examples.finetune import data as data_lib
 from examples.finetune import evaluation as evaluation_lib
@@ -306,6 +308,8 @@ def prepare(config: flags_lib.RunConfig,
       f'tokens, {objective}; step path: {trainer.path}')
   log(f'16-bit updates: {precision_lib.describe(precision, *master_cost)} '
       f'({precision.why})')
+  if config.optimizer == 'taco':  # which weights TACO updates, and the bytes
+    log(str(taco_optax.routing_report(tx, nnx.state(model, nnx.Param))))
   return PreparedRun(
       config=config, checkpoints=checkpoints, task=task, held_out=held_out,
       eval_set=eval_set, tokenizer=tokenizer,
