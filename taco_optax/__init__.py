@@ -2,7 +2,8 @@
 
 The optimizer: :func:`taco` (TACO on matrices, AdamW on the rest),
 :func:`scale_by_taco` (the direction alone), :class:`TacoState`,
-:class:`TacoDimensionNumbers` and :func:`state_shardings`; and
+:class:`TacoDimensionNumbers`, :func:`state_shardings` and
+:func:`routing_report` (which leaves go to TACO, and the state's bytes); and
 :func:`stochastic_rounding`, which :func:`taco` ends with for 16-bit
 parameters and any optax chain can end with. The memory-lean
 layer-wise train step lives in :mod:`taco_optax.layerwise`, Flax NNX support
@@ -14,6 +15,7 @@ from taco_optax import layerwise
 from taco_optax._alias import taco
 from taco_optax._dimension_numbers import TacoDimensionNumbers
 from taco_optax._rounding import stochastic_rounding
+from taco_optax._routing_report import routing_report
 from taco_optax._state_shardings import state_shardings
 from taco_optax._transform import scale_by_taco
 from taco_optax._transform import TacoState
@@ -45,6 +47,7 @@ def __getattr__(name):
 __all__ = (
     'TacoDimensionNumbers',
     'TacoState',
+    'routing_report',
     'scale_by_taco',
     'state_shardings',
     'stochastic_rounding',

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import weakref
 from typing import Any, Callable, NamedTuple, Optional, Union
 
@@ -9,6 +10,7 @@ import jax
 import optax
 
 from taco_optax import _dimension_numbers as dn
+from taco_optax import _inject_guard
 from taco_optax import _kernels
 from taco_optax import _leaf
 from taco_optax import _prefix
@@ -17,6 +19,8 @@ from taco_optax import _transform
 
 TACO_LABEL = 'taco'
 ADAM_LABEL = 'adam'
+
+_logger = logging.getLogger('taco_optax')
 
 
 class TacoParts(NamedTuple):
@@ -44,6 +48,8 @@ class TacoParts(NamedTuple):
       (``_rounding.stochastic_rounding``), ``None`` with ``'nearest'``; the
       Adam branch ends with its own.
     rounding_seed: the seed of the stochastic rounding's random bits.
+    default_routing: ``weight_dimension_numbers`` was not given: every
+      rank-2 leaf is a matrix, nothing else.
   """
   param_labels: Callable[[Any], Any]
   dimension_numbers: Callable[[Any], Any]
@@ -56,6 +62,7 @@ class TacoParts(NamedTuple):
   implementation: str
   rounding: Optional[optax.GradientTransformation]
   rounding_seed: int
+  default_routing: bool = False
 
   def plans(self, params: Any) -> list[Optional[_leaf.LeafPlan]]:
     """One :class:`LeafPlan` per leaf of ``params`` (``None``: Adam)."""
@@ -145,7 +152,10 @@ def taco(
   :func:`optax.adamw`. Routing uses :func:`optax.partition` with labels
   computed from shapes only, as :func:`optax.contrib.muon` does.
 
-  With :func:`optax.inject_hyperparams`, pass ``static_args=('k',)``.
+  With :func:`optax.inject_hyperparams`, pass ``static_args=('k',)``, plus
+  ``weight_dimension_numbers`` and ``update_scale`` when they are callables
+  (optax would call them as schedules; taco refuses that with the names to
+  add); trees of them need no ``static_args``.
 
   The paper's defaults: ``learning_rate=3e-5``, ``k=16``, ``mu=0.95``, batch
   size 4, linear schedule with 50 warm-up steps, scale 1 for the token
@@ -220,6 +230,7 @@ def taco(
     TACO: Ternary Absolute-max Column-wise One-sparse Optimizer for LLM
     Fine-Tuning, 2026.
   """
+  _inject_guard.refuse_scheduled_routing('taco_optax.taco')
   parts = _parts(
       learning_rate, k, mu, update_topk=update_topk,
       weight_dimension_numbers=weight_dimension_numbers,
@@ -238,8 +249,38 @@ def taco(
       },
       param_labels=parts.param_labels,
   )
+  if parts.default_routing:
+    optimizer = optimizer._replace(init=_warning_of_unrouted(optimizer.init))
   _PARTS[optimizer.update] = parts
   return optimizer
+
+
+def _warning_of_unrouted(init: Callable[[Any], Any]) -> Callable[[Any], Any]:
+  """``init`` that says, once per call, which leaves the default leaves out.
+
+  The default routing sends every rank >= 3 leaf to Adam: right for a
+  leaf that is not a matrix, silently wrong for an attention einsum kernel
+  ``(D, N, H)`` or a stacked layer's ``(L, in, out)``.
+  """
+
+  def init_fn(params):
+    unrouted = dn.unrouted_by_default(params)
+    if unrouted:
+      shown = ', '.join(f'{name} {shape}' for name, shape in unrouted[:8])
+      more = f' and {len(unrouted) - 8} more' if len(unrouted) > 8 else ''
+      _logger.warning(
+          'taco(): %d floating leaves of rank >= 3 go to Adam, not TACO, '
+          'because weight_dimension_numbers was not given (the default takes '
+          'rank-2 leaves only): %s%s. Give their axes: '
+          'weight_dimension_numbers=taco_optax.nnx.dimension_numbers(model) '
+          'for a Flax NNX model, or a tree with '
+          'TacoDimensionNumbers(reduction_axis, output_axis) (tuples for '
+          'einsum kernels, e.g. (0, (1, 2)) for a (D, N, H) query) and None '
+          'for Adam; taco_optax.routing_report(tx, params) shows the routing.',
+          len(unrouted), shown, more)
+    return init(params)
+
+  return init_fn
 
 
 def _parts(learning_rate: optax.ScalarOrSchedule, k: Optional[int],
@@ -253,7 +294,8 @@ def _parts(learning_rate: optax.ScalarOrSchedule, k: Optional[int],
   """:func:`taco`'s pieces; ``adam`` is ``(b1, b2, eps, eps_root, decay)``."""
   if adam_learning_rate is None:
     adam_learning_rate = learning_rate
-  if weight_dimension_numbers is None:
+  default_routing = weight_dimension_numbers is None
+  if default_routing:
     weight_dimension_numbers = dn.rank2_matrices
   implementation = _kernels.resolve(implementation)
   stochastic = _rounding.check_mode(rounding) == 'stochastic'
@@ -287,7 +329,7 @@ def _parts(learning_rate: optax.ScalarOrSchedule, k: Optional[int],
       update_scale=update_scale, implementation=implementation,
       rounding=(_rounding.stochastic_rounding(rounding_seed) if stochastic
                 else None),
-      rounding_seed=rounding_seed)
+      rounding_seed=rounding_seed, default_routing=default_routing)
 
 
 def _adam(learning_rate, b1, b2, eps, eps_root, weight_decay, *,

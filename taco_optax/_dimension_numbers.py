@@ -11,6 +11,7 @@ import math
 from typing import Any, Callable, NamedTuple, Sequence, Union
 
 import jax
+import jax.numpy as jnp
 import optax
 
 from taco_optax import _prefix
@@ -44,7 +45,7 @@ def is_dimension_numbers(x: Any) -> bool:
   return isinstance(x, TacoDimensionNumbers)
 
 
-def _as_tuple(axes: Axes) -> tuple[int, ...]:
+def as_tuple(axes: Axes) -> tuple[int, ...]:
   return (axes,) if isinstance(axes, int) else tuple(axes)
 
 
@@ -60,7 +61,7 @@ def normalize_axes(shape: tuple[int, ...], dim_nums: TacoDimensionNumbers
         'numbers.')
   named = {}
   for field in ('reduction_axis', 'output_axis'):
-    axes = _as_tuple(getattr(dim_nums, field))
+    axes = as_tuple(getattr(dim_nums, field))
     if not axes:
       raise ValueError(f'{field} is empty in {dim_nums} for shape {shape}.')
     for ax in axes:
@@ -157,3 +158,23 @@ def leaf_dimension_numbers(weight_dimension_numbers: WeightDimNumOrFn | None,
   """
   return _prefix.per_leaf(resolve(weight_dimension_numbers, tree), tree,
                           is_prefix_leaf)
+
+
+def path_name(path: tuple[Any, ...]) -> str:
+  """``'layers/0/attn/q_proj/w'`` for a key path (a Variable's ``.value``
+  entry left out, so pure and Variable states name leaves alike)."""
+  names = []
+  for entry in path:
+    if isinstance(entry, jax.tree_util.GetAttrKey):
+      if entry.name != 'value':
+        names.append(entry.name)
+    else:
+      names.append(str(getattr(entry, 'key', getattr(entry, 'idx', entry))))
+  return '/'.join(names)
+
+
+def unrouted_by_default(params: Any) -> list[tuple[str, tuple[int, ...]]]:
+  """Floating leaves of rank >= 3, which :func:`rank2_matrices` leaves out."""
+  return [(path_name(path), tuple(x.shape))
+          for path, x in jax.tree_util.tree_leaves_with_path(params)
+          if jnp.ndim(x) >= 3 and jnp.issubdtype(x.dtype, jnp.floating)]

@@ -32,6 +32,7 @@ kernels' ``(N, k)`` rows here too (:func:`history_rows`,
 :func:`stored_history`).
 """
 
+import math
 import logging
 import os
 from typing import NamedTuple, Optional, Union
@@ -208,13 +209,31 @@ def column_step(grad_rows: jax.Array, values: jax.Array, indices: jax.Array,
 
 def history_rows(stored: jax.Array) -> jax.Array:
   """The stored ``batch + (k, n)`` history as ``(N, k)`` rows, ``N = B n``."""
-  return jnp.swapaxes(stored, -1, -2).reshape(-1, stored.shape[-2])
+  # Explicit sizes: ``-1`` is undefined when ``k`` is 0 (a matrix of 0 rows).
+  rows = math.prod(stored.shape[:-2]) * stored.shape[-1]
+  return jnp.swapaxes(stored, -1, -2).reshape(rows, stored.shape[-2])
 
 
 def stored_history(rows: jax.Array, shape: tuple[int, ...]) -> jax.Array:
   """:func:`history_rows`' inverse, for a stored history of ``shape``."""
   transposed = shape[:-2] + (shape[-1], shape[-2])
   return jnp.swapaxes(rows.reshape(transposed), -1, -2)
+
+
+def _empty_step(grad_rows: jax.Array, values: jax.Array, indices: jax.Array,
+                exponents: jax.Array, update_topk: int
+                ) -> _column_step.ColumnStep:
+  """A matrix with a zero dimension: no winners, the (empty) state kept.
+
+  As optax's optimizers do with empty leaves: nothing to select, no error.
+  """
+  winners = (grad_rows.shape[0], update_topk)
+  return _column_step.ColumnStep(
+      values=history_rows(values), exponents=exponents.reshape(-1),
+      indices=history_rows(indices),
+      winner_indices=jnp.zeros(winners, jnp.int32),
+      winner_signs=jnp.zeros(winners, jnp.float32),
+      finite=jnp.array(True))
 
 
 def history_step(grad_rows: jax.Array, values: jax.Array, indices: jax.Array,
@@ -238,9 +257,12 @@ def history_step(grad_rows: jax.Array, values: jax.Array, indices: jax.Array,
     ``(step, (values, indices, exponents))``: the :class:`ColumnStep` on rows
     and the new state in the stored layout.
   """
-  step = column_step(grad_rows, history_rows(values), history_rows(indices),
-                     exponents.reshape(-1), mu, update_topk, implementation,
-                     shards)
+  if grad_rows.size == 0:
+    step = _empty_step(grad_rows, values, indices, exponents, update_topk)
+  else:
+    step = column_step(grad_rows, history_rows(values), history_rows(indices),
+                       exponents.reshape(-1), mu, update_topk, implementation,
+                       shards)
   return step, (stored_history(step.values, values.shape),
                 stored_history(step.indices, indices.shape),
                 step.exponents.reshape(exponents.shape))

@@ -54,6 +54,11 @@ def _leaf_scales(update_scale: ScaleTree, tree: Any) -> list[Optional[float]]:
   return _prefix.per_leaf(update_scale, tree, _is_scale_leaf)
 
 
+def _default_scale(layout: dn.MatrixLayout) -> float:
+  """``m / n``; 0 for a matrix without columns (it has nothing to update)."""
+  return layout.m / layout.n if layout.n else 0.0
+
+
 def leaf_plans(tree: Any, weight_dimension_numbers: dn.WeightDimNumOrFn | None,
                update_scale: ScaleTree, update_topk: int,
                implementation: str = 'auto') -> list[Optional[LeafPlan]]:
@@ -80,7 +85,7 @@ def leaf_plans(tree: Any, weight_dimension_numbers: dn.WeightDimNumOrFn | None,
     layout = dn.matrix_layout(leaf.shape, dim_num)
     plans.append(LeafPlan(
         layout=layout, dim_num=dim_num,
-        scale=layout.m / layout.n if scale is None else scale,
+        scale=_default_scale(layout) if scale is None else scale,
         update_topk=min(update_topk, layout.m),
         implementation=implementation))
   return plans

@@ -9,6 +9,7 @@ import optax
 
 from taco_optax import _codec
 from taco_optax import _dimension_numbers as dn
+from taco_optax import _inject_guard
 from taco_optax import _kernels
 from taco_optax import _leaf
 from taco_optax import _mesh
@@ -167,7 +168,9 @@ def scale_by_taco(
   The non-numeric defaults (``None``) keep the factory usable with
   :func:`optax.inject_hyperparams`, which turns numeric arguments into arrays
   and calls callables (dtypes are callables) as schedules; pass ``k`` (and an
-  explicit ``update_topk``) in its ``static_args``.
+  explicit ``update_topk``) in its ``static_args``, and so every callable
+  ``weight_dimension_numbers``, ``update_scale`` or dtype (left out, they
+  are refused with a message naming them).
 
   Returns:
     A :class:`optax.GradientTransformation` with state :class:`TacoState`.
@@ -188,6 +191,7 @@ def scale_by_taco(
     TACO: Ternary Absolute-max Column-wise One-sparse Optimizer for LLM
     Fine-Tuning, 2026 (Sections 3 and 5).
   """
+  _inject_guard.refuse_scheduled_routing('taco_optax.scale_by_taco')
   update_topk, values_dtype, index_dtype = _checked_settings(
       k, mu, update_topk, values_dtype, index_dtype)
   implementation = _kernels.resolve(implementation)

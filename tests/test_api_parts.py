@@ -221,8 +221,8 @@ def test_no_module_is_over_400_lines():
 
 def test_top_level_is_what_optax_would_export():
   assert sorted(taco_optax.__all__) == [
-      'TacoDimensionNumbers', 'TacoState', 'scale_by_taco', 'state_shardings',
-      'stochastic_rounding', 'taco']
+      'TacoDimensionNumbers', 'TacoState', 'routing_report', 'scale_by_taco',
+      'state_shardings', 'stochastic_rounding', 'taco']
   assert sorted(taco_optax.layerwise.__all__) == [
       'COLUMN_BLOCK_ELEMENTS', 'LayeredLoss', 'TableLookup',
       'TableProjection', 'TrainStep', 'train_step']

@@ -126,3 +126,72 @@ def test_apply_if_finite_keeps_params_and_state_intact(where):
   assert int(new_state.notfinite_count) == 1
   assert all(np.isfinite(np.asarray(x, np.float32)).all()
              for x in jax.tree.leaves(new_state))
+
+
+def _with_empty(shape, dtype=jnp.float32):
+  return {'w': jnp.arange(12.0, dtype=dtype).reshape(4, 3) / 7,
+          'z_empty': jnp.ones(shape, dtype), 'b': jnp.ones((3,), dtype)}
+
+
+# 'z_empty' flattens last, so the other leaves keep their stochastic-rounding
+# leaf numbers with or without it.
+def _empty_dims(shape):
+  return {'w': DN(), 'b': None,
+          'z_empty': DN(len(shape) - 2, len(shape) - 1)}
+
+
+@pytest.mark.parametrize('shape', [(0, 3), (4, 0), (2, 0, 3), (0, 4, 3)])
+@pytest.mark.parametrize('dtype', [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize('factory', ['taco', 'scale_by_taco'])
+def test_zero_size_matrix_behaves_like_an_empty_optax_leaf(shape, dtype,
+                                                           factory):
+  params = _with_empty(shape, dtype)
+  build = lambda dims: (
+      taco_optax.taco(1e-2, k=2, weight_dimension_numbers=dims)
+      if factory == 'taco' else
+      taco_optax.scale_by_taco(k=2, weight_dimension_numbers=dims))
+  tx = build(_empty_dims(shape))
+  without = build({'w': DN(), 'b': None})
+  rest = {'w': params['w'], 'b': params['b']}
+  state, rest_state = tx.init(params), without.init(rest)
+  structure = jax.tree.map(lambda x: (x.shape, x.dtype), state)
+  step = jax.jit(tx.update)
+  for seed in range(3):
+    grads = jax.tree.map(
+        lambda p: jax.random.normal(jax.random.key(seed), p.shape, p.dtype),
+        params)
+    updates, state = step(grads, state, params)
+    expected, rest_state = jax.jit(without.update)(
+        {'w': grads['w'], 'b': grads['b']}, rest_state, rest)
+    # As optax.adam: an empty update of the leaf's shape and dtype.
+    adam_updates, _ = optax.adam(1e-2).update(
+        grads, optax.adam(1e-2).init(params), params)
+    assert updates['z_empty'].shape == adam_updates['z_empty'].shape == shape
+    assert updates['z_empty'].dtype == dtype
+    bitwise.assert_bitwise_equal({'w': updates['w'], 'b': updates['b']},
+                                 expected)
+  assert jax.tree.map(lambda x: (x.shape, x.dtype), state) == structure
+
+
+@pytest.mark.parametrize('shape', [(0, 3), (4, 0)])
+def test_zero_size_matrix_in_the_layerwise_step(shape):
+  loss = taco_optax.layerwise.LayeredLoss(
+      embed=lambda outer, x: x @ outer['w_in'],
+      layer=lambda p, h, x: jnp.tanh(h @ p['w']) + p['z_empty'].sum(),
+      head=lambda outer, h, x: jnp.mean(h ** 2))
+  outer = {'w_in': jnp.ones((3, 8)) / 3}
+  layers = {'w': jnp.ones((2, 8, 8)) / 8 + jnp.eye(8),
+            'z_empty': jnp.ones((2,) + shape)}
+  dims = ({'w_in': DN()}, {'w': DN(1, 2), 'z_empty': DN(1, 2)})
+  tx = taco_optax.taco(1e-2, k=2, weight_dimension_numbers=dims)
+  step = jax.jit(taco_optax.layerwise.train_step(loss, tx))
+  params, state = (outer, layers), tx.init((outer, layers))
+  optax_params, optax_state = params, state
+  for seed in range(2):
+    batch = jax.random.normal(jax.random.key(seed), (5, 3))
+    params, state, _ = step(params, state, batch)
+    grads = jax.grad(loss)(optax_params, batch)
+    updates, optax_state = tx.update(grads, optax_state, optax_params)
+    optax_params = optax.apply_updates(optax_params, updates)
+  assert params[1]['z_empty'].shape == (2,) + shape
+  chex.assert_trees_all_close(params, optax_params, rtol=1e-6)

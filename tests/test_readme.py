@@ -9,6 +9,8 @@ import jax.numpy as jnp
 import optax
 import pytest
 
+import taco_optax
+
 README = pathlib.Path(__file__).resolve().parents[1] / 'README.md'
 
 
@@ -82,3 +84,37 @@ def test_nnx_example_runs():
   assert moved.tolist() == [1] * 64
   assert bool(jnp.isfinite(namespace['loss']))
   assert int(namespace['optimizer'].step[...]) == 1
+
+
+def test_routing_example_runs_as_it_says(capsys):
+  nnx = pytest.importorskip('flax.nnx')
+  (block,) = [b for b in _python_blocks() if 'routing_report' in b]
+  namespace = {}
+  exec(block, namespace)  # pylint: disable=exec-used
+  dn = taco_optax.TacoDimensionNumbers
+  dims = namespace['dims']
+  assert (dims['q']['kernel'], dims['o']['kernel']) == (
+      dn(0, (1, 2)), dn((0, 1), 2))
+  assert dims['norm']['scale'] is None
+  report = namespace['report']
+  printed = capsys.readouterr().out
+  claimed = re.search(r'# (TACO routing: .*) \(\.\.\.\); (optimizer state .*)',
+                      block)
+  assert printed.startswith(claimed[1]) and claimed[2] in printed
+  assert [r.route for r in report.rows] == ['adam', 'taco', 'taco']
+  assert isinstance(namespace['optimizer'], nnx.Optimizer)
+
+
+def test_inject_hyperparams_recipe_routes_as_taco():
+  (block,) = [b for b in _python_blocks() if 'inject_hyperparams' in b]
+  namespace = {}
+  exec(block, namespace)  # pylint: disable=exec-used
+  params = {'w': jnp.ones((4, 3)), 'b': jnp.ones((3,))}
+  grads = {'w': jnp.arange(12.0).reshape(4, 3), 'b': jnp.ones((3,))}
+  tx = namespace['tx']
+  updates, _ = tx.update(grads, tx.init(params), params)
+  plain = taco_optax.taco(3e-5, k=16,
+                          weight_dimension_numbers=namespace['dims_of'])
+  expected, _ = plain.update(grads, plain.init(params), params)
+  assert jnp.array_equal(updates['w'], expected['w'])
+  assert int((updates['w'] != 0).sum()) == 4

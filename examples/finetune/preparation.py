@@ -16,6 +16,8 @@ import jax.numpy as jnp
 import optax
 import tokenizers
 
+import taco_optax
+
 from examples.finetune import checkpoint as checkpoint_lib
 from examples.finetune import data as data_lib
 from examples.finetune import evaluation as evaluation_lib
@@ -324,6 +326,8 @@ def prepare(config: flags_lib.RunConfig,
       + f', {objective}; step path: {trainer.path}')
   log(f'16-bit updates: {precision_lib.describe(precision, *master_cost)} '
       f'({precision.why})')
+  if config.optimizer == 'taco':  # which weights TACO updates, and the bytes
+    log(str(taco_optax.routing_report(tx, nnx.state(model, nnx.Param))))
   return PreparedRun(
       config=config, checkpoints=checkpoints, task=task, held_out=held_out,
       eval_set=eval_set, tokenizer=tokenizer,

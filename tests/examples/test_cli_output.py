@@ -49,6 +49,14 @@ def test_piped_run_says_what_each_phase_does(workspace):
     match = re.compile(re.escape(phase) + r': \d+\.\d s\n').search(out, start)
     assert match, (phase, out)
     position = match.end()
+  # The routing report, printed before training: which leaves TACO updates.
+  report = re.search(r'TACO routing: (\d+) of (\d+) leaves to TACO .*'
+                     r'optimizer state [\d,]+ B vs AdamW [\d,]+ B', out)
+  assert report and 0 < int(report[1]) < int(report[2]), out
+  assert out.index('TACO routing:') < out.index('compiling the train step')
+  assert re.search(r'\nlayers/\*/attn/q/kernel \(x\d+\) .* taco ', out), out
+  assert re.search(r'\nembed/embedding .* taco .* s=1 ', out), out
+  assert 'the default routes rank-2 leaves only' not in out
   # The evaluation after training has its own pair of lines.
   assert len(re.findall(r'evaluating 6 held-out examples: \d+\.\d s\n',
                         out)) == 2, out

@@ -176,7 +176,9 @@ class Attention(nnx.Module):
 
   Projections are separate ``q``, ``k``, ``v`` kernels, or one fused ``qkv``
   kernel of shape ``(d, 3, heads * head_dim)`` (GPT-NeoX) whose axis 1
-  selects Q, K or V, so that an optimizer can treat them as three matrices.
+  selects Q, K or V, so that an optimizer can treat them as three matrices;
+  its einsum puts that axis first in the output (``q, k, v = out``), which is
+  how :func:`taco_optax.nnx.dimension_numbers` reads it as a batch axis.
   """
 
   def __init__(self, config: config_lib.ModelConfig, *, dtype: Any,
@@ -194,7 +196,7 @@ class Attention(nnx.Module):
       if kv_width != query_width:
         raise ValueError('a fused QKV kernel needs num_kv_heads == num_heads.')
       self.qkv = nnx.Einsum(
-          'btd,dse->btse', (d, 3, query_width),
+          'btd,dse->sbte', (d, 3, query_width),
           (3, query_width) if config.attention_bias else None,
           dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     else:
@@ -217,7 +219,7 @@ class Attention(nnx.Module):
     heads = lambda y, n: y.reshape(batch, length, n, self.head_dim)
     if hasattr(self, 'qkv'):
       fused = self.qkv(x)
-      return tuple(heads(fused[:, :, i], self.num_heads) for i in range(3))
+      return tuple(heads(fused[i], self.num_heads) for i in range(3))
     return (heads(self.q(x), self.num_heads),
             heads(self.k(x), self.num_kv_heads),
             heads(self.v(x), self.num_kv_heads))
