@@ -4,6 +4,8 @@ Needs ``pip install "taco_optax[tunix]"`` (the test extra installs it).
 """
 
 import logging
+import pathlib
+import re
 
 import jax
 import jax.numpy as jnp
@@ -215,3 +217,20 @@ def test_peft_trainer_recipe_routes_attention_to_taco():
                                                x, optax.MaskedNode)),
                            strict=True):
     assert isinstance(values, optax.MaskedNode) == (param.ndim < 2)
+
+
+def test_readme_tunix_example_runs():
+  readme = pathlib.Path(__file__).resolve().parents[1] / 'README.md'
+  (block,) = [b for b in re.findall(r'```python\n(.*?)```', readme.read_text(),
+                                    re.S) if 'LayerwisePeftTrainer' in b]
+  namespace = {}
+  exec(block, namespace)  # pylint: disable=exec-used
+  trainer = namespace['trainer']
+  assert trainer.train_steps == 2
+  assert np.isfinite(_losses(trainer)).all()
+  report = taco_optax.routing_report(namespace['tx'],
+                                     nnx.state(trainer.model, nnx.Param))
+  taco_paths = {row.path for row in report.taco_rows}
+  ranks = {row.path: len(row.shape) for row in report.rows}
+  assert taco_paths == {path for path, rank in ranks.items() if rank >= 2}
+  assert any('q_proj' in path for path in taco_paths)
