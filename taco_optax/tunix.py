@@ -67,7 +67,9 @@ class LayerwisePeftTrainer(peft_trainer.PeftTrainer):
   Each layer's weight gradient is consumed by its column step as the
   backward pass makes it, the token tables never get a dense gradient, and
   the result equals ``PeftTrainer`` with the same optimizer up to the
-  floating-point order of the recomputed gradients (tested). The model is a
+  floating-point order of the recomputed gradients (tested in float32; with
+  16-bit parameters the stochastic rounding draws its bits per leaf of the
+  re-laid tree, so they differ from ``PeftTrainer``'s: both are unbiased). The model is a
   tunix decoder (``embedder``, a list of ``layers``, ``final_norm``, tied or
   ``lm_head``: ``Qwen3``, ``Llama3``, ``Gemma3``...) trained with tunix's
   default loss on full parameters.
