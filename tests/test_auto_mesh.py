@@ -65,13 +65,16 @@ def tied_gradients(step, names, nan=False):
   return grads
 
 
-def run_steps(tx, names, mesh=None):
-  """Three updates (the third with a NaN gradient): updates and states."""
+def run_steps(tx, names, mesh=None, put=jax.device_put):
+  """Three updates (the third with a NaN gradient): updates and states.
+
+  ``put(tree, shardings)`` places the inputs on ``mesh``.
+  """
   params = {n: jnp.zeros(LAYOUTS[n][0]) for n in names}
   init, update = jax.jit(tx.init), jax.jit(tx.update)
   place = lambda tree: tree
   if mesh is not None:
-    place = lambda tree: jax.device_put(tree, shardings(mesh, names))
+    place = lambda tree: put(tree, shardings(mesh, names))
     state_shardings = taco_optax.state_shardings(tx, place(params))
     init = jax.jit(tx.init, out_shardings=state_shardings)
     update = jax.jit(tx.update, out_shardings=(shardings(mesh, names),
