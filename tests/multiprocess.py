@@ -96,8 +96,10 @@ def launch(command: Sequence[str], num_processes: int,
     Each process's outcome, by process id.
   """
   port = free_port()
-  commands = [[word.format(port=port, process_id=i,
-                           num_processes=num_processes) for word in command]
+  fill = lambda word, i: (word.replace('{port}', str(port))
+                          .replace('{process_id}', str(i))
+                          .replace('{num_processes}', str(num_processes)))
+  commands = [[fill(word, i) for word in command]
               for i in range(num_processes)]
   logs = [(tempfile.TemporaryFile('w+'), tempfile.TemporaryFile('w+'))
           for _ in commands]

@@ -31,7 +31,8 @@ CHECKPOINT_DIR = 'checkpoints'
 _FREE_FIELDS = frozenset({
     'eval_every', 'eval_batch_size', 'memory_limit_gb', 'output_dir',
     'resume', 'resume_allow_changes', 'save_checkpoint', 'checkpoint_every',
-    'progress'})
+    'progress', 'coordinator_address', 'num_processes', 'process_id',
+    'initialization_timeout'})
 
 
 class Interrupted(SystemExit):
