@@ -66,6 +66,13 @@ def _report(commands, finished: Sequence[Optional[Finished]],
   return '\n'.join(parts)
 
 
+def _holds(log, text: str) -> bool:
+  """Whether ``log`` holds ``text`` so far (``pread``: the process writing
+  it shares the file offset, which must not move)."""
+  fd = log.fileno()
+  return text.encode() in os.pread(fd, os.fstat(fd).st_size, 0)
+
+
 def _kill(process: subprocess.Popen) -> None:
   if process.poll() is None:
     try:
@@ -78,7 +85,9 @@ def _kill(process: subprocess.Popen) -> None:
 def launch(command: Sequence[str], num_processes: int,
            devices_per_process: int, timeout: float, *,
            env: Optional[dict[str, str]] = None,
-           expect_success: bool = True) -> list[Finished]:
+           expect_success: bool = True,
+           signal_when: Optional[tuple[int, str, int]] = None
+           ) -> list[Finished]:
   """Runs ``num_processes`` copies of ``command`` and waits for all of them.
 
   Args:
@@ -88,9 +97,12 @@ def launch(command: Sequence[str], num_processes: int,
     devices_per_process: simulated CPU devices in each.
     timeout: seconds for all of them together; then every process is killed
       and the calling test fails with their output.
-    env: extra environment variables.
+    env: extra environment variables (placeholders filled in as in
+      ``command``).
     expect_success: fail the calling test (with every process's output)
       unless all exit with 0; a failing process gets the others killed.
+    signal_when: ``(process_id, text, signal)``: send ``signal`` to that
+      process once its stderr holds ``text``.
 
   Returns:
     Each process's outcome, by process id.
@@ -104,9 +116,10 @@ def launch(command: Sequence[str], num_processes: int,
   logs = [(tempfile.TemporaryFile('w+'), tempfile.TemporaryFile('w+'))
           for _ in commands]
   processes = [subprocess.Popen(
-      words, cwd=REPO_ROOT, env=cpu_env(devices_per_process, env),
+      words, cwd=REPO_ROOT, env=cpu_env(devices_per_process, {
+          name: fill(value, i) for name, value in (env or {}).items()}),
       stdout=out, stderr=err, text=True, start_new_session=True)
-               for words, (out, err) in zip(commands, logs)]
+               for i, (words, (out, err)) in enumerate(zip(commands, logs))]
   deadline = time.monotonic() + timeout
   why = ''
   try:
@@ -116,6 +129,9 @@ def launch(command: Sequence[str], num_processes: int,
       if failed and expect_success:
         why = f'process {failed[0]} failed; the others were killed'
         break
+      if signal_when and _holds(logs[signal_when[0]][1], signal_when[1]):
+        processes[signal_when[0]].send_signal(signal_when[2])
+        signal_when = None
       if time.monotonic() > deadline:
         why = f'timed out after {timeout:.0f} s; every process was killed'
         break

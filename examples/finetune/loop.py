@@ -182,6 +182,7 @@ def _steps(prepared: preparation.PreparedRun, before: dict[str, float],
           progress.print(
               f'step {step}: held-out {metric} {scores[metric]:.4f}')
         stop.pause_for_test(step)
+        stop.agree()
         if stop.signal_number or step == config.steps or checkpoints.due(
             step):
           saved = _save(prepared, step, progress, {

@@ -9,6 +9,7 @@ one line (exit 2) instead of hanging.
 import json
 import os
 import shutil
+import signal
 import time
 
 import jax
@@ -193,3 +194,21 @@ def test_a_coordinator_that_never_answers(workspace, capsys):
                  'coordinator answered within --initialization-timeout 2 s '
                  '(start process 0 there, or check the address)'), err
   assert not os.path.exists(workspace['root'] / 'alone')
+
+
+def test_a_signal_to_one_process_stops_both_after_the_same_step(workspace):
+  """SIGTERM reaches process 1 alone (paused after step 1): both processes
+  save step 1's checkpoint together and exit 143."""
+  output_dir = str(workspace['root'] / 'signalled')
+  command = multiprocess.python_module('examples.finetune', *_args(
+      workspace, output_dir, '--mesh', MESH)) + _LAUNCH
+  # Process i pauses after step i: only process 1 does (steps start at 1).
+  finished = multiprocess.launch(
+      command, 2, 4, _TIMEOUT, expect_success=False,
+      env={resume.PAUSE_AFTER_STEP_ENV: '{process_id}'},
+      signal_when=(1, 'paused after step 1', signal.SIGTERM))
+  assert [f.returncode for f in finished] == [143, 143], finished
+  assert 'interrupted at step 1/4' in finished[0].stdout
+  saved = checkpoint.latest(resume.checkpoint_dir(output_dir))
+  assert saved is not None and saved.step == 1
+  assert checkpoint.complete_steps(resume.checkpoint_dir(output_dir)) == [1]
