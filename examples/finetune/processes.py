@@ -29,7 +29,7 @@ from examples.finetune import flags as flags_lib
 # Environment variables that say a launcher started several processes of one
 # job; jax.distributed.initialize() then finds the coordinator on its own.
 _CLUSTER_SIZES = ('SLURM_NTASKS', 'OMPI_COMM_WORLD_SIZE')
-_TPU_HOSTS = 'TPU_WORKER_HOSTNAMES'
+_TPU_HOSTS = ('TPU_PROCESS_ADDRESSES', 'TPU_WORKER_HOSTNAMES')  # GKE's
 
 
 def _detected_cluster() -> Optional[str]:
@@ -38,8 +38,9 @@ def _detected_cluster() -> Optional[str]:
     if os.environ.get(name, '1').strip().isdigit() and int(
         os.environ.get(name, '1')) > 1:
       return f'{name}={os.environ[name]}'
-  if ',' in os.environ.get(_TPU_HOSTS, ''):
-    return f'{_TPU_HOSTS} (a multi-host TPU slice)'
+  for name in _TPU_HOSTS:
+    if ',' in os.environ.get(name, ''):
+      return f'{name} (a multi-host TPU slice)'
   return None
 
 
