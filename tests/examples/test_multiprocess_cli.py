@@ -6,6 +6,7 @@ in one process with 8 devices; and the launches that must be refused with
 one line (exit 2) instead of hanging.
 """
 
+from concurrent import futures
 import json
 import os
 import shutil
@@ -65,8 +66,10 @@ def _results(output_dir):
 def runs(workspace):
   """The 4-step run on 1 process x 8 devices and on 2 processes x 4, with
   checkpoints after steps 2 and 4: ``{name: (output_dir, finished)}``."""
-  return {'one': _launch(workspace, 'one-process', 1),
-          'two': _launch(workspace, 'two-processes', 2)}
+  with futures.ThreadPoolExecutor(2) as pool:  # both at once
+    one = pool.submit(_launch, workspace, 'one-process', 1)
+    two = pool.submit(_launch, workspace, 'two-processes', 2)
+    return {'one': one.result(), 'two': two.result()}
 
 
 def test_two_processes_match_one_process(runs):
