@@ -215,3 +215,20 @@ def test_a_signal_to_one_process_stops_both_after_the_same_step(workspace):
   saved = checkpoint.latest(resume.checkpoint_dir(output_dir))
   assert saved is not None and saved.step == 1
   assert checkpoint.complete_steps(resume.checkpoint_dir(output_dir)) == [1]
+
+
+def test_a_checkpoint_missing_a_process_shards_is_refused(workspace, runs):
+  """Each process wrote its own shards (``ocdbt.process_N``) under one
+  commit; without process 1's the checkpoint is refused by name."""
+  copy = str(workspace['root'] / 'missing-shards')
+  shutil.copytree(runs['two'][0], copy)
+  step = os.path.join(resume.checkpoint_dir(copy), 'step_00000004')
+  state = os.path.join(step, 'state')
+  assert {'ocdbt.process_0', 'ocdbt.process_1'} <= set(os.listdir(state))
+  shutil.rmtree(os.path.join(state, 'ocdbt.process_1'))
+  before = sorted(os.listdir(step))
+  with pytest.raises(checkpoint.CheckpointError,
+                     match=r'is corrupt: missing files \[.state/ocdbt'
+                           r'\.process_1/'):
+    checkpoint.latest(resume.checkpoint_dir(copy))
+  assert sorted(os.listdir(step)) == before  # nothing written
