@@ -26,18 +26,20 @@ import numpy as np
 
 from examples.finetune import flags as flags_lib
 
-# Environment variables that say a launcher started several processes of one
-# job; jax.distributed.initialize() then finds the coordinator on its own.
-_CLUSTER_SIZES = ('SLURM_NTASKS', 'OMPI_COMM_WORLD_SIZE')
+# (size variable, a variable only the launched tasks have): a launcher that
+# started several processes of one job, as jax.distributed.initialize() finds
+# them (SLURM_PROCID is set inside `srun` only, not in a bare `salloc`).
+_CLUSTER_SIZES = (('SLURM_NTASKS', 'SLURM_PROCID'),
+                  ('OMPI_COMM_WORLD_SIZE', 'OMPI_MCA_orte_hnp_uri'))
 _TPU_HOSTS = ('TPU_PROCESS_ADDRESSES', 'TPU_WORKER_HOSTNAMES')  # GKE's
 
 
 def _detected_cluster() -> Optional[str]:
   """The launcher whose several processes this is one of, if any."""
-  for name in _CLUSTER_SIZES:
-    if os.environ.get(name, '1').strip().isdigit() and int(
-        os.environ.get(name, '1')) > 1:
-      return f'{name}={os.environ[name]}'
+  for size, task in _CLUSTER_SIZES:
+    value = os.environ.get(size, '1').strip()
+    if value.isdigit() and int(value) > 1 and task in os.environ:
+      return f'{size}={value}'
   for name in _TPU_HOSTS:
     if ',' in os.environ.get(name, ''):
       return f'{name} (a multi-host TPU slice)'
@@ -121,7 +123,13 @@ def initialize(config: flags_lib.RunConfig) -> None:
                                initialization_timeout=int(timeout))
   elif _detected_cluster():
     _cpu_collectives_over_gloo()
-    jax.distributed.initialize(initialization_timeout=int(timeout))
+    try:
+      jax.distributed.initialize(initialization_timeout=int(timeout))
+    except ValueError as e:  # the launcher's variables are incomplete
+      raise flags_lib.FinetuneError(
+          f'{_detected_cluster()} says several processes, but JAX found no '
+          f'coordinator ({e}); pass --coordinator-address, --num-processes '
+          'and --process-id') from e
 
 
 def _cpu_collectives_over_gloo() -> None:

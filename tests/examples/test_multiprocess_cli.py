@@ -19,6 +19,8 @@ import pytest
 
 from examples.finetune import __main__ as cli
 from examples.finetune import checkpoint
+from examples.finetune import flags
+from examples.finetune import processes
 from examples.finetune import resume
 from tests import multiprocess
 import test_cli  # pylint: disable=g-bad-import-order  (the tiny model, data)
@@ -232,3 +234,30 @@ def test_a_checkpoint_missing_a_process_shards_is_refused(workspace, runs):
                            r'\.process_1/'):
     checkpoint.latest(resume.checkpoint_dir(copy))
   assert sorted(os.listdir(step)) == before  # nothing written
+
+
+@pytest.mark.parametrize('environment, several', [
+    ({'SLURM_NTASKS': '2', 'SLURM_PROCID': '0'}, True),
+    ({'SLURM_NTASKS': '2'}, False),  # a bare salloc: no task of srun
+    ({'SLURM_NTASKS': '1', 'SLURM_PROCID': '0'}, False),
+    ({'OMPI_COMM_WORLD_SIZE': '4', 'OMPI_MCA_orte_hnp_uri': 'x'}, True),
+    ({'TPU_WORKER_HOSTNAMES': 'host-0,host-1'}, True),
+    ({'TPU_WORKER_HOSTNAMES': 'host-0'}, False),
+])
+def test_a_launcher_of_several_processes_needs_a_mesh(
+    workspace, monkeypatch, environment, several):
+  """Where JAX's cluster detection applies, a run without --mesh is refused
+  before anything starts (each process would train its own copy)."""
+  for name in ('SLURM_NTASKS', 'SLURM_PROCID', 'OMPI_COMM_WORLD_SIZE',
+               'OMPI_MCA_orte_hnp_uri', 'TPU_PROCESS_ADDRESSES',
+               'TPU_WORKER_HOSTNAMES'):
+    monkeypatch.delenv(name, raising=False)
+  for name, value in environment.items():
+    monkeypatch.setenv(name, value)
+  config = flags.from_command_line(_args(workspace, str(workspace['root'])))
+  if several:
+    with pytest.raises(flags.FinetuneError,
+                       match='several processes need --mesh'):
+      processes.check_flags(config)
+  else:
+    processes.check_flags(config)
