@@ -126,27 +126,31 @@ def _crashed_after_step_2(workspace, run_dir, name):
   return copy
 
 
-@pytest.mark.parametrize('num_processes', [2, 1])
-def test_resume_of_a_two_process_checkpoint(workspace, runs, num_processes):
-  """Each process read its own shards back: on 2 processes the resumed run
-  is the uninterrupted one bit for bit; on 1 process x 8 devices (another
-  topology, the same mesh) up to the gradient sums' order."""
-  two_dir = runs['two'][0]
-  resumed = _crashed_after_step_2(workspace, two_dir,
-                                  f'resumed-on-{num_processes}')
+@pytest.mark.parametrize('source, num_processes', [
+    ('two', 2), ('two', 1), ('one', 2)])
+def test_resume_across_processes(workspace, runs, source, num_processes):
+  """Each process reads its own shards back: a 2-process checkpoint resumed
+  on 2 processes is the uninterrupted run bit for bit; on another topology
+  (1 process x 8 devices, and back), the same mesh, it is that run up to the
+  gradient sums' order."""
+  run_dir = runs[source][0]
+  resumed = _crashed_after_step_2(
+      workspace, run_dir, f'{source}-resumed-on-{num_processes}')
   command = multiprocess.python_module('examples.finetune', *_args(
       workspace, resumed, '--mesh', MESH, '--resume'))
   if num_processes > 1:
     command += _LAUNCH
   multiprocess.launch(command, num_processes, 8 // num_processes, _TIMEOUT)
-  expected, got = _results(two_dir), _results(resumed)
+  expected, got = _results(run_dir), _results(resumed)
   assert got['resumed_from_step'] == 2
-  if num_processes == 2:
+  assert got['process_count'] == num_processes
+  same_topology = num_processes == (2 if source == 'two' else 1)
+  if same_topology:
     assert got['losses'] == expected['losses']
   np.testing.assert_allclose(got['losses'], expected['losses'], rtol=1e-6)
   assert got['evals'] == expected['evals']
-  _assert_same_state(_final_state(resumed), _final_state(two_dir),
-                     summed_exactly=num_processes == 2)
+  _assert_same_state(_final_state(resumed), _final_state(run_dir),
+                     summed_exactly=same_topology)
 
 
 def _one_error_line(finished: multiprocess.Finished) -> str:
