@@ -65,13 +65,16 @@ def tied_gradients(step, names, nan=False):
   return grads
 
 
-def run_steps(tx, names, mesh=None):
-  """Three updates (the third with a NaN gradient): updates and states."""
+def run_steps(tx, names, mesh=None, put=jax.device_put):
+  """Three updates (the third with a NaN gradient): updates and states.
+
+  ``put(tree, shardings)`` places the inputs on ``mesh``.
+  """
   params = {n: jnp.zeros(LAYOUTS[n][0]) for n in names}
   init, update = jax.jit(tx.init), jax.jit(tx.update)
   place = lambda tree: tree
   if mesh is not None:
-    place = lambda tree: jax.device_put(tree, shardings(mesh, names))
+    place = lambda tree: put(tree, shardings(mesh, names))
     state_shardings = taco_optax.state_shardings(tx, place(params))
     init = jax.jit(tx.init, out_shardings=state_shardings)
     update = jax.jit(tx.update, out_shardings=(shardings(mesh, names),
@@ -228,3 +231,43 @@ def test_auto_mesh_update_gathers_candidates_not_the_gradient(
                                    for a in axes]))
   assert [(size(r), size(c)) for r, c in splits] == [
       (row_shards, candidate_shards)], splits
+
+
+@needs_mesh
+@pytest.mark.parametrize('scan_layers', [False, True])
+@pytest.mark.parametrize('layout', ['both', 'tp'])
+def test_layerwise_step_on_auto_mesh_equals_single_device(scan_layers,
+                                                          layout):
+  """``layerwise.train_step`` with Auto axes: XLA partitions the step, the
+  column step's rule keeps each device on its block."""
+  from tests import layerwise_case  # pylint: disable=g-import-not-at-top
+  from tests import test_sharding as cases  # pylint: disable=g-import-not-at-top
+  train = layerwise_case.train(
+      cases._layered_loss(scan_layers), learning_rate=1e-2, k=4, mu=0.9,  # pylint: disable=protected-access
+      weight_dimension_numbers=cases._layered_dims, adam_learning_rate=1e-3)  # pylint: disable=protected-access
+  inputs = [jax.random.normal(jax.random.key(10 + i), (8, 16))
+            for i in range(3)]
+
+  def run(params):
+    state = train.optimizer.init(params)
+    step = jax.jit(train.step)
+    for x in inputs:
+      params, state, _ = step(params, state, x)
+    return params, state
+
+  start = cases._layered_params(scan_layers)  # pylint: disable=protected-access
+  expected = run(start)
+  sharded = cases._place_layered(start, auto_mesh(), layout)  # pylint: disable=protected-access
+  got = run(sharded)
+  assert cases.specs(got[0]) == cases.specs(sharded)
+  # TACO's weights and state bitwise; the AdamW biases' gradients are batch
+  # sums that the partitioned matmuls reorder (last bits only).
+  adam = lambda path: "'b_up'" in jax.tree_util.keystr(path)
+  split = lambda tree, want: [
+      x for path, x in jax.tree_util.tree_leaves_with_path(tree)
+      if adam(path) == want]
+  assert_bitwise_equal(split(got, False), split(expected, False))
+  for have, want in zip(split(got, True), split(expected, True)):
+    np.testing.assert_allclose(np.asarray(have), np.asarray(want), rtol=1e-6,
+                               atol=1e-8)
+  assert not np.array_equal(expected[0][0]['w_out'], start[0]['w_out'])

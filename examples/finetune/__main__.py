@@ -18,24 +18,40 @@ import jax
 
 from examples.finetune import flags as flags_lib
 from examples.finetune import loop as loop_lib
+from examples.finetune import processes as processes_lib
 from examples.finetune import report as report_lib
 from examples.finetune.model import sharding as sharding_lib
+
+
+def _quiet_unless_leader():
+  """Process 0 prints; the others' lines would repeat its own."""
+  if processes_lib.is_leader():
+    return contextlib.nullcontext()
+  stack = contextlib.ExitStack()
+  sink = stack.enter_context(open(os.devnull, 'w'))
+  stack.enter_context(contextlib.redirect_stdout(sink))
+  stack.enter_context(contextlib.redirect_stderr(sink))
+  return stack
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
   try:
     config = flags_lib.from_command_line(argv)
+    processes_lib.initialize(config)
     try:
       mesh = sharding_lib.make_mesh(config.mesh)
     except sharding_lib.MeshError as e:
       raise flags_lib.FinetuneError(str(e)) from e
     with jax.set_mesh(mesh) if mesh else contextlib.nullcontext():
-      results = loop_lib.run(config)
+      with _quiet_unless_leader():
+        results = loop_lib.run(config)
   except flags_lib.FinetuneError as e:
     # An input refused before anything is written, or a loss that became NaN
     # or infinite (the checkpoints saved before it stay; no results.json).
     print(f'error: {e}', file=sys.stderr)
     return 2
+  if not processes_lib.is_leader():
+    return 0
   print()
   print(report_lib.results_table(results))
   output_dir = results['config']['output_dir']

@@ -35,6 +35,8 @@ from typing import Any, Mapping, NamedTuple, Optional
 import jax
 import orbax.checkpoint as ocp
 
+from examples.finetune import processes as processes_lib
+
 _STEP_DIR = re.compile(r'^step_(\d{8,})$')
 _PARTIAL = '.partial'
 _FORMAT = 2
@@ -112,12 +114,6 @@ def _write_json(path: str, value: Any):
     os.fsync(f.fileno())
 
 
-def _sync_processes(name: str):
-  if jax.process_count() > 1:
-    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
-    multihost_utils.sync_global_devices(name)
-
-
 def _prune(directory: str, step: int, keep: Optional[int]):
   """Drops leftovers of interrupted saves, checkpoints after ``step`` (an
   abandoned trajectory: a fresh run in the same folder) and, if ``keep`` is
@@ -162,7 +158,7 @@ def save(directory: str, step: int, state_tree: Any,
   if leader:
     os.makedirs(directory, exist_ok=True)
     shutil.rmtree(partial, ignore_errors=True)  # an earlier interrupted try
-  _sync_processes('taco_checkpoint_start')
+  processes_lib.barrier('taco_checkpoint_start')
   checkpointer = ocp.StandardCheckpointer()
   checkpointer.save(os.path.join(partial, _STATE), state_tree)
   checkpointer.wait_until_finished()
@@ -184,7 +180,7 @@ def save(directory: str, step: int, state_tree: Any,
     else:
       os.replace(partial, final)
     _prune(directory, step, keep)
-  _sync_processes('taco_checkpoint_done')
+  processes_lib.barrier('taco_checkpoint_done')
   return final
 
 
@@ -299,7 +295,7 @@ def restore(checkpoint: Checkpoint, abstract_state: Any = None) -> Any:
     abstract_state: a tree like the saved one of arrays or
       :class:`jax.ShapeDtypeStruct`; their shardings (if any) place the
       restored arrays, e.g. from ``taco_optax.state_shardings``. ``None``
-      reads the tree as saved, on the default device.
+      reads the tree whole onto this process's first device (any topology).
 
   Raises:
     CheckpointError: the tree layout differs from ``abstract_state``'s, or
@@ -311,6 +307,12 @@ def restore(checkpoint: Checkpoint, abstract_state: Any = None) -> Any:
     target = jax.tree.map(_as_abstract, abstract_state)
   checkpointer = ocp.StandardCheckpointer()
   try:
+    if target is None:  # the saved shapes and dtypes, on one device
+      device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+      target = jax.tree.map(
+          lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device),
+          checkpointer.metadata(os.path.join(checkpoint.path, _STATE)
+                                ).item_metadata.tree)
     return checkpointer.restore(os.path.join(checkpoint.path, _STATE), target)
   except Exception as error:  # pylint: disable=broad-except
     raise CheckpointError(f'Checkpoint {checkpoint.path} could not be read: '

@@ -247,6 +247,12 @@ class RunConfig:
     mesh: Run on a device mesh, e.g. data=2,fsdp=2,tensor=2 (axes data, fsdp,
       tensor; the sizes multiply to the device count): parameters split
       FSDP/tensor-parallel, TACO updates each shard exactly.
+    coordinator_address: HOST:PORT of process 0 (jax.distributed.initialize;
+      with --num-processes, --process-id and --mesh). None: one process, or
+      a cluster JAX detects (SLURM, Open MPI, a TPU pod).
+    num_processes: Processes of a multi-process run.
+    process_id: This process's index in [0, --num-processes).
+    initialization_timeout: Seconds to wait for the other processes.
     output_dir: Where results.json and the checkpoints go; None: a new
       directory per run, runs/finetune/OPTIMIZER-TASK-DATE-TIME, and the
       newest such directory that holds checkpoints with --resume.
@@ -293,6 +299,10 @@ class RunConfig:
   taco_step: Literal['auto', 'layerwise', 'optax'] = 'auto'
   memory_limit_gb: Annotated[Optional[float], _ABOVE_ZERO] = None
   mesh: Optional[str] = None
+  coordinator_address: Optional[str] = None
+  num_processes: Annotated[Optional[int], _POSITIVE] = None
+  process_id: Annotated[Optional[int], _NON_NEGATIVE] = None
+  initialization_timeout: Annotated[int, _POSITIVE] = 300
   output_dir: Optional[str] = None
   resume: tyro.conf.FlagCreatePairsOff[bool] = False
   resume_allow_changes: tyro.conf.FlagCreatePairsOff[bool] = False

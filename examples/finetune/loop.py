@@ -25,6 +25,7 @@ from examples.finetune import memory_plan
 from examples.finetune import phases
 from examples.finetune import precision as precision_lib
 from examples.finetune import preparation
+from examples.finetune import processes as processes_lib
 from examples.finetune import report as report_lib
 from examples.finetune import resume as resume_lib
 from examples.finetune import trainers as trainers_lib
@@ -68,8 +69,9 @@ def run(config: flags_lib.RunConfig,
   prepared = preparation.prepare(config, log)
   record = train(prepared, log)
   outcome = results(prepared, record, started)
-  report_lib.write_json_atomic(
-      os.path.join(prepared.config.output_dir, 'results.json'), outcome)
+  if processes_lib.is_leader():
+    report_lib.write_json_atomic(
+        os.path.join(prepared.config.output_dir, 'results.json'), outcome)
   return outcome
 
 
@@ -180,6 +182,7 @@ def _steps(prepared: preparation.PreparedRun, before: dict[str, float],
           progress.print(
               f'step {step}: held-out {metric} {scores[metric]:.4f}')
         stop.pause_for_test(step)
+        stop.agree()
         if stop.signal_number or step == config.steps or checkpoints.due(
             step):
           saved = _save(prepared, step, progress, {
@@ -221,6 +224,14 @@ def _save(prepared: preparation.PreparedRun, step: int,
   progress.print(f'step {step}: checkpoint saved to {path} '
                  f'({time.perf_counter() - began:.1f} s)')
   return path
+
+
+def _process_memory() -> dict:
+  """:func:`report.process_memory` of this process (process 0's in a
+  multi-process run), with every process's peak RSS by process index."""
+  memory = report_lib.process_memory()
+  return {**memory, 'process_peak_rss_bytes_per_process':
+          processes_lib.per_process(memory['process_peak_rss_bytes'])}
 
 
 def results(prepared: preparation.PreparedRun, record: TrainingRecord,
@@ -278,13 +289,14 @@ def results(prepared: preparation.PreparedRun, record: TrainingRecord,
       'peak_memory_bytes': peak,
       'peak_memory_source': peak_source,
       # The whole process (loading, compiling, running), as `top` sees it.
-      **report_lib.process_memory(),
+      **_process_memory(),
       'tokens_per_second': record.times.tokens_per_second,
       'train_seconds': record.times.train_seconds,
       'compile_seconds': record.compile_seconds,
       'wall_seconds': time.perf_counter() - started,
       'step_path': prepared.trainer.path,
       'mesh': dict(record.mesh.shape) if record.mesh else None,
+      'process_count': jax.process_count(),
       'objective': prepared.objective,
       'resumed_from_step': prepared.start_step,
       'backend': jax.default_backend(),

@@ -121,8 +121,7 @@ def results_table(results: dict) -> str:
       ('updates landed', landed_lib.summary(results.get('landed_updates'))),
       ('peak memory', f"{format_bytes(results['peak_memory_bytes'])} "
                       f"({results['peak_memory_source']})"),
-      ('process peak RSS',
-       format_bytes(results.get('process_peak_rss_bytes'))),
+      ('process peak RSS', _per_process_rss(results)),
       ('tokens/s', f"{results['tokens_per_second']:.1f}"),
       ('train time', f"{results['train_seconds']:.1f} s "
                      f"(compile {results['compile_seconds']:.1f} s)"),
@@ -131,6 +130,15 @@ def results_table(results: dict) -> str:
   ]
   width = max(len(k) for k, _ in rows)
   return '\n'.join(f'{k:<{width}}  {v}' for k, v in rows)
+
+
+def _per_process_rss(results: dict) -> str:
+  """This process's peak RSS, or each process's in a multi-process run."""
+  each = results.get('process_peak_rss_bytes_per_process') or []
+  if len(each) < 2:
+    return format_bytes(results.get('process_peak_rss_bytes'))
+  return ', '.join(f'{format_bytes(rss)} (process {i})'
+                   for i, rss in enumerate(each))
 
 
 class Progress:

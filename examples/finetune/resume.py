@@ -25,13 +25,15 @@ import numpy as np
 
 from examples.finetune import checkpoint as checkpoint_lib
 from examples.finetune import flags as flags_lib
+from examples.finetune import processes as processes_lib
 
 CHECKPOINT_DIR = 'checkpoints'
 # Fields that leave what the run computes unchanged: a resume may change them.
 _FREE_FIELDS = frozenset({
     'eval_every', 'eval_batch_size', 'memory_limit_gb', 'output_dir',
     'resume', 'resume_allow_changes', 'save_checkpoint', 'checkpoint_every',
-    'progress'})
+    'progress', 'coordinator_address', 'num_processes', 'process_id',
+    'initialization_timeout'})
 
 
 class Interrupted(SystemExit):
@@ -157,6 +159,15 @@ class StopRequest:
       signal.signal(number, handler)
     self._previous = {}
 
+  def agree(self) -> None:
+    """Takes the signal another process got, if any (a collective: every
+    process calls it after each step), so that all stop after the same step
+    instead of one saving while another waits in the next step."""
+    caught = [n for n in processes_lib.per_process(self.signal_number or 0)
+              if n]
+    if caught and self.signal_number is None:
+      self.signal_number = caught[0]
+
   @property
   def exit_code(self) -> int:
     """The shell's code for death by the signal: 130 for SIGINT."""
@@ -171,8 +182,9 @@ class StopRequest:
     """
     if os.environ.get(PAUSE_AFTER_STEP_ENV) != str(step):
       return
+    # The real stderr: a process other than 0 prints nothing else.
     print(f'paused after step {step} for a test: waiting for a signal',
-          file=sys.stderr, flush=True)
+          file=sys.__stderr__, flush=True)
     deadline = time.monotonic() + 60
     while self.signal_number is None and time.monotonic() < deadline:
       time.sleep(0.01)

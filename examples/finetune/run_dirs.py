@@ -14,6 +14,7 @@ import os
 from typing import Optional
 
 from examples.finetune import flags as flags_lib
+from examples.finetune import processes as processes_lib
 from examples.finetune import resume as resume_lib
 
 RUNS_ROOT = os.path.join('runs', 'finetune')
@@ -61,4 +62,6 @@ def with_output_dir(
           f'{config.task}-*; pass --output-dir DIR of the run to continue')
   else:
     path = new_run_dir(config.optimizer, config.task)
+  # Processes started a second apart would name different directories.
+  path = processes_lib.same_on_every_process(path)
   return dataclasses.replace(config, output_dir=path)

@@ -25,6 +25,8 @@ import math
 from typing import Any, Optional
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -79,10 +81,15 @@ def make_mesh(spec: Optional[str]) -> Optional[jax.sharding.Mesh]:
   shape = tuple(sizes[name] for name in AXES)
   devices = jax.device_count()
   if math.prod(shape) != devices:
+    processes = jax.process_count()
+    seen = (f'{devices}' if processes == 1 else
+            f'{devices} ({processes} processes x {jax.local_device_count()})')
+    per_process = math.prod(shape) // processes
     raise MeshError(
-        f'--mesh {spec!r} has {math.prod(shape)} devices but JAX sees '
-        f'{devices} (on CPU, set XLA_FLAGS='
-        f'--xla_force_host_platform_device_count={math.prod(shape)})')
+        f'--mesh {spec!r} has {math.prod(shape)} devices but JAX sees {seen}'
+        + (f' (on CPU, set XLA_FLAGS='
+           f'--xla_force_host_platform_device_count={per_process})'
+           if per_process * processes == math.prod(shape) else ''))
   return jax.make_mesh(shape, AXES)
 
 
@@ -129,26 +136,60 @@ def current_mesh() -> Optional[jax.sharding.Mesh]:
   return None if mesh.empty else mesh
 
 
-def place_param(values: jax.Array, names: tuple[str, ...],
+def place_param(values: Any, names: tuple[str, ...],
                 mesh: Optional[jax.sharding.Mesh],
-                tied_embedding: bool = False) -> jax.Array:
-  """``values`` on the sharding of the parameter at ``names`` (if a mesh)."""
+                tied_embedding: bool = False, dtype: Any = None) -> jax.Array:
+  """``values`` (host array) as ``dtype`` on the sharding of the parameter at
+  ``names`` (if a mesh).
+
+  On a mesh each device receives only its own block, cut from the host array
+  (``jax.make_array_from_callback``): no whole copy on a first device, no
+  comparison of the value across processes (``jax.device_put`` all-gathers
+  a multi-process value to check that every process passed the same).
+  """
   if mesh is None:
-    return values
+    return jnp.asarray(values, dtype=dtype)
+  host = np.asarray(values)
+  if dtype is not None:
+    host = host.astype(jnp.dtype(dtype))
   mesh_shape = dict(zip(mesh.axis_names, mesh.axis_sizes))
-  spec = param_spec(names, values.shape, mesh_shape, tied_embedding)
-  return jax.device_put(values, NamedSharding(mesh, spec))
+  spec = param_spec(names, host.shape, mesh_shape, tied_embedding)
+  return jax.make_array_from_callback(host.shape, NamedSharding(mesh, spec),
+                                      lambda index: host[index])
+
+
+def process_rows(sharding: NamedSharding, shape: tuple[int, ...]) -> slice:
+  """The rows (first axis) of a ``shape`` array that this process's devices
+  hold under ``sharding``: one contiguous block for the meshes here
+  (``jax.make_mesh`` puts each process's devices together)."""
+  blocks = set()
+  for index in sharding.addressable_devices_indices_map(shape).values():
+    rows = index[0] if index else slice(None)
+    blocks.add((rows.start or 0, shape[0] if rows.stop is None else rows.stop))
+  blocks = sorted(blocks)
+  if any(stop != start for (_, stop), (start, _) in zip(blocks, blocks[1:])):
+    raise MeshError(f'this process\'s devices hold the batch rows {blocks}: '
+                    'not one block')
+  return slice(blocks[0][0], blocks[-1][1])
 
 
 def shard_batch(batch: Any, mesh: jax.sharding.Mesh) -> Any:
   """Splits every array of ``batch`` along its first axis over the batch axes.
 
-  Arrays whose first axis the batch axes do not divide stay replicated.
+  Arrays whose first axis the batch axes do not divide stay replicated. With
+  several processes each hands in only the rows its own devices hold
+  (``jax.make_array_from_process_local_data``): the host arrays are the
+  whole batch on every process (the same seeded stream), the devices get
+  only their rows.
   """
   mesh_shape = dict(zip(mesh.axis_names, mesh.axis_sizes))
 
   def put(x):
     spec = P(BATCH_AXES) if _fits(x.shape[0], BATCH_AXES, mesh_shape) else P()
-    return jax.device_put(x, NamedSharding(mesh, spec))
+    sharding = NamedSharding(mesh, spec)
+    if jax.process_count() == 1:
+      return jax.device_put(x, sharding)
+    rows = process_rows(sharding, x.shape)
+    return jax.make_array_from_process_local_data(sharding, x[rows], x.shape)
 
   return jax.tree.map(put, batch)

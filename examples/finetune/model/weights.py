@@ -13,7 +13,6 @@ import json
 from typing import Any, Iterator, Optional, Protocol
 
 import jax
-import jax.numpy as jnp
 import ml_dtypes  # pylint: disable=unused-import  (numpy learns 'bfloat16')
 import numpy as np
 from flax import nnx
@@ -134,8 +133,8 @@ def _load_parameters(abstract_state: Any, source: TensorSource,
                          for i in range(config.num_layers)])
     else:
       values = read(names[2:], int(names[1]), shape)
-    return sharding_lib.place_param(jnp.asarray(values, dtype=param_dtype),
-                                    names, mesh, config.tie_word_embeddings)
+    return sharding_lib.place_param(values, names, mesh,
+                                    config.tie_word_embeddings, param_dtype)
 
   state = jax.tree_util.tree_map_with_path(fill, abstract_state)
   if config.tie_word_embeddings:

@@ -1,0 +1,97 @@
+"""Per-device compiled memory of the example's train step, on a mesh or not.
+
+Prepares the example's run from its flags (the default model, SmolLM2-135M,
+unless ``--model``), compiles its train step for the first batch and prints
+XLA's ``memory_analysis()`` of one device (arguments, outputs, donated
+aliases, temporaries, peak = arguments + outputs - aliases + temporaries)
+and every buffer of the compiled program at least as large as the token
+table's shard on one device, by operation, with the whole token table's
+size for scale. Nothing is trained.
+
+  python -m benchmarks.mesh_memory                                # 1 device
+  XLA_FLAGS=--xla_force_host_platform_device_count=8 \\
+    python -m benchmarks.mesh_memory --mesh data=2,fsdp=2,tensor=2
+
+Further words are the example's flags (``--batch-size``, ``--seq-len``, ...).
+"""
+
+import collections
+import contextlib
+import math
+import re
+import sys
+import tempfile
+
+import jax
+
+from benchmarks import provenance
+from examples.finetune import flags as flags_lib
+from examples.finetune import preparation
+from examples.finetune.model import sharding
+
+_ITEMSIZE = {'f32': 4, 's32': 4, 'u32': 4, 'pred': 1, 's8': 1, 'u8': 1,
+             'f8e4m3fn': 1, 'bf16': 2, 'f16': 2, 's64': 8}
+# Views and inputs of a computation, not buffers of their own.
+_NOT_BUFFERS = frozenset({'parameter', 'bitcast', 'get-tuple-element',
+                          'tuple'})
+_BUFFER = re.compile(r'^\s*(?:ROOT )?%[\w.\-]+ = (\w+)\[([\d,]*)\][^ ]* '
+                     r'([\w\-]+)\(')
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+
+
+def large_buffers(hlo_text: str, at_least: int) -> collections.Counter:
+  """``{(bytes, dtype[shape], op, jax op name): count}`` of the buffers
+  that the program's computations (not the insides of fusions) make."""
+  found = collections.Counter()
+  inside_fusion = False
+  for line in hlo_text.splitlines():
+    if line and not line[0].isspace():  # a computation's header
+      inside_fusion = bool(re.match(r'%(fused|wrapped)_', line))
+    match = _BUFFER.match(line)
+    if inside_fusion or not match or match.group(3) in _NOT_BUFFERS:
+      continue
+    dtype, dims, op = match.groups()
+    name = _OP_NAME.search(line)
+    size = math.prod(int(d) for d in dims.split(',') if d)
+    nbytes = size * _ITEMSIZE.get(dtype, 4)
+    if nbytes >= at_least:
+      where = name.group(1).split('/')[-1] if name else ''
+      found[(nbytes, f'{dtype}[{dims}]', op, where)] += 1
+  return found
+
+
+def main(argv) -> None:
+  with tempfile.TemporaryDirectory() as output_dir:
+    config = flags_lib.from_command_line(
+        ['--eval-size', '8', '--no-progress', '--no-checkpoint',
+         '--output-dir', output_dir] + list(argv))
+    mesh = sharding.make_mesh(config.mesh)
+    with jax.set_mesh(mesh) if mesh else contextlib.nullcontext():
+      prepared = preparation.prepare(config, lambda line: None)
+      batch = next(prepared.batches)
+      if mesh:
+        batch = sharding.shard_batch(batch, mesh)
+      compiled = prepared.trainer.compile(batch)
+  memory = compiled.memory_analysis()
+  mib = lambda n: f'{n / 2**20:.1f} MiB'
+  peak = (memory.argument_size_in_bytes + memory.output_size_in_bytes
+          - memory.alias_size_in_bytes + memory.temp_size_in_bytes)
+  table = prepared.model.embed.embedding[...]
+  shards = math.prod(mesh.shape.values()) if mesh else 1
+  print(provenance.stamp())
+  print(f'mesh {dict(mesh.shape) if mesh else None}; per device: arguments '
+        f'{mib(memory.argument_size_in_bytes)}, outputs '
+        f'{mib(memory.output_size_in_bytes)}, aliased '
+        f'{mib(memory.alias_size_in_bytes)}, temporaries '
+        f'{mib(memory.temp_size_in_bytes)}; peak {mib(peak)} '
+        f'(x {shards} devices = {mib(peak * shards)})')
+  print(f'token table {table.dtype}{list(table.shape)} = {mib(table.nbytes)}; '
+        'buffers of at least a quarter of it, per device:')
+  for (_, shape, op, where), count in sorted(
+      large_buffers(compiled.as_text(), table.nbytes // 4).items(),
+      key=lambda item: (-item[0][0], item[0][1:])):
+    print(f'  {count:3d} x {shape:<22} {op:<18} {where}')
+
+
+if __name__ == '__main__':
+  main(sys.argv[1:])
