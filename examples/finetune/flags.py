@@ -14,13 +14,14 @@ costs seconds and writes nothing.
 
 import dataclasses
 import difflib
-import math
 import typing
-from typing import (Annotated, Any, Callable, Literal, NamedTuple, Optional,
-                    Union)
+from typing import Annotated, Literal, Optional
 
 import tyro
 
+from examples.finetune import flag_words
+from examples.finetune.flag_words import OnOff
+from examples.finetune.flag_words import Range
 from examples.finetune import optimizers as optimizers_lib
 from examples.finetune import precision as precision_lib
 from examples.finetune import tasks as tasks_lib
@@ -31,152 +32,8 @@ class FinetuneError(Exception):
   """An input the run cannot use; the CLI prints it as one line (exit 2)."""
 
 
-@dataclasses.dataclass(frozen=True)
-class Range:
-  """The finite numbers a numeric field accepts.
-
-  Attributes:
-    low: smallest accepted value (``None``: no lower bound).
-    high: largest accepted value (``None``: no upper bound).
-    low_open: ``low`` itself is refused.
-    high_open: ``high`` itself is refused.
-  """
-  low: Optional[float] = None
-  high: Optional[float] = None
-  low_open: bool = False
-  high_open: bool = False
-
-  def __str__(self) -> str:
-    if self.high is None:
-      return f'{">" if self.low_open else ">="} {self.low:g}'
-    if self.low is None:
-      return f'{"<" if self.high_open else "<="} {self.high:g}'
-    return (f'in {"(" if self.low_open else "["}{self.low:g}, '
-            f'{self.high:g}{")" if self.high_open else "]"}')
-
-  def __contains__(self, value: float) -> bool:
-    if not math.isfinite(value):
-      return False
-    above = self.low is None or (value > self.low if self.low_open
-                                 else value >= self.low)
-    below = self.high is None or (value < self.high if self.high_open
-                                  else value <= self.high)
-    return above and below
-
-
-# Parsing a flag's words. tyro splits the command line into flags and their
-# words; the words become values here, so that a refusal is this module's own
-# sentence naming the flag rather than a report tyro prints.
-
 PROG = 'python -m examples.finetune'
 _HELP = f'; {PROG} --help lists the flags'
-
-
-class _Malformed(NamedTuple):
-  """Words a flag was given that its type cannot take.
-
-  A field holds one only from parsing to ``RunConfig.__post_init__``, which
-  refuses it with the flag's name.
-
-  Attributes:
-    problem: what is wrong, as it follows the flag's name (``" must be an
-      integer, got 'abc'"``).
-  """
-  problem: str
-
-
-def _from_one_word(parse: Callable[[str], Any]
-                   ) -> Callable[[list[str]], Any]:
-  """A tyro ``instance_from_str`` taking any number of words (``nargs='*'``),
-  so that a missing value reaches this module too, and parsing exactly one.
-  """
-  def instance_from_str(words: list[str]) -> Any:
-    if not words:
-      return _Malformed(' needs a value')
-    if len(words) > 1:
-      return _Malformed(f' takes one value, got {" ".join(words)!r}')
-    return parse(words[0])
-  return instance_from_str
-
-
-def _on_off(word: str) -> Union[bool, _Malformed]:
-  if word.lower() in ('on', 'true', 'yes', '1'):
-    return True
-  if word.lower() in ('off', 'false', 'no', '0'):
-    return False
-  return _Malformed(f': expected on or off, got {word!r}')
-
-
-# A switch given as a value (``--remat off``), as the README writes it.
-OnOff = Annotated[bool, tyro.conf.FlagConversionOff,
-                  tyro.constructors.PrimitiveConstructorSpec(
-                      nargs='*', metavar='{on,off}',
-                      instance_from_str=_from_one_word(_on_off),
-                      is_instance=lambda value: isinstance(value, bool),
-                      str_from_instance=lambda on: ['on' if on else 'off'])]
-
-
-def _optional_of(kind) -> Optional[Any]:
-  """``X`` for ``Optional[X]``, else ``None``."""
-  if typing.get_origin(kind) is not Union:
-    return None
-  members = typing.get_args(kind)
-  inner = [arg for arg in members if arg is not type(None)]
-  return inner[0] if len(inner) == 1 < len(members) else None
-
-
-def _parse_word(kind, word: str) -> Any:
-  """The value of type ``kind`` that ``word`` spells, or a _Malformed."""
-  inner = _optional_of(kind)
-  if inner is not None:
-    return None if word == 'None' else _parse_word(inner, word)
-  if typing.get_origin(kind) is Literal:
-    choices = typing.get_args(kind)
-    if word in choices:
-      return word
-    return _Malformed(f' must be one of {", ".join(map(repr, choices))}, '
-                      f'got {word!r}')
-  if kind is str:
-    return word
-  try:
-    return kind(word)
-  except ValueError:
-    noun = 'an integer' if kind is int else 'a number'
-    return _Malformed(f' must be {noun}, got {word!r}')
-
-
-def _metavar(kind) -> str:
-  """What ``--help`` shows for a value of ``kind``, as tyro writes it."""
-  inner = _optional_of(kind)
-  if inner is not None:
-    return '{None}|' + _metavar(inner)
-  if typing.get_origin(kind) is Literal:
-    return '{' + ','.join(typing.get_args(kind)) + '}'
-  return kind.__name__.upper()
-
-
-def _is_parsed_here(kind) -> bool:
-  kind = _optional_of(kind) or kind
-  return kind in (int, float, str) or typing.get_origin(kind) is Literal
-
-
-_PARSERS = tyro.constructors.ConstructorRegistry()
-
-
-@_PARSERS.primitive_rule
-def _parsed_here(type_info) -> Optional[
-    tyro.constructors.PrimitiveConstructorSpec]:
-  """Numbers, strings and choices (and their Optional) are parsed here;
-  tyro keeps the plain switches (``--resume``, ``--no-progress``)."""
-  kind = type_info.type
-  if not _is_parsed_here(kind):
-    return None
-  return tyro.constructors.PrimitiveConstructorSpec(
-      nargs='*', metavar=_metavar(kind),
-      instance_from_str=_from_one_word(lambda word: _parse_word(kind, word)),
-      is_instance=lambda value: _refusal(value, kind) is None,
-      str_from_instance=lambda value: [str(value)])
-
 
 _POSITIVE = Range(low=1)
 _NON_NEGATIVE = Range(low=0)
@@ -194,8 +51,8 @@ class RunConfig:
       and where it comes from).
     steps: Training steps in all; with --resume, the total (the steps
       before the resume included).
-    batch_size: Sequences per training step (per optimizer step, whatever
-      --grad-accum is).
+    batch_size: Sequences per training step (per optimizer step, with or
+      without --grad-accum).
     grad_accum: Micro-batches per step: the --batch-size sequences are split
       into N micro-batches whose mean gradient makes the step (the same step
       on less memory; TACO's layer-wise step accumulates layer by layer,
@@ -319,11 +176,11 @@ class RunConfig:
     hints = typing.get_type_hints(RunConfig, include_extras=True)
     # Words no value could come from first, as a parser would refuse them.
     for name in hints:
-      if isinstance(getattr(self, name), _Malformed):
+      if isinstance(getattr(self, name), flag_words.Malformed):
         raise FinetuneError(f'{flag(name)}{getattr(self, name).problem}'
                             f'{_HELP}')
     for name, annotation in hints.items():
-      message = _refusal(getattr(self, name), annotation)
+      message = flag_words.refusal(getattr(self, name), annotation)
       if message:
         raise FinetuneError(f'{flag(name)} {message}')
     if self.batch_size % self.grad_accum:
@@ -342,41 +199,6 @@ def flag(field_name: str) -> str:
   return '--' + field_name.replace('_', '-')
 
 
-def _refusal(value, annotation) -> Optional[str]:
-  """Why ``value`` does not fit ``annotation``; ``None`` when it does."""
-  kind, ranges = annotation, ()
-  if typing.get_origin(kind) is Annotated:
-    kind, *metadata = typing.get_args(kind)
-    ranges = [item for item in metadata if isinstance(item, Range)]
-  if _optional_of(kind) is not None:  # None means a default.
-    if value is None:
-      return None
-    kind = _optional_of(kind)
-  if typing.get_origin(kind) is Literal:
-    choices = typing.get_args(kind)
-    if value not in choices:
-      return f'must be one of {", ".join(choices)}, got {value!r}'
-    return None
-  if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
-    return f'must be an integer, got {value!r}'
-  if kind is float and (isinstance(value, bool)
-                        or not isinstance(value, (int, float))):
-    return f'must be a number, got {value!r}'
-  for accepted in ranges:
-    if value not in accepted:
-      noun = 'an integer' if kind is int else 'a finite number'
-      return f'must be {noun} {accepted}, got {value!r}'
-  return None
-
-
-def _is_switch(annotation) -> bool:
-  """A flag without a value (``--resume``), unlike an :data:`OnOff`."""
-  kind = annotation
-  if typing.get_origin(kind) is Annotated:
-    kind = typing.get_args(kind)[0]
-  return kind is bool and annotation != OnOff
-
-
 def _unknown_flags(words: list[str]) -> str:
   """The refusal of words no flag took, with the nearest flag's name."""
   hints = typing.get_type_hints(RunConfig, include_extras=True)
@@ -384,7 +206,8 @@ def _unknown_flags(words: list[str]) -> str:
   known = [flag(field.name) for field in fields]
   # tyro's --no-X of a switch that is on by default.
   known += ['--no-' + flag(field.name)[2:] for field in fields
-            if _is_switch(hints[field.name]) and field.default is True]
+            if flag_words.is_switch(hints[field.name])
+            and field.default is True]
   message = f'unknown flag(s): {", ".join(words)}'
   for word in words:
     if word.startswith('--'):
@@ -407,7 +230,8 @@ def from_command_line(args=None) -> RunConfig:
       outside its flag's accepted range, as one line that names the flag.
   """
   config, unknown = tyro.cli(RunConfig, args=args, prog=PROG,
-                             registry=_PARSERS, return_unknown_args=True)
+                             registry=flag_words.PARSERS,
+                             return_unknown_args=True)
   if unknown:
     raise FinetuneError(_unknown_flags(unknown) + _HELP)
   return config
