@@ -144,11 +144,6 @@ def _module_route(module: Any, name: str, variable: Any) -> Route:
   raise _Refused(f'rank {ndim}, and {type(module).__name__} has no rule')
 
 
-def path_name(path: tuple[Any, ...]) -> str:
-  """``'layers/0/attn/q_proj/w'`` for a state path."""
-  return '/'.join(str(getattr(entry, 'key', entry)) for entry in path)
-
-
 def _holders(model: Any) -> dict[tuple[Any, ...], Any]:
   """Every Module and list of ``model`` by its graph path."""
   return {path: node for path, node in nnx.iter_graph(model)
@@ -174,7 +169,7 @@ def routes(model: Any, wrt: Any, overrides: Mapping[str, Optional[DN]]
   holders, used = _holders(model), set()
   found, refused = {}, []
   for path, variable in nnx.to_flat_state(nnx.state(model, wrt)):
-    name = path_name(path)
+    name = dn.path_name(path)
     override = _override(name, overrides, used)
     if override:
       found[path] = Route(override[0])
