@@ -181,9 +181,13 @@ def taco(
     mu: history EMA decay in ``[0, 1)``.
     update_topk: signs per column in each update (``None`` = 1 is TACO).
     weight_dimension_numbers: which leaves are TACO matrices and how. ``None``
-      (default) means every rank-2 leaf with ``TacoDimensionNumbers()``.
+      (default) means every rank-2 leaf with ``TacoDimensionNumbers()``;
+      ``init`` then warns (``taco_optax`` logger) naming the floating leaves
+      of rank >= 3 it sends to Adam (einsum kernels such as ``(D, N, H)``).
       Otherwise a :class:`TacoDimensionNumbers`, a tree prefix of them with
-      ``None`` for non-TACO leaves, or a callable returning one from params.
+      ``None`` for non-TACO leaves (for a Flax NNX model,
+      :func:`taco_optax.nnx.dimension_numbers`), or a callable returning one
+      from params. :func:`taco_optax.routing_report` shows the result.
     update_scale: per-leaf scale override, see :func:`scale_by_taco`.
     values_dtype: dtype of the stored history values (``None``:
       ``float8_e4m3fn``).

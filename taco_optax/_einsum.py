@@ -85,3 +85,33 @@ def weight_dimension_numbers(einsum_str: str) -> dn.TacoDimensionNumbers:
 def weight_rank(einsum_str: str) -> int:
   """The number of axes of the weight operand of ``einsum_str``."""
   return len(_operands(einsum_str)[1])
+
+
+def lora_dimension_numbers(lora_einsum_str: str, factor: str
+                           ) -> dn.TacoDimensionNumbers:
+  """The axes of a LoRA factor of an einsum weight.
+
+  qwix's LoRA of ``einsum('BTNH,NHD->BTD', x, w)`` computes
+  ``einsum('BTNH,NHr,rD->BTD', x, a, b)``: ``a`` maps the input to the rank
+  axis ``r`` (and is a weight of ``'BTNH,NHr->BTr'``), ``b`` maps ``r`` to
+  the output (a weight of ``'BTr,rD->BTD'``); each is read as
+  :func:`weight_dimension_numbers` reads those.
+
+  Args:
+    lora_einsum_str: ``'<input>,<a>,<b>-><output>'``.
+    factor: ``'a'`` or ``'b'``.
+
+  Raises:
+    AmbiguousEinsum: for anything else.
+  """
+  spec = lora_einsum_str.replace(' ', '').replace('...', _ELLIPSIS)
+  inputs, _, output = spec.partition('->')
+  operands = inputs.split(',')
+  if len(operands) != 3 or not output or factor not in ('a', 'b'):
+    raise AmbiguousEinsum(f'{lora_einsum_str!r} is not (input, a, b) -> out')
+  lhs, a, b = operands
+  rank = a[-1:]
+  middle = ''.join(c for c in lhs if c in output) + rank
+  if factor == 'a':
+    return weight_dimension_numbers(f'{lhs},{a}->{middle}')
+  return weight_dimension_numbers(f'{middle},{b}->{output}')

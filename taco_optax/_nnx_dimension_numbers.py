@@ -13,8 +13,9 @@ one weight of the einsum's rank
 ``nnx.Embed`` ``embedding``, tunix's         rows are tokens: reduction 1
 ``input_embedding`` ``(vocab, d)``           (features), output 0; scale 1
 LoRA ``lora_a`` ``(in, r)``, ``lora_b``      the last two axes (reduction,
-``(r, out)`` (``nnx.LoRA``, qwix's           output), leading ones batch
-``<name>_lora_a/b``)
+``(r, out)`` (``nnx.LoRA``, qwix's           output), leading ones batch;
+``<name>_lora_a/b``)                         of an einsum weight: read from
+                                             qwix's ``<name>_lora_einsum_str``
 ``bias``, ``scale``, norms' parameters,     ``None`` (Adam)
 vectors, scalars, integers
 any other rank-2 parameter                   reduction 0, output 1 (as taco's
@@ -91,6 +92,20 @@ def _is_lora(name: str, variable: Any) -> bool:
           or name.endswith(('_lora_a', '_lora_b')))
 
 
+def _lora_route(module: Any, name: str, ndim: int) -> Route:
+  """A LoRA factor: ``(.., in, r)`` or ``(.., r, out)``, or read from the
+  einsum qwix records beside an einsum weight's factors."""
+  base, _, factor = name.rpartition('_lora_')
+  einsum_str = getattr(module, f'{base}_lora_einsum_str', None)
+  if not isinstance(einsum_str, str):
+    return Route(DN(ndim - 2, ndim - 1))
+  try:
+    declared = _einsum.lora_dimension_numbers(einsum_str, factor)
+  except _einsum.AmbiguousEinsum as error:
+    raise _Refused(str(error)) from None
+  return Route(_shifted(declared, ndim, ndim))
+
+
 def _is_table(module: Any, name: str) -> bool:
   return (isinstance(module, nnx.Embed) and name == 'embedding'
           or name == 'input_embedding')
@@ -102,7 +117,7 @@ def _module_route(module: Any, name: str, variable: Any) -> Route:
   if not jnp.issubdtype(variable.dtype, jnp.floating) or ndim < 2:
     return Route(None)
   if _is_lora(name, variable):
-    return Route(DN(ndim - 2, ndim - 1))
+    return _lora_route(module, name, ndim)
   if name in ('bias', 'scale') or isinstance(module, _NORMS):
     return Route(None)  # vectors, also when stacked as (layers, d)
   if _is_table(module, name):
@@ -127,11 +142,6 @@ def _module_route(module: Any, name: str, variable: Any) -> Route:
   if ndim == 2:
     return Route(DN(0, 1))
   raise _Refused(f'rank {ndim}, and {type(module).__name__} has no rule')
-
-
-def path_name(path: tuple[Any, ...]) -> str:
-  """``'layers/0/attn/q_proj/w'`` for a state path."""
-  return '/'.join(str(getattr(entry, 'key', entry)) for entry in path)
 
 
 def _holders(model: Any) -> dict[tuple[Any, ...], Any]:
@@ -159,7 +169,7 @@ def routes(model: Any, wrt: Any, overrides: Mapping[str, Optional[DN]]
   holders, used = _holders(model), set()
   found, refused = {}, []
   for path, variable in nnx.to_flat_state(nnx.state(model, wrt)):
-    name = path_name(path)
+    name = dn.path_name(path)
     override = _override(name, overrides, used)
     if override:
       found[path] = Route(override[0])

@@ -292,3 +292,75 @@ def test_tunix_moe_experts_need_overrides():
   assert all(dims[p] == DN(1, 2) for p in dims
              if any(fnmatch.fnmatchcase('/'.join(map(str, p)), pattern)
                     for pattern in experts))
+
+
+def _lm_loss(model, tokens):
+  batch, length = tokens.shape
+  positions = jnp.broadcast_to(jnp.arange(length), (batch, length))
+  mask = jnp.broadcast_to(jnp.tril(jnp.ones((length, length), bool)),
+                          (batch, length, length))
+  logits, _ = model(tokens, positions, None, mask)
+  return optax.softmax_cross_entropy_with_integer_labels(
+      logits[:, :-1], tokens[:, 1:]).mean()
+
+
+def _step_moves_one_weight_per_column(model, wrt, dims, steps=2):
+  """``steps`` nnx.Optimizer steps; each moves one weight per column."""
+  tx = taco_optax.taco(1e-2, k=4, weight_dimension_numbers=dims)
+  optimizer = nnx.Optimizer(model, tx, wrt=wrt)
+  tokens = jnp.asarray(np.random.default_rng(0).integers(0, 64, (2, 8)))
+  flat_dims = _flat(dims)
+  checked = 0
+  for _ in range(steps):
+    grads = nnx.grad(_lm_loss, argnums=nnx.DiffState(0, wrt))(model, tokens)
+    before = _flat(nnx.as_pure(nnx.state(model, wrt)))
+    optimizer.update(model, grads)
+    after = _flat(nnx.as_pure(nnx.state(model, wrt)))
+    for path, grad in _flat(nnx.as_pure(grads)).items():
+      if flat_dims[path] is None:
+        continue
+      layout = _dimension_numbers.matrix_layout(grad.shape, flat_dims[path])
+      moved = np.asarray(layout.to_rows(after[path] != before[path]))
+      live = np.asarray(layout.to_rows(grad != 0)).any(axis=1)
+      np.testing.assert_array_equal(moved.sum(axis=1), live.astype(int),
+                                    err_msg=str(path))
+      checked += int(live.sum())
+  assert checked > 0
+
+
+@pytest.mark.parametrize('family,sizes', TUNIX, ids=TUNIX_IDS)
+def test_one_tunix_step_moves_one_weight_per_column(family, sizes):
+  model = _tunix_model(family, **sizes)
+  _step_moves_one_weight_per_column(model, nnx.Param,
+                                    dimension_numbers(model), steps=1)
+
+
+def test_qwix_lora_factors_of_einsum_kernels():
+  qwix = pytest.importorskip('qwix')
+  model = _tunix_model('qwen3')
+  with _tunix_flag_kept():
+    flax.config.update('flax_always_shard_variable', False)
+    model = qwix.apply_lora_to_model(
+        model, qwix.LoraProvider(
+            module_path='.*q_proj|.*o_proj|.*down_proj|lm_head', rank=3,
+            alpha=2.0), rngs=nnx.Rngs(1), **model.get_model_input())
+  dims = _flat(dimension_numbers(model, nnx.LoRAParam))
+  attn = ('layers', 0, 'attn')
+  expected = {
+      attn + ('q_proj', 'w_lora_a'): DN(0, 1),           # (D, r)
+      attn + ('q_proj', 'w_lora_b'): DN(0, (1, 2)),      # (r, N, H)
+      attn + ('o_proj', 'w_lora_a'): DN((0, 1), 2),      # (N, H, r)
+      attn + ('o_proj', 'w_lora_b'): DN(0, 1),           # (r, D)
+      ('layers', 0, 'mlp', 'down_proj', 'kernel_lora_a'): DN(0, 1),
+      ('lm_head', 'w_lora_b'): DN(0, 1)}
+  for path, value in expected.items():
+    assert dims[path] == value, path
+  assert len(dims) == 14 and None not in dims.values()
+  _step_moves_one_weight_per_column(
+      model, nnx.LoRAParam, dimension_numbers(model, nnx.LoRAParam))
+
+
+def test_tunix_models_leave_the_flax_flag_as_it_was():
+  before = flax.config.flax_always_shard_variable
+  _tunix_model('llama3', num_layers=1)
+  assert flax.config.flax_always_shard_variable == before
