@@ -78,6 +78,12 @@ def test_split_batches_train_to_the_same_result(workspace, optimizer):
                     jax.tree.leaves(whole_weights)):
       np.testing.assert_allclose(np.asarray(a, np.float32),
                                  np.asarray(b, np.float32), atol=atol)
+    if optimizer == 'taco':  # the same step on a quarter of the batch
+      assert split['peak_memory_bytes'] < whole['peak_memory_bytes'], (
+          split['peak_memory_bytes'], whole['peak_memory_bytes'])
+    else:  # MultiSteps: its float32 accumulator is optimizer state
+      assert (split['optimizer_state_bytes']
+              >= whole['optimizer_state_bytes'] + whole['parameter_bytes'])
 
 
 def test_micro_batches_split_rows_and_keep_the_whole_batch_mean():
@@ -155,3 +161,17 @@ def test_memory_refusal_names_the_split(workspace):
   assert message.startswith('--optimizer taco at --batch-size 8 '
                             '(--grad-accum 4) x --seq-len 24 needs about'), (
                                 message)
+
+
+def test_memory_refusal_plans_the_micro_batch(workspace):
+  # 64 x 24 tokens: the tiny model's logits (and activations) are then large
+  # enough against the planner's fixed terms to show at 3 digits.
+  predicted = lambda **kw: _predicted_gb(test_cli._memory_error(
+      workspace, workspace['root'] / 'never-accum-oom', optimizer='taco',
+      batch_size=64, memory_limit_gb=1e-6, **kw))
+  assert predicted(grad_accum=8) < predicted(), (predicted(grad_accum=8),
+                                                 predicted())
+
+
+def _predicted_gb(message):
+  return float(re.search(r'needs about (\S+) GB', message).group(1))
