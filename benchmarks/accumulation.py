@@ -43,8 +43,12 @@ def _tokens(shape):
                         jax.ShapeDtypeStruct(shape, jnp.bool_))
 
 
+PATHS = ('taco layerwise', 'MultiSteps(taco)', 'MultiSteps(adamw)',
+         'taco layerwise, one batch')
+
+
 def measure(*, dtype, micro_batch, seq, num_layers, scan_layers=True,
-            steps=STEPS):
+            steps=STEPS, paths=PATHS):
   """``(weights, forward peak, rows)``; rows are ``(A, path, peak, state)``."""
   config, decoder = memory.abstract_decoder(
       memory.SMOLLM2_135M, dtype=dtype, scan_layers=scan_layers,
@@ -59,16 +63,21 @@ def measure(*, dtype, micro_batch, seq, num_layers, scan_layers=True,
     state = jax.eval_shape(train.optimizer.init, params)
     step = taco_optax.layerwise.train_step(decoder.loss, train.optimizer,
                                            accumulation_steps=count)
-    peak, _ = memory.peak_bytes(step, (params, state, stacked), donate=(0, 1))
-    rows.append((count, 'taco layerwise', peak, memory_plan.tree_bytes(state)))
+    if 'taco layerwise' in paths:
+      peak, _ = memory.peak_bytes(step, (params, state, stacked),
+                                  donate=(0, 1))
+      rows.append((count, 'taco layerwise', peak,
+                   memory_plan.tree_bytes(state)))
     for name, tx in (('MultiSteps(taco)', train.optimizer),
                      ('MultiSteps(adamw)', optax.adamw(1e-5))):
+      if name not in paths:
+        continue
       multi = optax.MultiSteps(tx, count)
       state = jax.eval_shape(multi.init, params)
       peak, _ = memory.peak_bytes(memory.plain_step(decoder.loss, multi),
                                   (params, state, micro), donate=(0, 1))
       rows.append((count, name, peak, memory_plan.tree_bytes(state)))
-    if count > 1:
+    if count > 1 and 'taco layerwise, one batch' in paths:
       state = jax.eval_shape(train.optimizer.init, params)
       peak, _ = memory.peak_bytes(
           train.step, (params, state, _tokens((count * micro_batch, seq))),
