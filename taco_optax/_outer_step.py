@@ -89,14 +89,19 @@ class OuterRoles(NamedTuple):
   late: tuple[int, ...]
 
 
-def outer_roles(loss: LayeredLoss, outer, plans, tables, states, batch
-                 ) -> OuterRoles:
-  """Each outer TACO leaf's role (``plans``/``states`` are the outer ones)."""
+def outer_roles(loss: LayeredLoss, outer, plans, tables, states, batch,
+                two_phase_allowed: bool = True) -> OuterRoles:
+  """Each outer TACO leaf's role (``plans``/``states`` are the outer ones).
+
+  ``two_phase_allowed=False`` (clipped gradients: phase 1 would select from
+  the projection's share before the clipped sum exists) makes a tied table
+  late.
+  """
   embed_reads = _used_inputs(lambda o: loss.embed(o, batch), outer)
   taco = [i for i, plan in enumerate(plans) if plan is not None]
   early = tuple(i for i in taco if not embed_reads[i])
   two_phase = None
-  if isinstance(loss.embed, _token_table.TableLookup):
+  if two_phase_allowed and isinstance(loss.embed, _token_table.TableLookup):
     i = _token_table.leaf_index(outer, loss.embed.table)
     if (i in tables and plans[i] is not None and _table_update.applies(
         jax.tree.leaves(outer)[i], tables[i], plans[i],
@@ -117,6 +122,7 @@ class Outer(NamedTuple):
   parts: _alias.TacoParts
   opt_states: _alias.TacoStates
   rounding: Callable[..., Optional[_leaf_update.LeafRounding]]
+  two_phase_allowed: bool = True
 
   @property
   def leaves(self) -> list[jax.Array]:
@@ -151,7 +157,7 @@ def after_head(context: Outer, hidden: Any) -> Head:
   value, grads, d_hidden, tables = _head_backward(loss.head, outer, hidden,
                                                   batch)
   roles = outer_roles(loss, outer, context.plans, tables, context.states,
-                       batch)
+                      batch, context.two_phase_allowed)
   tables = dict(tables)
   updated, kept, leaves = {}, None, context.leaves
   # An untied LM head has its whole gradient now: update it before the
