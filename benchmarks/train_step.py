@@ -73,7 +73,7 @@ def time_path(path, decoder, config, batch, warmup, steps):
   compile_s = time.perf_counter() - start
   for _ in range(warmup):
     params, state, value = compiled(params, state, batch)
-  jax.block_until_ready(value)
+    jax.block_until_ready(value)
   start = time.perf_counter()
   for _ in range(steps):
     params, state, value = compiled(params, state, batch)
@@ -98,7 +98,8 @@ def main(argv=None):
   parser.add_argument('--layers', type=int, default=None,
                       help='override the number of layers (default: 30)')
   parser.add_argument('--warmup', type=int, default=1)
-  parser.add_argument('--steps', type=int, default=3)
+  parser.add_argument('--steps', type=int, default=3,
+                      help='timed steps (>= 1)')
   parser.add_argument('--optimizers', default=','.join(PATHS))
   args = parser.parse_args(argv)
   paths = args.optimizers.split(',')
