@@ -10,11 +10,12 @@ gradient clipped as ``clip_by_global_norm`` clips it. The cost is one more
 forward and backward pass.
 """
 
-from typing import Any, Callable
+from typing import Any, Callable, Optional, Union
 
 import jax
 import jax.numpy as jnp
 
+from taco_optax import _accumulation
 from taco_optax import _backward
 
 
@@ -33,26 +34,38 @@ def squared_norms(loss, params, batch) -> list[jax.Array]:
   value, head_vjp = jax.vjp(lambda o, h: loss.head(o, h, batch), outer,
                             hidden)
   head_grads, d_hidden = head_vjp(jnp.ones_like(value))
-  layer_backward = _backward.vjp_backward(run_layer)
-  if loss.scan_layers:
+  d_hidden, layer_sums = layer_squares(
+      _backward.vjp_backward(run_layer), layers, layer_inputs, d_hidden,
+      loss.scan_layers)
+  _, embed_vjp = jax.vjp(lambda o: loss.embed(o, batch), outer)
+  (embed_grads,) = embed_vjp(d_hidden)
+  outer_sums = [_square_sum(h + e) for h, e in zip(
+      jax.tree.leaves(head_grads), jax.tree.leaves(embed_grads))]
+  return outer_sums + layer_sums
+
+
+def layer_squares(layer_backward, layers, layer_inputs, d_hidden,
+                  scan_layers: bool) -> tuple[Any, list[jax.Array]]:
+  """``(d_hidden, sums)``: the backward pass over the layers (no update),
+  keeping each leaf's ``sum(g**2)`` of ``layer_backward``'s gradient."""
+  if scan_layers:
     def body(d_hidden, xs):
       layer_params, layer_input = xs
       grads, d_hidden = layer_backward(layer_params, layer_input, d_hidden)
       return d_hidden, [_square_sum(g) for g in jax.tree.leaves(grads)]
     d_hidden, per_layer = jax.lax.scan(body, d_hidden, (layers, layer_inputs),
                                        reverse=True)
-    layer_sums = [_ordered_sum(list(s)) for s in per_layer]
-  else:
-    layer_sums = []
-    for l in reversed(range(len(layers))):
-      grads, d_hidden = layer_backward(layers[l], layer_inputs[l], d_hidden)
-      layer_sums = [_square_sum(g) for g in jax.tree.leaves(grads)
-                    ] + layer_sums
-  _, embed_vjp = jax.vjp(lambda o: loss.embed(o, batch), outer)
-  (embed_grads,) = embed_vjp(d_hidden)
-  outer_sums = [_square_sum(h + e) for h, e in zip(
-      jax.tree.leaves(head_grads), jax.tree.leaves(embed_grads))]
-  return outer_sums + layer_sums
+    return d_hidden, [_ordered_sum(list(s)) for s in per_layer]
+  sums = []
+  for l in reversed(range(len(layers))):
+    grads, d_hidden = layer_backward(layers[l], layer_inputs[l], d_hidden)
+    sums = [_square_sum(g) for g in jax.tree.leaves(grads)] + sums
+  return d_hidden, sums
+
+
+def square_sum(x: Optional[jax.Array]) -> Union[jax.Array, float]:
+  """``sum(x**2)``; ``0.0`` for a leaf nothing reads (``None``)."""
+  return 0.0 if x is None else _square_sum(x)
 
 
 def _ordered_sum(values) -> jax.Array:
@@ -79,3 +92,17 @@ def clipper(norm: jax.Array, max_norm: float) -> Callable[[Any], Any]:
   def clip(g):
     return jax.lax.select(trigger, g, (g / norm.astype(g.dtype)) * max_norm)
   return clip
+
+
+def accumulated_norm(loss, outer, layers, layer_inputs, d_hidden, batches,
+                      embed_reads, head_grads):
+  """The global norm of the mean gradient (cast as ``MultiSteps`` casts it),
+  from a backward pass over the layers that updates nothing."""
+  d_first, layer_sums = layer_squares(
+      _accumulation.layer_backward(loss.layer, batches), layers,
+      layer_inputs, d_hidden, loss.scan_layers)
+  means = _accumulation.embed_backward(loss.embed, outer, d_first, batches,
+                                       embed_reads, head_grads)
+  outer_sums = [square_sum(None if g is None else g.astype(x.dtype))
+                for g, x in zip(means, jax.tree.leaves(outer))]
+  return global_norm(outer_sums + layer_sums)

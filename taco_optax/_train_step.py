@@ -112,8 +112,9 @@ def train_step(loss: LayeredLoss,
       every gradient before the first column step, so a first backward pass
       computes it (keeping one layer's gradient at a time): the step costs
       one more forward and backward pass, and a tied token table takes the
-      one-pass update (its head factors live through the layers). Not with
-      ``accumulation_steps``.
+      one-pass update (its head factors live through the layers). With
+      ``accumulation_steps``, the norm is the mean gradient's, as
+      ``MultiSteps(chain(clip_by_global_norm(c), optimizer), A)`` clips.
 
   Returns:
     ``step(params, opt_state, batch) -> (params, opt_state, loss)``, to be
@@ -181,10 +182,6 @@ def step_from_parts(loss: LayeredLoss, parts: _alias.TacoParts, *,
     if isinstance(clip_global_norm, bool) or not clip_global_norm > 0:
       raise ValueError('clip_global_norm must be a number > 0; got '
                        f'{clip_global_norm!r}.')
-    if accumulation_steps is not None:
-      raise ValueError('clip_global_norm with accumulation_steps is not '
-                       'supported: the norm of the mean gradient would need '
-                       'a pass over every micro-batch first.')
   if accumulation_steps is None:
     return _one_batch_step(loss, parts, clip_global_norm)
   if (isinstance(accumulation_steps, bool)
@@ -192,7 +189,7 @@ def step_from_parts(loss: LayeredLoss, parts: _alias.TacoParts, *,
     raise ValueError('accumulation_steps must be an int >= 1 (or None for a '
                      f'batch without a micro-batch axis); got '
                      f'{accumulation_steps!r}.')
-  return _accumulated_step(loss, parts, accumulation_steps)
+  return _accumulated_step(loss, parts, accumulation_steps, clip_global_norm)
 
 
 class _Leaves(NamedTuple):
@@ -282,13 +279,14 @@ def _one_batch_step(loss: LayeredLoss, parts: _alias.TacoParts,
 
 
 def _accumulated_step(loss: LayeredLoss, parts: _alias.TacoParts,
-                      steps: int) -> TrainStep:
+                      steps: int,
+                      clip_global_norm: Optional[float] = None) -> TrainStep:
   """The step on ``steps`` micro-batches, layer-major (``_accumulation``).
 
   Outer leaves the embedding does not read are updated after the head (their
   mean gradient is complete then); the others after the embedding's pass.
   """
-  one_batch = _one_batch_step(loss, parts)
+  one_batch = _one_batch_step(loss, parts, clip_global_norm)
 
   def step(params, opt_state, batches):
     _accumulation.check_micro_batches(batches, steps)
@@ -296,8 +294,7 @@ def _accumulated_step(loss: LayeredLoss, parts: _alias.TacoParts,
       return one_batch(params, opt_state,
                        jax.tree.map(lambda x: x[0], batches))
     outer, layers = params
-    ctx = _leaves(parts, params, opt_state)
-    n = ctx.num_outer
+    n = len(jax.tree.leaves(outer))
     outer_leaves = jax.tree.leaves(outer)
     first = jax.tree.map(lambda x: x[0], batches)
     embed_reads = _outer_step._used_inputs(lambda o: loss.embed(o, first),
@@ -311,6 +308,14 @@ def _accumulated_step(loss: LayeredLoss, parts: _alias.TacoParts,
         outer)
     value, head_grads, d_hidden = _accumulation.head_backward(
         loss.head, outer, hidden, batches, head_reads)
+    clip = None
+    if clip_global_norm is not None:
+      norm = _clipping.accumulated_norm(loss, outer, layers, layer_inputs, d_hidden,
+                               batches, embed_reads, head_grads)
+      clip = _clipping.clipper(norm, clip_global_norm)
+      d_hidden = jax.tree.map(
+          lambda x: _leaf_update.data_dependency(x, norm), d_hidden)
+    ctx = _leaves(parts, params, opt_state, clip)
     updated = {}
     for i, plan in enumerate(ctx.plans[:n]):
       if plan is not None and head_reads[i] and not embed_reads[i]:
@@ -336,9 +341,12 @@ def _accumulated_step(loss: LayeredLoss, parts: _alias.TacoParts,
                  for i, x in enumerate(outer_leaves)]
     outer_states = [tuple(updated[i][1:]) if i in updated else s
                     for i, s in enumerate(ctx.leaf_states[:n])]
+    grads = outer_grads + layer_grads
+    if clip is not None:
+      grads = [None if g is None else clip(g) for g in grads]
     new_leaves, adam_state = _adam(parts, params, ctx.plans,
-                                   new_outer + layer_leaves,
-                                   outer_grads + layer_grads, ctx.states.adam)
+                                   new_outer + layer_leaves, grads,
+                                   ctx.states.adam)
     return (jax.tree.structure(params).unflatten(new_leaves),
             _pack(parts, opt_state, ctx.states, outer_states + layer_states,
                   adam_state), value)
