@@ -28,9 +28,10 @@ def micro_batch_count(batches: Batch) -> int:
   sizes = {x.shape[0] if getattr(x, 'ndim', 0) else None
            for x in jax.tree.leaves(batches)}
   if len(sizes) != 1 or None in sizes:
+    shown = sorted(map(str, sizes))
     raise ValueError(
         'with accumulation_steps, every leaf of the batch needs a leading '
-        f'micro-batch axis of one size; got leading sizes {sorted(map(str, sizes))}.')
+        f'micro-batch axis of one size; got leading sizes {shown}.')
   return sizes.pop()
 
 

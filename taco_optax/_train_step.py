@@ -310,8 +310,9 @@ def _accumulated_step(loss: LayeredLoss, parts: _alias.TacoParts,
         loss.head, outer, hidden, batches, head_reads)
     clip = None
     if clip_global_norm is not None:
-      norm = _clipping.accumulated_norm(loss, outer, layers, layer_inputs, d_hidden,
-                               batches, embed_reads, head_grads)
+      norm = _clipping.accumulated_norm(
+          loss, outer, layers, layer_inputs, d_hidden, batches, embed_reads,
+          head_grads)
       clip = _clipping.clipper(norm, clip_global_norm)
       d_hidden = jax.tree.map(
           lambda x: _leaf_update.data_dependency(x, norm), d_hidden)
