@@ -166,17 +166,14 @@ needs the batch's tokens at the head, which accumulation spreads over `A`
 calls, so with `A > 1` the table's gradient is accumulated dense).
 
 Where it stands (read from the table below): beyond `A = 1`, the step holds
-a constant extra of about two float32 token tables in the head's phase (the
-accumulator and one micro-batch's dense share: 2 x 108 MiB for SmolLM2-135M's
-49152 x 576 table), and each further micro-batch costs only its saved hidden
-states (the layers' inputs and the current layer's cotangent). So with small
-micro-batches of this model, 4 of them cost about as much as the whole batch
-in one step; at 16 the layer-wise step is far below both the one-batch step
-and `MultiSteps(taco)`. What would remove the constant: accumulate the tied
-table's head share from its factors a block of columns at a time (that keeps
-every micro-batch's logits' cotangent: it grows with `A`), or select the
-table's candidates per micro-batch as the two-phase update does for one batch
-(not exact: a column's top-k of a sum is not the merge of per-part top-k's).
+a constant extra of about one float32 token table (the mean gradient's
+accumulator: 108 MiB for SmolLM2-135M's 49152 x 576 table; each micro-batch's
+share is folded into it a block of columns at a time from the head's
+factors), and each further micro-batch costs only its saved hidden states
+(the layers' inputs and the current layer's cotangent). What would remove
+the constant: select the tied table's candidates per micro-batch as the
+two-phase update does for one batch (not exact as it stands: a column's
+top-k of a sum is not the merge of per-part top-k's).
 
 `clip_global_norm=c` with accumulation clips the mean gradient, as
 `MultiSteps(chain(clip_by_global_norm(c), taco(...)), A)` does (tested).

@@ -38,7 +38,7 @@ def _ordered_after(tree: Any, after: Any) -> Any:
   return jax.tree.map(lambda x: _leaf_update.data_dependency(x, after), tree)
 
 
-def _refuse_table_reads(fn: Callable[[Any], Any], outer: Any, path,
+def refuse_table_reads(fn: Callable[[Any], Any], outer: Any, path,
                         what: str) -> None:
   """Raises if ``fn(outer)`` reads the token table at ``path``."""
   if _used_inputs(fn, outer)[_token_table.leaf_index(outer, path)]:
@@ -50,7 +50,7 @@ def _refuse_table_reads(fn: Callable[[Any], Any], outer: Any, path,
 def _head_backward(head, outer, hidden, batch):
   """``(value, outer grads, d_hidden, {leaf: TableGradient})`` of the head."""
   if isinstance(head, _token_table.TableProjection):
-    _refuse_table_reads(lambda o: head.features(o, hidden, batch), outer,
+    refuse_table_reads(lambda o: head.features(o, hidden, batch), outer,
                         head.table, 'TableProjection.features')
     value, grads, d_hidden, index, table = _token_table.head_backward(
         head, outer, hidden, batch)
@@ -65,7 +65,7 @@ def _embed_backward(embed, outer, batch, d_hidden):
   if isinstance(embed, _token_table.TableLookup):
     rows = embed.gather(_token_table.table_at(outer, embed.table),
                         embed.ids(batch))
-    _refuse_table_reads(lambda o: embed.apply(o, rows, batch), outer,
+    refuse_table_reads(lambda o: embed.apply(o, rows, batch), outer,
                         embed.table, 'TableLookup.apply')
     grads, index, ids, d_rows = _token_table.embed_backward(embed, outer,
                                                             batch)(d_hidden)
