@@ -173,17 +173,44 @@ def sweep_one(task: str, optimizer: str, steps: int, batch: int,
       rates.append(rates[-1] * HALF_DECADE)
 
 
-def collected() -> dict:
-  """``{(task, optimizer, steps, batch): {lr: accuracy}}`` of finished runs."""
-  table = {}
+# The sweep's recorded runs, one row per CLI run (``--save-data`` writes it
+# from RUNS); the rule's test and ``--write`` read it when RUNS holds none.
+DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'data',
+                    'lr_sweep.json')
+
+
+def finished_runs() -> list[dict]:
+  """One row per finished run in RUNS (the keys of ``DATA``'s rows)."""
+  rows = []
   for path in sorted(glob.glob(os.path.join(RUNS, '*', 'results.json'))):
     with open(path) as f:
       done = json.load(f)
     config = done['config']
-    task = 'tweets' if config['task'] == 'tweets' else 'bbc'
-    key = (task, done['optimizer'], config['steps'], config['batch_size'])
-    table.setdefault(key, {})[done['learning_rate']] = (
-        done['after']['accuracy'], done['before']['accuracy'])
+    rows.append({
+        'task': 'tweets' if config['task'] == 'tweets' else 'bbc',
+        'optimizer': done['optimizer'], 'steps': config['steps'],
+        'batch_size': config['batch_size'],
+        'learning_rate': done['learning_rate'],
+        'accuracy_after': done['after']['accuracy'],
+        'accuracy_before': done['before']['accuracy']})
+  return rows
+
+
+def recorded() -> list[dict]:
+  """The committed runs (``DATA``)."""
+  with open(DATA) as f:
+    return json.load(f)['runs']
+
+
+def collected(rows: Optional[list[dict]] = None) -> dict:
+  """``{(task, optimizer, steps, batch): {lr: (after, before)}}`` of
+  ``rows`` (default: RUNS' finished runs, else the recorded ones)."""
+  rows = rows if rows is not None else (finished_runs() or recorded())
+  table = {}
+  for row in rows:
+    key = (row['task'], row['optimizer'], row['steps'], row['batch_size'])
+    table.setdefault(key, {})[row['learning_rate']] = (
+        row['accuracy_after'], row['accuracy_before'])
   return table
 
 
@@ -309,10 +336,22 @@ def main(argv=None) -> None:
       f'{s}x{b}' for s, b in BUDGETS), help='STEPSxBATCH, comma separated')
   parser.add_argument('--write', metavar='PATH',
                       help='write the table of finished runs and stop')
+  parser.add_argument('--save-data', action='store_true',
+                      help='write the finished runs to benchmarks/data/'
+                      'lr_sweep.json (what the rule is tested against)')
   parser.add_argument('--note', default='',
                       help='with --write: a paragraph on how the runs were '
                       'made (e.g. which commit)')
   args = parser.parse_args(argv)
+  if args.save_data:
+    rows = finished_runs()
+    if not rows:
+      raise SystemExit(f'no finished runs under {RUNS}')
+    with open(DATA, 'w') as f:
+      json.dump({'source': args.note or 'benchmarks/lr_sweep.py runs',
+                 'runs': rows}, f, indent=0)
+    print(f'wrote {DATA} ({len(rows)} runs)')
+    return
   if args.write:
     write(args.write, args.note)
     return

@@ -19,6 +19,9 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
+from taco_optax import _outer_step
+from taco_optax import _token_table
+
 Params = Any
 Batch = Any
 
@@ -28,9 +31,10 @@ def micro_batch_count(batches: Batch) -> int:
   sizes = {x.shape[0] if getattr(x, 'ndim', 0) else None
            for x in jax.tree.leaves(batches)}
   if len(sizes) != 1 or None in sizes:
+    shown = sorted(map(str, sizes))
     raise ValueError(
         'with accumulation_steps, every leaf of the batch needs a leading '
-        f'micro-batch axis of one size; got leading sizes {sorted(map(str, sizes))}.')
+        f'micro-batch axis of one size; got leading sizes {shown}.')
   return sizes.pop()
 
 
@@ -113,24 +117,68 @@ def head_backward(head: Callable[[Params, Any, Batch], jax.Array],
   """``(mean loss, mean gradients, stacked d_hidden)`` of the head.
 
   The head's mean gradient (float32) of each outer leaf it ``reads``
-  (``None`` at the others), a micro-batch at a time. A token table's is
-  accumulated dense: one float32 table, where keeping each micro-batch's
-  logits' cotangent for a blockwise update would cost the whole batch's.
+  (``None`` at the others), a micro-batch at a time. A
+  :class:`TableProjection`'s table is accumulated a block of columns at a
+  time from each micro-batch's factors (:func:`_table_running_mean`), so only
+  the float32 accumulator is table-sized.
   """
   leaves, treedef = jax.tree.flatten(outer)
-  read = [x for x, r in zip(leaves, reads) if r]
-  restricted = _restricted(head, leaves, treedef, reads)
+  table = (_token_table.leaf_index(outer, head.table)
+           if isinstance(head, _token_table.TableProjection) else None)
+  dense_reads = [r and i != table for i, r in enumerate(reads)]
+  read = [x for x, r in zip(leaves, dense_reads) if r]
+  restricted = _restricted(head, leaves, treedef, dense_reads)
 
-  def body(acc, xs):
+  def body(carry, xs):
+    acc, table_acc = carry
     index, h, batch = xs
-    value, head_vjp = jax.vjp(lambda o, x: restricted(o, x, batch), read, h)
-    grads, d_hidden = head_vjp(jnp.ones_like(value))
-    return running_mean(acc, grads, index), (value, d_hidden)
+    if table is None:
+      value, head_vjp = jax.vjp(lambda o, x: restricted(o, x, batch), read,
+                                h)
+      grads, d_hidden = head_vjp(jnp.ones_like(value))
+    else:
+      _outer_step.refuse_table_reads(
+          lambda o: head.features(o, h, batch), outer, head.table,
+          'TableProjection.features')
+      value, all_grads, d_hidden, _, gradient = _token_table.head_backward(
+          head, outer, h, batch)
+      grads = [g for g, r in zip(all_grads, dense_reads) if r]
+      table_acc = _table_running_mean(table_acc, gradient, index)
+    return (running_mean(acc, grads, index), table_acc), (value, d_hidden)
   count = micro_batch_count(batches)
-  acc, (values, d_hidden) = jax.lax.scan(
-      body, zeros_like_float32(read),
+  table_acc = (None if table is None
+               else jnp.zeros(leaves[table].shape, jnp.float32))
+  (acc, table_acc), (values, d_hidden) = jax.lax.scan(
+      body, (zeros_like_float32(read), table_acc),
       (jnp.arange(count, dtype=jnp.int32), hidden, batches))
-  return jnp.mean(values.astype(jnp.float32)), _spread(acc, reads), d_hidden
+  means = _spread(acc, dense_reads)
+  if table is not None:
+    means[table] = table_acc
+  return jnp.mean(values.astype(jnp.float32)), means, d_hidden
+
+
+def _table_running_mean(acc: jax.Array, gradient, index: jax.Array
+                        ) -> jax.Array:
+  """:func:`running_mean` of a ``TableGradient``, a block of columns at a
+  time (the same elementwise arithmetic; no dense share is formed)."""
+  axis = gradient.axis
+  n, m = acc.shape[axis], acc.shape[1 - axis]
+  target = max(1, _BLOCK_ELEMENTS // m)
+  chunk = max(c for c in range(1, min(target, n) + 1) if n % c == 0)
+
+  def body(acc, start):
+    rows = gradient.columns(start, chunk)  # (chunk, m)
+    block = jax.lax.dynamic_slice_in_dim(acc, start, chunk, axis)
+    block = block if axis == 0 else block.T
+    block = block + (rows - block) / (index + 1)
+    block = block if axis == 0 else block.T
+    return jax.lax.dynamic_update_slice_in_dim(acc, block, start, axis), None
+  acc, _ = jax.lax.scan(body, acc, jnp.arange(0, n, chunk, dtype=jnp.int32))
+  return acc
+
+
+# Columns per block of a table's accumulation: as the column-block update's.
+_BLOCK_ELEMENTS = 2**20
 
 
 def embed_backward(embed: Callable[[Params, Batch], Any], outer: Params,

@@ -38,7 +38,7 @@ def _ordered_after(tree: Any, after: Any) -> Any:
   return jax.tree.map(lambda x: _leaf_update.data_dependency(x, after), tree)
 
 
-def _refuse_table_reads(fn: Callable[[Any], Any], outer: Any, path,
+def refuse_table_reads(fn: Callable[[Any], Any], outer: Any, path,
                         what: str) -> None:
   """Raises if ``fn(outer)`` reads the token table at ``path``."""
   if _used_inputs(fn, outer)[_token_table.leaf_index(outer, path)]:
@@ -50,7 +50,7 @@ def _refuse_table_reads(fn: Callable[[Any], Any], outer: Any, path,
 def _head_backward(head, outer, hidden, batch):
   """``(value, outer grads, d_hidden, {leaf: TableGradient})`` of the head."""
   if isinstance(head, _token_table.TableProjection):
-    _refuse_table_reads(lambda o: head.features(o, hidden, batch), outer,
+    refuse_table_reads(lambda o: head.features(o, hidden, batch), outer,
                         head.table, 'TableProjection.features')
     value, grads, d_hidden, index, table = _token_table.head_backward(
         head, outer, hidden, batch)
@@ -65,7 +65,7 @@ def _embed_backward(embed, outer, batch, d_hidden):
   if isinstance(embed, _token_table.TableLookup):
     rows = embed.gather(_token_table.table_at(outer, embed.table),
                         embed.ids(batch))
-    _refuse_table_reads(lambda o: embed.apply(o, rows, batch), outer,
+    refuse_table_reads(lambda o: embed.apply(o, rows, batch), outer,
                         embed.table, 'TableLookup.apply')
     grads, index, ids, d_rows = _token_table.embed_backward(embed, outer,
                                                             batch)(d_hidden)
@@ -89,14 +89,19 @@ class OuterRoles(NamedTuple):
   late: tuple[int, ...]
 
 
-def outer_roles(loss: LayeredLoss, outer, plans, tables, states, batch
-                 ) -> OuterRoles:
-  """Each outer TACO leaf's role (``plans``/``states`` are the outer ones)."""
+def outer_roles(loss: LayeredLoss, outer, plans, tables, states, batch,
+                two_phase_allowed: bool = True) -> OuterRoles:
+  """Each outer TACO leaf's role (``plans``/``states`` are the outer ones).
+
+  ``two_phase_allowed=False`` (clipped gradients: phase 1 would select from
+  the projection's share before the clipped sum exists) makes a tied table
+  late.
+  """
   embed_reads = _used_inputs(lambda o: loss.embed(o, batch), outer)
   taco = [i for i, plan in enumerate(plans) if plan is not None]
   early = tuple(i for i in taco if not embed_reads[i])
   two_phase = None
-  if isinstance(loss.embed, _token_table.TableLookup):
+  if two_phase_allowed and isinstance(loss.embed, _token_table.TableLookup):
     i = _token_table.leaf_index(outer, loss.embed.table)
     if (i in tables and plans[i] is not None and _table_update.applies(
         jax.tree.leaves(outer)[i], tables[i], plans[i],
@@ -117,6 +122,7 @@ class Outer(NamedTuple):
   parts: _alias.TacoParts
   opt_states: _alias.TacoStates
   rounding: Callable[..., Optional[_leaf_update.LeafRounding]]
+  two_phase_allowed: bool = True
 
   @property
   def leaves(self) -> list[jax.Array]:
@@ -151,7 +157,7 @@ def after_head(context: Outer, hidden: Any) -> Head:
   value, grads, d_hidden, tables = _head_backward(loss.head, outer, hidden,
                                                   batch)
   roles = outer_roles(loss, outer, context.plans, tables, context.states,
-                       batch)
+                      batch, context.two_phase_allowed)
   tables = dict(tables)
   updated, kept, leaves = {}, None, context.leaves
   # An untied LM head has its whole gradient now: update it before the

@@ -130,10 +130,13 @@ class TableGradient:
     uses: ``use(start, size) -> (fn, cotangent)``: ``fn(table_block)`` is
       the use restricted to columns ``[start, start + size)`` along
       ``axis``, and ``cotangent`` the cotangent of its output.
+    transform: an elementwise ``g -> g'`` applied to the summed gradient
+      (e.g. global-norm clipping), or ``None``.
   """
   table: jax.Array
   axis: int
   uses: tuple[Callable[[Any, int], tuple[Callable, Any]], ...]
+  transform: Optional[Callable[[jax.Array], jax.Array]] = None
 
   @property
   def shape(self) -> tuple[int, ...]:
@@ -167,7 +170,7 @@ class TableGradient:
       _, vjp = jax.vjp(lambda x, fn=fn: fn(layout(x)), block)
       (grad,) = vjp(cotangent)
       total = grad if total is None else total + grad
-    return total
+    return total if self.transform is None else self.transform(total)
 
   def plus(self, other: 'Optional[TableGradient]') -> 'TableGradient':
     """Both tables' uses (the same table, read twice: tied)."""

@@ -14,6 +14,7 @@ The parameters outside the layers are updated in ``_outer_step`` (after the
 head, and after the embedding's backward pass).
 """
 
+import dataclasses
 from typing import Any, Callable, NamedTuple, Optional
 
 import jax
@@ -23,9 +24,11 @@ import optax
 from taco_optax import _accumulation
 from taco_optax import _alias
 from taco_optax import _backward
+from taco_optax import _clipping
 from taco_optax import _leaf_update
 from taco_optax import _outer_step
 from taco_optax import _rounding
+from taco_optax import _token_table
 from taco_optax import _transform
 from taco_optax._layered_loss import LayeredLoss
 
@@ -46,7 +49,8 @@ def _flatten(tree: Any) -> list[Any]:
 
 def train_step(loss: LayeredLoss,
                optimizer: optax.GradientTransformation, *,
-               accumulation_steps: Optional[int] = None) -> TrainStep:
+               accumulation_steps: Optional[int] = None,
+               clip_global_norm: Optional[float] = None) -> TrainStep:
   r"""A memory-lean train step for :func:`taco`: gradients die as they appear.
 
   The step runs the forward pass saving only each layer's input, then a
@@ -102,6 +106,15 @@ def train_step(loss: LayeredLoss,
       micro-batch's plus the saved layer inputs of all ``A`` (and a float32
       gradient of each outer leaf, e.g. the token table). The returned loss is
       the micro-batches' mean.
+    clip_global_norm: ``None`` (default), or ``c > 0``: the step of
+      ``optax.chain(optax.clip_by_global_norm(c), optimizer)`` (the whole
+      gradient scaled by ``c / ||G||`` when ``||G|| >= c``). The norm needs
+      every gradient before the first column step, so a first backward pass
+      computes it (keeping one layer's gradient at a time): the step costs
+      one more forward and backward pass, and a tied token table takes the
+      one-pass update (its head factors live through the layers). With
+      ``accumulation_steps``, the norm is the mean gradient's, as
+      ``MultiSteps(chain(clip_by_global_norm(c), optimizer), A)`` clips.
 
   Returns:
     ``step(params, opt_state, batch) -> (params, opt_state, loss)``, to be
@@ -141,37 +154,42 @@ def train_step(loss: LayeredLoss,
     parts = _alias.parts_of(optimizer)
   except ValueError as error:
     raise ValueError(f'{error} {_NO_CLIPPING}') from None
-  return step_from_parts(loss, parts, accumulation_steps=accumulation_steps)
+  return step_from_parts(loss, parts, accumulation_steps=accumulation_steps,
+                         clip_global_norm=clip_global_norm)
 
 
 # Why a chain such as optax.chain(optax.clip_by_global_norm(c), taco(...))
 # is refused (README, "Clipping").
 _NO_CLIPPING = (
-    'Global-norm clipping cannot run layer-wise: the norm needs every '
-    'gradient before the first column step, and this step consumes each '
-    "layer's gradient as backprop makes it. TACO's own step moves each column "
-    'by exactly lr * s (bounded by construction); to clip, use the optax '
-    'path (jax.grad -> tx.update).')
+    'A chain is opaque to the layer-wise step; for '
+    'optax.chain(optax.clip_by_global_norm(c), taco(...)) pass taco(...) and '
+    'clip_global_norm=c. TACO\'s own step moves each column by exactly '
+    'lr * s (bounded by construction).')
 
 
 def step_from_parts(loss: LayeredLoss, parts: _alias.TacoParts, *,
-                    accumulation_steps: Optional[int] = None) -> TrainStep:
+                    accumulation_steps: Optional[int] = None,
+                    clip_global_norm: Optional[float] = None) -> TrainStep:
   """:func:`train_step` from a :func:`taco` optimizer's :class:`TacoParts`.
 
   For callers that lay the same parameters out differently from the tree the
   optimizer was built for (``taco_optax.tunix`` re-lays a model's state as
   ``(outer, layers)``): ``parts.dimension_numbers`` and ``parts.update_scale``
-  must then describe the ``(outer, layers)`` pair. ``accumulation_steps`` is
-  :func:`train_step`'s.
+  must then describe the ``(outer, layers)`` pair. ``accumulation_steps`` and
+  ``clip_global_norm`` are :func:`train_step`'s.
   """
+  if clip_global_norm is not None:
+    if isinstance(clip_global_norm, bool) or not clip_global_norm > 0:
+      raise ValueError('clip_global_norm must be a number > 0; got '
+                       f'{clip_global_norm!r}.')
   if accumulation_steps is None:
-    return _one_batch_step(loss, parts)
+    return _one_batch_step(loss, parts, clip_global_norm)
   if (isinstance(accumulation_steps, bool)
       or not isinstance(accumulation_steps, int) or accumulation_steps < 1):
     raise ValueError('accumulation_steps must be an int >= 1 (or None for a '
                      f'batch without a micro-batch axis); got '
                      f'{accumulation_steps!r}.')
-  return _accumulated_step(loss, parts, accumulation_steps)
+  return _accumulated_step(loss, parts, accumulation_steps, clip_global_norm)
 
 
 class _Leaves(NamedTuple):
@@ -184,13 +202,17 @@ class _Leaves(NamedTuple):
   update: Callable[..., tuple[jax.Array, ...]]
 
 
-def _leaves(parts, params, opt_state) -> _Leaves:
+def _leaves(parts, params, opt_state, clip=None) -> _Leaves:
+  """``clip``: an elementwise transform of every gradient (clipping)."""
   plans = parts.plans(params)
   states = _alias.taco_states(opt_state)
   leaf_states = list(zip(*(_flatten(s) for s in states.direction)))
   rounding = _leaf_rounding(parts, states, params)
 
   def update(i, param, grad, state, plan, after=None, layer=None):
+    if clip is not None:
+      grad = (dataclasses.replace(grad, transform=clip)
+              if isinstance(grad, _token_table.TableGradient) else clip(grad))
     return _leaf_update.taco_leaf_update(
         param, grad, *state, plan=plan, mu=parts.mu,
         lr_tx=parts.learning_rate, lr_state=states.learning_rate,
@@ -211,30 +233,44 @@ def _layers_backward(loss, layer_backward, layers, ctx: _Leaves,
                                                         **kwargs))
 
 
-def _one_batch_step(loss: LayeredLoss, parts: _alias.TacoParts) -> TrainStep:
+def _one_batch_step(loss: LayeredLoss, parts: _alias.TacoParts,
+                    clip_global_norm: Optional[float] = None) -> TrainStep:
   """The step on one batch (no micro-batch axis)."""
 
   def step(params, opt_state, batch):
     outer, layers = params
-    ctx = _leaves(parts, params, opt_state)
+    hidden = loss.embed(outer, batch)
+    clip = None
+    if clip_global_norm is not None:
+      norm = _clipping.global_norm(
+          _clipping.squared_norms(loss, params, batch))
+      clip = _clipping.clipper(norm, clip_global_norm)
+      # The step's forward after the norm's pass: one pass alive at a time.
+      hidden = jax.tree.map(
+          lambda x: _leaf_update.data_dependency(x, norm), hidden)
+    ctx = _leaves(parts, params, opt_state, clip)
     n = ctx.num_outer
     context = _outer_step.Outer(loss, outer, batch, ctx.plans[:n],
                                 ctx.leaf_states[:n], ctx.update, parts,
-                                ctx.states, ctx.rounding)
+                                ctx.states, ctx.rounding,
+                                two_phase_allowed=clip is None)
     run_layer = lambda p, h: loss.layer(p, h, batch)
 
     # Forward, keeping each layer's input (the only saved activations).
-    hidden, layer_inputs = _backward.forward(
-        run_layer, loss.embed(outer, batch), layers, loss.scan_layers)
+    hidden, layer_inputs = _backward.forward(run_layer, hidden, layers,
+                                             loss.scan_layers)
     head = _outer_step.after_head(context, hidden)
     d_hidden, layer_leaves, layer_states, layer_grads = _layers_backward(
         loss, _backward.vjp_backward(run_layer), layers, ctx, layer_inputs,
         head.d_hidden)
     outer_leaves, outer_states, outer_grads = _outer_step.after_embedding(
         context, head, d_hidden)
+    grads = outer_grads + layer_grads
+    if clip is not None:
+      grads = [None if g is None else clip(g) for g in grads]
     new_leaves, adam_state = _adam(parts, params, ctx.plans,
-                                   outer_leaves + layer_leaves,
-                                   outer_grads + layer_grads, ctx.states.adam)
+                                   outer_leaves + layer_leaves, grads,
+                                   ctx.states.adam)
     return (jax.tree.structure(params).unflatten(new_leaves),
             _pack(parts, opt_state, ctx.states, outer_states + layer_states,
                   adam_state), head.value)
@@ -243,13 +279,14 @@ def _one_batch_step(loss: LayeredLoss, parts: _alias.TacoParts) -> TrainStep:
 
 
 def _accumulated_step(loss: LayeredLoss, parts: _alias.TacoParts,
-                      steps: int) -> TrainStep:
+                      steps: int,
+                      clip_global_norm: Optional[float] = None) -> TrainStep:
   """The step on ``steps`` micro-batches, layer-major (``_accumulation``).
 
   Outer leaves the embedding does not read are updated after the head (their
   mean gradient is complete then); the others after the embedding's pass.
   """
-  one_batch = _one_batch_step(loss, parts)
+  one_batch = _one_batch_step(loss, parts, clip_global_norm)
 
   def step(params, opt_state, batches):
     _accumulation.check_micro_batches(batches, steps)
@@ -257,8 +294,7 @@ def _accumulated_step(loss: LayeredLoss, parts: _alias.TacoParts,
       return one_batch(params, opt_state,
                        jax.tree.map(lambda x: x[0], batches))
     outer, layers = params
-    ctx = _leaves(parts, params, opt_state)
-    n = ctx.num_outer
+    n = len(jax.tree.leaves(outer))
     outer_leaves = jax.tree.leaves(outer)
     first = jax.tree.map(lambda x: x[0], batches)
     embed_reads = _outer_step._used_inputs(lambda o: loss.embed(o, first),
@@ -272,6 +308,15 @@ def _accumulated_step(loss: LayeredLoss, parts: _alias.TacoParts,
         outer)
     value, head_grads, d_hidden = _accumulation.head_backward(
         loss.head, outer, hidden, batches, head_reads)
+    clip = None
+    if clip_global_norm is not None:
+      norm = _clipping.accumulated_norm(
+          loss, outer, layers, layer_inputs, d_hidden, batches, embed_reads,
+          head_grads)
+      clip = _clipping.clipper(norm, clip_global_norm)
+      d_hidden = jax.tree.map(
+          lambda x: _leaf_update.data_dependency(x, norm), d_hidden)
+    ctx = _leaves(parts, params, opt_state, clip)
     updated = {}
     for i, plan in enumerate(ctx.plans[:n]):
       if plan is not None and head_reads[i] and not embed_reads[i]:
@@ -297,9 +342,12 @@ def _accumulated_step(loss: LayeredLoss, parts: _alias.TacoParts,
                  for i, x in enumerate(outer_leaves)]
     outer_states = [tuple(updated[i][1:]) if i in updated else s
                     for i, s in enumerate(ctx.leaf_states[:n])]
+    grads = outer_grads + layer_grads
+    if clip is not None:
+      grads = [None if g is None else clip(g) for g in grads]
     new_leaves, adam_state = _adam(parts, params, ctx.plans,
-                                   new_outer + layer_leaves,
-                                   outer_grads + layer_grads, ctx.states.adam)
+                                   new_outer + layer_leaves, grads,
+                                   ctx.states.adam)
     return (jax.tree.structure(params).unflatten(new_leaves),
             _pack(parts, opt_state, ctx.states, outer_states + layer_states,
                   adam_state), value)

@@ -157,3 +157,28 @@ def test_refuses_a_batch_without_the_micro_batch_axis():
     step(params, tx.init(params), _micro_batches(0))
   with pytest.raises(ValueError, match='accumulation_steps must be an int'):
     taco_optax.layerwise.train_step(loss, tx, accumulation_steps=0)
+
+
+@pytest.mark.parametrize('tied', [True, False])
+def test_token_tables_equal_multisteps(tied):
+  # TableLookup / TableProjection (the example's model): the tables'
+  # gradients are accumulated dense; an untied head's and the embedding's
+  # are MultiSteps' bit for bit in TACO's state, a tied table's indices are.
+  from tests import test_token_table as tables  # pylint: disable=g-import-not-at-top
+  loss = LayeredLoss(tables.EMBED, case._layer,
+                     tables.TIED if tied else tables.UNTIED,
+                     scan_layers=False)
+  tx = taco_optax.taco(1e-2, mu=0.9, k=3, update_topk=2,
+                       adam_learning_rate=1e-3,
+                       weight_dimension_numbers=tables._embedding_rows_are_tokens)
+  params = (case._params(False, jnp.float32) if tied
+            else tables._untied_params(False))
+  expected = _multisteps_run(loss, tx, params, steps=3)
+  got = _layerwise_run(loss, tx, params, steps=3)
+  if tied:
+    assert_bitwise_equal(_alias.taco_states(got[1]).direction.indices,
+                         _alias.taco_states(expected[1]).direction.indices)
+    np.testing.assert_allclose(got[0][0]['embedding'],
+                               expected[0][0]['embedding'], atol=1e-6)
+  else:
+    case._assert_same_step(got, expected, exact_params=False)

@@ -43,3 +43,40 @@ def test_peak_refines_inside_the_bracket_and_stays_on_an_edge():
   skewed = lr_sweep.peak(_scores((1e-5, 0.86), (1e-4, 0.90), (1e-3, 0.80)))
   assert 1e-5 < skewed < 1e-4
   assert lr_sweep.peak(_scores((1e-5, 0.9), (1e-4, 0.8))) == 1e-5
+
+
+def test_the_budget_rules_constants_are_the_recorded_sweeps_fit():
+  # benchmarks/data/lr_sweep.json holds every run of the sweep; the rule in
+  # examples/finetune/optimizers.py must be what fit() gives from them, so a
+  # wrong reference or exponent (or a rule left behind by a new sweep) fails.
+  from examples.finetune import optimizers  # pylint: disable=g-import-not-at-top
+  fitted = lr_sweep.fit(lr_sweep.collected(lr_sweep.recorded()))
+  for name, rule in (('taco', optimizers.TACO_RULE),
+                     ('adamw', optimizers.ADAMW_RULE)):
+    got = fitted[name]
+    assert rule.reference == pytest.approx(got['reference'], rel=0.02), name
+    # The rule writes the exponent to two decimals.
+    assert rule.steps_exponent == pytest.approx(got['steps_exponent'],
+                                                abs=0.01), name
+    # No batch term: the sweep's rate did not move with the batch.
+    assert got['batch_exponent'] == 0, name
+    # And the rule's rate at each swept budget is the robust rate there.
+    for (steps, _), rate in got['rates'].items():
+      assert optimizers.get(name).default_rate(steps).lr == pytest.approx(
+          rate, rel=0.02), (name, steps)
+
+
+def test_the_recorded_runs_are_the_documented_table():
+  rows = lr_sweep.recorded()
+  assert len(rows) == 34
+  table = lr_sweep.collected(rows)
+  assert set(table) == {(task, optimizer, steps, batch)
+                        for task in ('tweets', 'bbc')
+                        for optimizer in ('taco', 'adamw')
+                        for steps, batch in lr_sweep.BUDGETS
+                        if (task, batch) != ('bbc', 16)}
+  # Every best rate is bracketed (the sweep grows its grid until it is).
+  for key, scores in table.items():
+    rates = sorted(scores)
+    best = max(rates, key=lambda lr: scores[lr][0])
+    assert rates[0] < best < rates[-1], key

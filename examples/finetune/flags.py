@@ -51,12 +51,10 @@ class RunConfig:
       and where it comes from).
     steps: Training steps in all; with --resume, the total (the steps
       before the resume included).
-    batch_size: Sequences per training step (per optimizer step, with or
-      without --grad-accum).
-    grad_accum: Micro-batches per step: the --batch-size sequences are split
-      into N micro-batches whose mean gradient makes the step (the same step
-      on less memory; TACO's layer-wise step accumulates layer by layer,
-      every other path through optax.MultiSteps).
+    batch_size: Sequences per training step, with or without --grad-accum.
+    grad_accum: Split each step's --batch-size sequences into N micro-batches
+      whose mean gradient makes the same step on less memory (layer-wise
+      TACO accumulates layer by layer, the others via optax.MultiSteps).
     seq_len: Tokens per sequence (prompts are cut from the left to fit).
     warmup_steps: Linear warm-up steps; None: min(50, steps // 10).
     eval_every: Held-out evaluation every N steps (0: before and after only).
@@ -188,8 +186,7 @@ class RunConfig:
           f'--grad-accum {self.grad_accum} does not divide --batch-size '
           f'{self.batch_size} (the sequences of one step)')
     if self.grad_accum > 1 and self.measure_landed:
-      raise FinetuneError('--measure-landed counts one update per batch; run '
-                          'it with --grad-accum 1')
+      raise FinetuneError('--measure-landed needs --grad-accum 1')
 
 
 def flag(field_name: str) -> str:

@@ -159,8 +159,8 @@ def model_peak(model, params, state_bytes: int, *, batch: int, seq: int,
       micro-batch's sequences. The plain step runs one micro-batch per call
       (``optax.MultiSteps``: its accumulator is in ``state_bytes``); the
       layer-wise step keeps every micro-batch's layer inputs and a float32
-      accumulator plus one micro-batch's share of every outer parameter
-      (``taco_optax``'s accumulation densifies the token table's gradient).
+      accumulator of every outer parameter (``taco_optax``'s accumulation
+      keeps the token table's mean gradient dense).
 
   Returns:
     Predicted peak bytes.
@@ -176,5 +176,5 @@ def model_peak(model, params, state_bytes: int, *, batch: int, seq: int,
     plan_terms = plan_terms._replace(
         layer_inputs=plan_terms.layer_inputs * accumulation_steps,
         embed_matrix_grads=plan_terms.embed_matrix_grads + 4 * outer_elements,
-        table_blocks=plan_terms.table_blocks + 8 * outer_elements)
+        table_blocks=plan_terms.table_blocks + 4 * outer_elements)
   return layerwise_peak(plan_terms, state_bytes)

@@ -1,0 +1,108 @@
+"""Global-norm clipping for the layer-wise step: the norm in a first pass.
+
+``optax.chain(optax.clip_by_global_norm(c), taco(...))`` scales the whole
+gradient by ``c / ||G||`` when ``||G|| >= c`` before TACO sees it. The
+layer-wise step consumes each layer's gradient as backprop makes it, so the
+norm must be known before the backward pass starts: :func:`squared_norms`
+runs one backward pass that keeps only each leaf's ``sum(g**2)`` (one layer's
+gradient alive at a time, as in the step), and the step then runs with every
+gradient clipped as ``clip_by_global_norm`` clips it. The cost is one more
+forward and backward pass.
+"""
+
+from typing import Any, Callable, Optional, Union
+
+import jax
+import jax.numpy as jnp
+
+from taco_optax import _accumulation
+from taco_optax import _backward
+
+
+def _square_sum(x: jax.Array) -> jax.Array:
+  return jnp.sum(jnp.square(x))
+
+
+def squared_norms(loss, params, batch) -> list[jax.Array]:
+  """``sum(g**2)`` of each leaf of ``params`` (flattened), ``g`` the loss's
+  gradient: the head's and the embedding's shares summed first, as
+  ``jax.grad`` sums them; a stacked leaf's layers summed in layer order."""
+  outer, layers = params
+  run_layer = lambda p, h: loss.layer(p, h, batch)
+  hidden, layer_inputs = _backward.forward(
+      run_layer, loss.embed(outer, batch), layers, loss.scan_layers)
+  value, head_vjp = jax.vjp(lambda o, h: loss.head(o, h, batch), outer,
+                            hidden)
+  head_grads, d_hidden = head_vjp(jnp.ones_like(value))
+  d_hidden, layer_sums = layer_squares(
+      _backward.vjp_backward(run_layer), layers, layer_inputs, d_hidden,
+      loss.scan_layers)
+  _, embed_vjp = jax.vjp(lambda o: loss.embed(o, batch), outer)
+  (embed_grads,) = embed_vjp(d_hidden)
+  outer_sums = [_square_sum(h + e) for h, e in zip(
+      jax.tree.leaves(head_grads), jax.tree.leaves(embed_grads))]
+  return outer_sums + layer_sums
+
+
+def layer_squares(layer_backward, layers, layer_inputs, d_hidden,
+                  scan_layers: bool) -> tuple[Any, list[jax.Array]]:
+  """``(d_hidden, sums)``: the backward pass over the layers (no update),
+  keeping each leaf's ``sum(g**2)`` of ``layer_backward``'s gradient."""
+  if scan_layers:
+    def body(d_hidden, xs):
+      layer_params, layer_input = xs
+      grads, d_hidden = layer_backward(layer_params, layer_input, d_hidden)
+      return d_hidden, [_square_sum(g) for g in jax.tree.leaves(grads)]
+    d_hidden, per_layer = jax.lax.scan(body, d_hidden, (layers, layer_inputs),
+                                       reverse=True)
+    return d_hidden, [_ordered_sum(list(s)) for s in per_layer]
+  sums = []
+  for l in reversed(range(len(layers))):
+    grads, d_hidden = layer_backward(layers[l], layer_inputs[l], d_hidden)
+    sums = [_square_sum(g) for g in jax.tree.leaves(grads)] + sums
+  return d_hidden, sums
+
+
+def square_sum(x: Optional[jax.Array]) -> Union[jax.Array, float]:
+  """``sum(x**2)``; ``0.0`` for a leaf nothing reads (``None``)."""
+  return 0.0 if x is None else _square_sum(x)
+
+
+def _ordered_sum(values) -> jax.Array:
+  total = values[0]
+  for v in values[1:]:
+    total = total + v
+  return total
+
+
+def global_norm(squares: list[jax.Array]) -> jax.Array:
+  """``optax.tree.norm``'s norm from the leaves' ``sum(g**2)``, in its order
+  (``0 + s_0 + s_1 + ...``)."""
+  total = 0
+  for s in squares:
+    total = total + s
+  return jnp.sqrt(jnp.asarray(total))
+
+
+def clipper(norm: jax.Array, max_norm: float) -> Callable[[Any], Any]:
+  """``clip_by_global_norm``'s ``g -> g`` below ``max_norm``, else
+  ``(g / norm) * max_norm``."""
+  trigger = norm < max_norm
+
+  def clip(g):
+    return jax.lax.select(trigger, g, (g / norm.astype(g.dtype)) * max_norm)
+  return clip
+
+
+def accumulated_norm(loss, outer, layers, layer_inputs, d_hidden, batches,
+                      embed_reads, head_grads):
+  """The global norm of the mean gradient (cast as ``MultiSteps`` casts it),
+  from a backward pass over the layers that updates nothing."""
+  d_first, layer_sums = layer_squares(
+      _accumulation.layer_backward(loss.layer, batches), layers,
+      layer_inputs, d_hidden, loss.scan_layers)
+  means = _accumulation.embed_backward(loss.embed, outer, d_first, batches,
+                                       embed_reads, head_grads)
+  outer_sums = [square_sum(None if g is None else g.astype(x.dtype))
+                for g, x in zip(means, jax.tree.leaves(outer))]
+  return global_norm(outer_sums + layer_sums)
