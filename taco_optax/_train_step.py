@@ -265,15 +265,9 @@ def _one_batch_step(loss: LayeredLoss, parts: _alias.TacoParts,
         head.d_hidden)
     outer_leaves, outer_states, outer_grads = _outer_step.after_embedding(
         context, head, d_hidden)
-    grads = outer_grads + layer_grads
-    if clip is not None:
-      grads = [None if g is None else clip(g) for g in grads]
-    new_leaves, adam_state = _adam(parts, params, ctx.plans,
-                                   outer_leaves + layer_leaves, grads,
-                                   ctx.states.adam)
-    return (jax.tree.structure(params).unflatten(new_leaves),
-            _pack(parts, opt_state, ctx.states, outer_states + layer_states,
-                  adam_state), head.value)
+    return _finish(parts, params, opt_state, ctx, clip,
+                   outer_leaves + layer_leaves, outer_grads + layer_grads,
+                   outer_states + layer_states, head.value)
 
   return step
 
@@ -342,17 +336,23 @@ def _accumulated_step(loss: LayeredLoss, parts: _alias.TacoParts,
                  for i, x in enumerate(outer_leaves)]
     outer_states = [tuple(updated[i][1:]) if i in updated else s
                     for i, s in enumerate(ctx.leaf_states[:n])]
-    grads = outer_grads + layer_grads
-    if clip is not None:
-      grads = [None if g is None else clip(g) for g in grads]
-    new_leaves, adam_state = _adam(parts, params, ctx.plans,
-                                   new_outer + layer_leaves, grads,
-                                   ctx.states.adam)
-    return (jax.tree.structure(params).unflatten(new_leaves),
-            _pack(parts, opt_state, ctx.states, outer_states + layer_states,
-                  adam_state), value)
+    return _finish(parts, params, opt_state, ctx, clip,
+                   new_outer + layer_leaves, outer_grads + layer_grads,
+                   outer_states + layer_states, value)
 
   return step
+
+
+def _finish(parts, params, opt_state, ctx, clip, leaves, grads, leaf_states,
+            value):
+  """Adam on the (clipped) non-TACO gradients, then the new params and state.
+  """
+  if clip is not None:
+    grads = [None if g is None else clip(g) for g in grads]
+  new_leaves, adam_state = _adam(parts, params, ctx.plans, leaves, grads,
+                                 ctx.states.adam)
+  return (jax.tree.structure(params).unflatten(new_leaves),
+          _pack(parts, opt_state, ctx.states, leaf_states, adam_state), value)
 
 
 def _adam(parts, params, plans, leaves, grads, adam_state):
