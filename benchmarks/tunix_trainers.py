@@ -73,11 +73,6 @@ def compiled(mode: str) -> dict[str, Any]:
   """
   from flax import nnx  # pylint: disable=import-outside-toplevel
   run = trainer('peft_taco' if mode == 'forward' else mode)
-  if mode == 'forward':
-    evaluate = run.create_eval_step_fn()
-    step = lambda model, optimizer, inputs: evaluate(model, inputs)
-  else:
-    step = run.create_train_step_fn()
   donated = () if mode == 'forward' else getattr(
       run, 'donated_arguments', ('optimizer',))
   model_def, model_state = nnx.split(run.model)
@@ -85,8 +80,10 @@ def compiled(mode: str) -> dict[str, Any]:
 
   def pure(model_state, opt_state, inputs):
     model = nnx.merge(model_def, model_state)
+    if mode == 'forward':  # the model and the batch in, the loss out
+      return run.create_eval_step_fn()(model, inputs)
     optimizer = nnx.merge(opt_def, opt_state)
-    out = step(model, optimizer, inputs)
+    out = run.create_train_step_fn()(model, optimizer, inputs)
     return nnx.state(model), nnx.state(optimizer), out
 
   donate = tuple(i for i, name in enumerate(('model', 'optimizer'))
