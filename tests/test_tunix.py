@@ -112,6 +112,18 @@ def _assert_same(trainer, other, exact=True):
                                  np.asarray(theirs, np.float32), atol=1e-5)
 
 
+def test_layerwise_checkpoint_resumes_in_peft_trainer(tmp_path):
+  """The other way round: PeftTrainer continues a layer-wise checkpoint."""
+  data = tunix_models.batches(4)
+  straight = _train(taco_tunix.LayerwisePeftTrainer, MODELS['qwen3'](), 4,
+                    data)
+  _state_after(tmp_path, taco_tunix.LayerwisePeftTrainer, 2, data)
+  resumed = _state_after(tmp_path, peft_trainer.PeftTrainer, 4, data)
+  assert resumed.train_steps == 4
+  assert len(_losses(resumed)) == 2  # restored at 2, not trained afresh
+  _assert_same(resumed, straight, exact=False)
+
+
 @pytest.mark.parametrize('first', ['LayerwisePeftTrainer', 'PeftTrainer'])
 def test_checkpoint_resumes(tmp_path, first):
   """Two steps, a tunix checkpoint, two more = four straight, bit for bit;
@@ -126,6 +138,7 @@ def test_checkpoint_resumes(tmp_path, first):
   _state_after(tmp_path, first_class, 2, data)
   resumed = _state_after(tmp_path, taco_tunix.LayerwisePeftTrainer, 4, data)
   assert resumed.train_steps == 4
+  assert len(_losses(resumed)) == 2  # restored at 2, not trained afresh
   _assert_same(resumed, straight, exact=first_class is not
                peft_trainer.PeftTrainer)
 
