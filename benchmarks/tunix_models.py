@@ -10,7 +10,6 @@ import contextlib
 import importlib
 from typing import Any
 
-import jax
 import numpy as np
 
 import taco_optax
@@ -95,47 +94,9 @@ def batches(steps: int, *, batch=4, seq=16, vocab=256, seed=0,
   return out
 
 
-def _names(path) -> list[str]:
-  return [str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey)]
-
-
-# (reduction, output) axes of tunix's attention einsum weights, by module.
-_EINSUM_AXES = {
-    'q_proj': ((0,), (1, 2)),           # 'BTD,DNH->BTNH'
-    'k_proj': ((0,), (1, 2)),           # 'BSD,DKH->BSKH'
-    'v_proj': ((0,), (1, 2)),
-    'o_proj': ((0, 1), (2,)),           # 'BTNH,NHD->BTD'
-    'q_einsum': ((1,), (0, 2)),         # 'BTD,NDH->BTNH'
-    'kv_einsum': ((2,), (1, 3)),        # 'BSD,CKDH->CBSKH': K and V apart
-    'attn_vec_einsum': ((0, 1), (2,)),  # 'BTNH,NHD->BTD'
-}
-
-
-def dimension_numbers(params: Any) -> Any:
-  """TACO axes of a tunix decoder's parameters, by path (einsum kernels)."""
-  def leaf(path, x):
-    names = _names(path)
-    if x.ndim < 2:
-      return None
-    if names[-1] == 'input_embedding':
-      return taco_optax.TacoDimensionNumbers(1, 0)
-    if len(names) > 1 and names[-2] in _EINSUM_AXES:
-      return taco_optax.TacoDimensionNumbers(*_EINSUM_AXES[names[-2]])
-    if x.ndim != 2:
-      raise ValueError(f'no TACO axes for {"/".join(names)} {x.shape}')
-    return taco_optax.TacoDimensionNumbers()
-  return jax.tree_util.tree_map_with_path(leaf, params)
-
-
-def update_scale(params: Any) -> Any:
-  """The paper's scale 1 for the token embedding, ``m / n`` elsewhere."""
-  return jax.tree_util.tree_map_with_path(
-      lambda path, x: 1.0 if _names(path)[-1:] == ['input_embedding']
-      else None, params)
-
-
-def taco(learning_rate=1e-2, **kwargs):
-  """``taco_optax.taco`` routed for a tunix decoder."""
-  return taco_optax.taco(learning_rate,
-                         weight_dimension_numbers=dimension_numbers,
-                         update_scale=update_scale, **kwargs)
+def taco(model, learning_rate=1e-2, **kwargs):
+  """``taco_optax.taco`` routed for ``model`` by its modules (einsums too)."""
+  return taco_optax.taco(
+      learning_rate,
+      weight_dimension_numbers=taco_optax.nnx.dimension_numbers(model),
+      update_scale=taco_optax.nnx.update_scales(model), **kwargs)

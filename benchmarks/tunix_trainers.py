@@ -50,7 +50,7 @@ def trainer(mode: str, steps: int = STEPS):
   from taco_optax import tunix as taco_tunix  # pylint: disable=import-outside-toplevel
   model = tunix_models.qwen3(**SIZE)
   optimizer = (optax.adamw(1e-4) if mode == 'peft_adamw'
-               else tunix_models.taco(1e-4))
+               else tunix_models.taco(model, 1e-4))
   cls = (taco_tunix.LayerwisePeftTrainer if mode.startswith('layerwise')
          else peft_trainer.PeftTrainer)
   config = peft_trainer.TrainingConfig(

@@ -33,8 +33,7 @@ def unsupported(model: Any) -> Optional[str]:
   if not (hasattr(embedder, 'encode') and hasattr(embedder, TABLE)):
     return (f'{type(model).__name__}.embedder has no `encode` and '
             f'`{TABLE}`')
-  if not isinstance(model.layers, (list, tuple, nnx.List)) and not hasattr(
-      model.layers, '__len__'):
+  if not hasattr(model.layers, '__len__'):
     return f'{type(model).__name__}.layers is not a list of layers'
   vision = getattr(getattr(model, 'config', None), 'vision_config', None)
   if vision is not None:

@@ -24,7 +24,6 @@ import optax
 
 from taco_optax import _alias
 from taco_optax import _leaf
-from taco_optax import _prefix
 from taco_optax import _train_step
 from taco_optax import _tunix_model
 from taco_optax import _dimension_numbers as dn
@@ -49,8 +48,7 @@ def pair_parts(parts: _alias.TacoParts, params: Any,
   The dimension numbers and update scales are read per leaf of ``params``
   (what ``nnx.Optimizer`` hands to the optimizer) and moved with the leaves.
   """
-  dims = _prefix.per_leaf(parts.dimension_numbers(params), params,
-                          dn.is_prefix_leaf)
+  dims = dn.leaf_dimension_numbers(parts.dimension_numbers, params)
   scales = _leaf._leaf_scales(parts.update_scale, params)
   pair_dims = relayout.target.unflatten([dims[i] for i in relayout.order])
   pair_scales = relayout.target.unflatten(

@@ -46,7 +46,7 @@ def _config(steps, **kwargs):
 
 
 def _train(trainer_class, model, steps, data, optimizer=None, **config):
-  optimizer = optimizer or tunix_models.taco()
+  optimizer = optimizer or tunix_models.taco(model)
   trainer = trainer_class(model, optimizer, _config(steps, **config))
   trainer = trainer.with_gen_model_input_fn(tunix_models.model_input)
   trainer.train(data)
@@ -179,8 +179,9 @@ def test_accumulation_is_fused_and_matches_multisteps(caplog):
 
 
 def test_accumulation_with_a_later_custom_loss_is_refused():
+  model = MODELS['qwen3']()
   trainer = taco_tunix.LayerwisePeftTrainer(
-      MODELS['qwen3'](), tunix_models.taco(),
+      model, tunix_models.taco(model),
       _config(1, gradient_accumulation_steps=2))
   trainer.with_loss_fn(lambda model, **inputs: jnp.zeros(()))
   with pytest.raises(ValueError, match='use PeftTrainer for this loss'):
@@ -188,8 +189,9 @@ def test_accumulation_with_a_later_custom_loss_is_refused():
 
 
 def test_custom_loss_falls_back_with_its_reason(caplog):
-  trainer = taco_tunix.LayerwisePeftTrainer(MODELS['qwen3'](),
-                                            tunix_models.taco(), _config(1))
+  model = MODELS['qwen3']()
+  trainer = taco_tunix.LayerwisePeftTrainer(model, tunix_models.taco(model),
+                                            _config(1))
   trainer.with_loss_fn(lambda model, **inputs: jnp.zeros(()))
   assert 'with_loss_fn' in trainer.fallback_reason()
   with caplog.at_level(logging.WARNING, logger='taco_optax'):
@@ -201,7 +203,9 @@ def test_refuses_an_optimizer_that_is_not_taco():
   with pytest.raises(ValueError, match="tunix's PeftTrainer for other"):
     taco_tunix.LayerwisePeftTrainer(MODELS['qwen3'](), optax.adamw(1e-3),
                                     _config(1))
-  chained = optax.chain(optax.clip_by_global_norm(1.0), tunix_models.taco())
+  model = MODELS['qwen3']()
+  chained = optax.chain(optax.clip_by_global_norm(1.0),
+                        tunix_models.taco(model))
   with pytest.raises(ValueError, match='unwrapped'):
     taco_tunix.LayerwisePeftTrainer(MODELS['qwen3'](), chained, _config(1))
 
@@ -220,7 +224,8 @@ def test_unsupported_model_is_named():
 def test_peft_trainer_recipe_routes_attention_to_taco():
   """The README recipe: every rank >= 2 weight has a TACO history."""
   model = MODELS['qwen3']()
-  trainer = peft_trainer.PeftTrainer(model, tunix_models.taco(), _config(1))
+  trainer = peft_trainer.PeftTrainer(model, tunix_models.taco(model),
+                                     _config(1))
   params = nnx.as_pure(nnx.state(model, nnx.Param))
   states = taco_optax._alias.taco_states(  # pylint: disable=protected-access
       nnx.as_pure(trainer.optimizer.opt_state))
