@@ -69,13 +69,22 @@ def unrolled(layer_backward: LayerBackward, layers: list[Any], plans: Plans,
   offsets = [0]
   for layer_params in layers:
     offsets.append(offsets[-1] + len(jax.tree.leaves(layer_params)))
+  # The cotangent of the output of the layer after this one: see below.
+  previous_d_hidden = d_hidden
   for l in reversed(range(len(layers))):
-    # Recompute this layer from inputs that depend on the cotangent: XLA
+    # Recompute this layer from inputs that depend on a cotangent: XLA
     # turns optimization barriers into control edges and then CSEs the
     # recomputation with the forward pass, which would keep every layer's
     # activations alive (measured: +1 layer of weights' worth per layer).
+    # The cotangent is the one entering the layer above, not this layer's
+    # own, so this layer's recomputation can run while the layer above runs
+    # its backward pass (XLA:CPU runs independent kernels side by side):
+    # one layer's activations more (measured +0.4 MiB on SmolLM2-135M at
+    # batch 4 x 64) for 5-6 % of the step's time.
     layer_input = jax.tree.map(
-        lambda x: _leaf_update.data_dependency(x, d_hidden), layer_inputs[l])
+        lambda x, after=previous_d_hidden: _leaf_update.data_dependency(
+            x, after), layer_inputs[l])
+    previous_d_hidden = d_hidden
     grads, d_hidden = layer_backward(layers[l], layer_input, d_hidden)
     updated = None
     for i, grad in enumerate(jax.tree.leaves(grads), start=offsets[l]):
