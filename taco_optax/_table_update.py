@@ -117,13 +117,19 @@ def merge_batch_tokens(outside: HeadCandidates, tokens: jax.Array,
   match = indices[:, :, None] == tokens[None, None, :]  # (n, k, U)
   held = jnp.sum(jnp.where(match, previous[:, :, None], 0.0), axis=1)
   candidates = jnp.where(match.any(axis=1), scaled + held, scaled)
+  # The batch's best k per column, in lax.top_k's order (magnitude, then
+  # lower token: ``tokens`` ascend); padding (token ``vocab``) ranks last.
   valid = tokens < vocab
-  all_values = jnp.concatenate([outside.values, candidates], -1)
-  all_tokens = jnp.concatenate(
-      [outside.indices, jnp.broadcast_to(tokens, candidates.shape)], -1)
+  _, best = jax.lax.top_k(jnp.where(valid, jnp.abs(candidates), -1.0),
+                          min(k, tokens.size))
+  # Each list holds the top of its rows in the same order, so the top k of
+  # their union is the top k of all: a sort of k + max(k, r) per column,
+  # not of every batch token (a full sort cost 22 ms a step on SmolLM2).
+  all_values = jnp.concatenate(
+      [outside.values, jnp.take_along_axis(candidates, best, -1)], -1)
+  all_tokens = jnp.concatenate([outside.indices, tokens[best]], -1)
   order = jnp.where(
-      jnp.concatenate([jnp.ones_like(outside.values, bool),
-                       jnp.broadcast_to(valid, candidates.shape)], -1),
+      jnp.concatenate([jnp.ones_like(outside.values, bool), valid[best]], -1),
       -jnp.abs(all_values), jnp.inf)
   _, top_tokens, top_values = jax.lax.sort((order, all_tokens, all_values),
                                            dimension=-1, num_keys=2)
