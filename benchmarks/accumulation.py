@@ -116,7 +116,7 @@ def main():
                       help='also write the output, with its provenance, as '
                       'Markdown')
   args = parser.parse_args()
-  output = memory._Tee()  # pylint: disable=protected-access
+  output = provenance.Tee()
   with contextlib.redirect_stdout(output):
     print(f'SmolLM2-135M shapes, dtype={args.dtype}, micro-batch='
           f'{args.micro_batch}, seq={args.seq}, layers={args.layers or 30} '

@@ -32,7 +32,6 @@ on random weights and prints the measured peak and tokens/s.
 import argparse
 import contextlib
 import dataclasses
-import io
 import sys
 import time
 from typing import Any, Callable, NamedTuple
@@ -229,7 +228,7 @@ def main():
                              seq=args.seq, num_layers=args.layers,
                              steps=args.steps)))
     return
-  output = _Tee()
+  output = provenance.Tee()
   with contextlib.redirect_stdout(output):
     compiled_tables(args, dtype)
   if args.write:
@@ -237,14 +236,6 @@ def main():
     with open(args.write, 'w') as f:
       f.write(f'# Compiled peak memory (written by `{command}`)\n\n'
               f'{provenance.stamp()}.\n\n```\n{output.getvalue()}```\n')
-
-
-class _Tee(io.StringIO):
-  """Standard output that is also kept, for ``--write``."""
-
-  def write(self, text):
-    sys.__stdout__.write(text)
-    return super().write(text)
 
 
 def compiled_tables(args, dtype):

@@ -1,8 +1,10 @@
 """Where a benchmark's figures come from: commit, date, machine, jax."""
 
 import datetime
+import io
 import os
 import subprocess
+import sys
 
 import jax
 
@@ -23,3 +25,11 @@ def stamp() -> str:
   return (f'Commit {commit()}, {datetime.date.today().isoformat()}, jax '
           f'{jax.__version__}, {jax.devices()[0].device_kind}, '
           f'{os.cpu_count()} cores, load average {load}')
+
+
+class Tee(io.StringIO):
+  """Standard output that is also kept (for a script's ``--write``)."""
+
+  def write(self, text):
+    sys.__stdout__.write(text)
+    return super().write(text)

@@ -11,19 +11,24 @@ full jitted train step (params and state donated) as the example runs it:
 * ``adamw``, ``adafactor``, ``lion``, ``muon``: the same plain step with the
   example's registry of optimizers (``examples/finetune/optimizers.py``).
 
-Each path is compiled once (its compile seconds reported), run ``--warmup``
-steps, then timed over ``--steps`` steps. One table per (dtype, batch); the
-last line is ``taco_layerwise_over_adamw=<tokens/s ratio> ...`` with one key
-per optimizer, for the last (dtype, batch) measured. Timings on a shared CPU
-are noisy: run it on a quiet machine.
+Every path is compiled first (its compile seconds reported) and run
+``--warmup`` steps; then ``--rounds`` rounds time ``--steps`` steps of each
+path in turn, and the table gives the median (and fastest) step, so a slow
+spell of a shared machine falls on every path alike. One table per (dtype,
+batch); the last line is ``taco_layerwise_over_adamw=<tokens/s ratio> ...``
+with one key per optimizer, for the last (dtype, batch) measured.
 
   python -m benchmarks.train_step [--dtypes float32,bfloat16]
-      [--batches 4,16] [--seq 64] [--layers N] [--steps 3]
+      [--batches 4,16] [--seq 64] [--layers N] [--steps 2] [--rounds 3]
       [--optimizers taco_layerwise,taco_optax,adamw,adafactor,lion,muon]
+      [--write docs/train_step.md]
 """
 
 import argparse
+import contextlib
 import dataclasses
+import statistics
+import sys
 import time
 
 from flax import nnx
@@ -62,26 +67,52 @@ def _step(path, decoder, config):
   return memory.plain_step(decoder.loss, tx), tx
 
 
-def time_path(path, decoder, config, batch, warmup, steps):
-  """``{'compile_s', 'step_s', 'tokens_per_s'}`` of one path."""
-  step, tx = _step(path, decoder, config)
-  params = jax.tree.map(jnp.copy, decoder.params)
-  state = tx.init(params)
-  start = time.perf_counter()
-  compiled = jax.jit(step, donate_argnums=(0, 1)).lower(
-      params, state, batch).compile()
-  compile_s = time.perf_counter() - start
-  for _ in range(warmup):
-    params, state, value = compiled(params, state, batch)
-    jax.block_until_ready(value)
-  start = time.perf_counter()
-  for _ in range(steps):
-    params, state, value = compiled(params, state, batch)
-  jax.block_until_ready(value)
-  step_s = (time.perf_counter() - start) / steps
+class _Path:
+  """One compiled path and its running params and state."""
+
+  def __init__(self, path, decoder, config, batch):
+    step, tx = _step(path, decoder, config)
+    self.params = jax.tree.map(jnp.copy, decoder.params)
+    self.state = tx.init(self.params)
+    start = time.perf_counter()
+    self.compiled = jax.jit(step, donate_argnums=(0, 1)).lower(
+        self.params, self.state, batch).compile()
+    self.compile_s = time.perf_counter() - start
+    self.step_s = []
+    self.loss = None
+
+  def run(self, batch, steps, timed):
+    for _ in range(steps):
+      start = time.perf_counter()
+      self.params, self.state, value = self.compiled(self.params, self.state,
+                                                     batch)
+      jax.block_until_ready(value)
+      if timed:
+        self.step_s.append(time.perf_counter() - start)
+      self.loss = float(value)
+
+
+def time_paths(paths, decoder, config, batch, warmup, steps, rounds):
+  """``{path: {'compile_s', 'step_s', 'min_step_s', 'tokens_per_s'}}``.
+
+  Every path is compiled first; then ``rounds`` rounds run ``steps`` timed
+  steps of each path in turn, so that a machine's slow spell falls on every
+  path alike. ``step_s`` is the median over all timed steps.
+  """
+  compiled = {path: _Path(path, decoder, config, batch) for path in paths}
+  for path in compiled.values():
+    path.run(batch, warmup, timed=False)
+  for _ in range(rounds):
+    for path in compiled.values():
+      path.run(batch, steps, timed=True)
   tokens = batch.input_ids.size
-  return {'compile_s': compile_s, 'step_s': step_s,
-          'tokens_per_s': tokens / step_s, 'loss': float(value)}
+  results = {}
+  for name, path in compiled.items():
+    step_s = statistics.median(path.step_s)
+    results[name] = {'compile_s': path.compile_s, 'step_s': step_s,
+                     'min_step_s': min(path.step_s),
+                     'tokens_per_s': tokens / step_s, 'loss': path.loss}
+  return results
 
 
 def _batch(config, batch, seq):
@@ -98,32 +129,52 @@ def main(argv=None):
   parser.add_argument('--layers', type=int, default=None,
                       help='override the number of layers (default: 30)')
   parser.add_argument('--warmup', type=int, default=1)
-  parser.add_argument('--steps', type=int, default=3,
-                      help='timed steps (>= 1)')
+  parser.add_argument('--steps', type=int, default=2,
+                      help='timed steps per path and round (>= 1)')
+  parser.add_argument('--rounds', type=int, default=3,
+                      help='rounds of every path in turn (>= 1)')
   parser.add_argument('--optimizers', default=','.join(PATHS))
+  parser.add_argument('--write', metavar='PATH', default=None,
+                      help='also write the output, with its provenance, as '
+                      'Markdown')
   args = parser.parse_args(argv)
   paths = args.optimizers.split(',')
   unknown = sorted(set(paths) - set(PATHS))
   if unknown:
     parser.error(f'unknown optimizers {unknown}; known: {", ".join(PATHS)}')
-  print(f'{provenance.stamp()}. SmolLM2-135M shapes, layers='
-        f'{args.layers or 30} (unrolled, as the CLI), seq={args.seq}, '
-        f'remat per block, backend={jax.default_backend()}')
+  if args.steps < 1 or args.rounds < 1:
+    parser.error('--steps and --rounds must be >= 1')
+  output = provenance.Tee()
+  with contextlib.redirect_stdout(output):
+    _tables(args, paths)
+  if args.write:
+    command = ' '.join(['python -m benchmarks.train_step']
+                       + (sys.argv[1:] if argv is None else list(argv)))
+    with open(args.write, 'w') as f:
+      f.write(f'# Whole train steps (written by `{command}`)\n\n'
+              f'{provenance.stamp()}.\n\n```\n{output.getvalue()}```\n')
+
+
+def _tables(args, paths):
+  """One table per (dtype, batch), then the ratios of the last one."""
+  print(f'SmolLM2-135M shapes, layers={args.layers or 30} (unrolled, as the '
+        f'CLI), seq={args.seq}, remat per block, backend='
+        f'{jax.default_backend()}; median of {args.rounds} rounds x '
+        f'{args.steps} steps, paths in turn')
   results = {}
   for dtype_name in args.dtypes.split(','):
     config, decoder = _decoder(jnp.dtype(dtype_name), args.layers)
     for batch_size in (int(b) for b in args.batches.split(',')):
       batch = _batch(config, batch_size, args.seq)
+      results = time_paths(paths, decoder, config, batch, args.warmup,
+                           args.steps, args.rounds)
       print(f'\n{dtype_name}, batch {batch_size} x {args.seq}')
       print(f'{"optimizer":<16}{"tokens/s":>10}{"step ms":>10}'
-            f'{"compile s":>11}')
-      results = {}
-      for path in paths:
-        results[path] = time_path(path, decoder, config, batch, args.warmup,
-                                  args.steps)
-        r = results[path]
+            f'{"min ms":>9}{"compile s":>11}')
+      for path, r in results.items():
         print(f'{path:<16}{r["tokens_per_s"]:>10.1f}'
-              f'{1e3 * r["step_s"]:>10.1f}{r["compile_s"]:>11.1f}', flush=True)
+              f'{1e3 * r["step_s"]:>10.1f}{1e3 * r["min_step_s"]:>9.1f}'
+              f'{r["compile_s"]:>11.1f}', flush=True)
   if 'adamw' in results:
     adamw = results['adamw']
     print(' '.join(

@@ -5,14 +5,24 @@ import re
 from benchmarks import train_step
 
 
-def test_last_line_has_one_ratio_per_optimizer(capsys):
+def test_last_line_has_one_ratio_per_optimizer(capfd, tmp_path):
+  written = tmp_path / 'train_step.md'
   train_step.main(['--layers', '1', '--dtypes', 'float32', '--batches', '1',
                    '--seq', '8', '--warmup', '0', '--steps', '1',
-                   '--optimizers', 'taco_layerwise,taco_optax,adamw'])
-  last = capsys.readouterr().out.strip().splitlines()[-1]
+                   '--rounds', '2',
+                   '--optimizers', 'taco_layerwise,taco_optax,adamw',
+                   '--write', str(written)])
+  last = capfd.readouterr().out.strip().splitlines()[-1]
   ratios = dict(re.findall(r'(\w+)=([\d.]+)', last))
   assert set(ratios) == {
       'taco_layerwise_over_adamw', 'taco_optax_over_adamw',
       'taco_layerwise_compile_over_adamw', 'taco_optax_compile_over_adamw'}
   assert last.startswith('taco_layerwise_over_adamw=')
   assert all(float(v) > 0 for v in ratios.values())
+  # The written file carries the command, its provenance and the same table.
+  text = written.read_text()
+  assert text.startswith('# Whole train steps (written by `python -m '
+                         'benchmarks.train_step --layers 1')
+  assert '\nCommit ' in text and last in text
+  assert re.search(r'\ntaco_layerwise +[\d.]+ +[\d.]+ +[\d.]+ +[\d.]+\n',
+                   text)
