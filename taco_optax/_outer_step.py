@@ -151,6 +151,20 @@ class Head(NamedTuple):
   kept: Any
 
 
+def update_early(update, leaves, states, plans, early, grad_of, d_hidden):
+  """``(updated, d_hidden)``: the ``early`` leaves updated, ``d_hidden``
+  ordered after each, so their gradients die before the layers' backward.
+
+  ``grad_of(i)`` is leaf ``i``'s whole gradient; ``updated`` maps each early
+  leaf to its ``(param, *state)``.
+  """
+  updated = {}
+  for i in early:
+    updated[i] = update(i, leaves[i], grad_of(i), states[i], plans[i])
+    d_hidden = _ordered_after(d_hidden, updated[i][0])
+  return updated, d_hidden
+
+
 def after_head(context: Outer, hidden: Any) -> Head:
   """The head's backward pass, the early leaves and a tied table's phase 1."""
   loss, outer, batch = context.loss, context.outer, context.batch
@@ -159,14 +173,12 @@ def after_head(context: Outer, hidden: Any) -> Head:
   roles = outer_roles(loss, outer, context.plans, tables, context.states,
                       batch, context.two_phase_allowed)
   tables = dict(tables)
-  updated, kept, leaves = {}, None, context.leaves
+  kept, leaves = None, context.leaves
   # An untied LM head has its whole gradient now: update it before the
   # layers, so that gradient dies.
-  for i in roles.early:
-    grad = tables.pop(i) if i in tables else grads[i]
-    updated[i] = context.update(i, leaves[i], grad, context.states[i],
-                                context.plans[i])
-    d_hidden = _ordered_after(d_hidden, updated[i][0])
+  updated, d_hidden = update_early(
+      context.update, leaves, context.states, context.plans, roles.early,
+      lambda i: tables.pop(i) if i in tables else grads[i], d_hidden)
   i = roles.two_phase
   if i is not None:
     # Select among the rows outside the batch's tokens now, so the logits'

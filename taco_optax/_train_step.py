@@ -14,8 +14,7 @@ The parameters outside the layers are updated in ``_outer_step`` (after the
 head, and after the embedding's backward pass).
 """
 
-import dataclasses
-from typing import Any, Callable, NamedTuple, Optional
+from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -27,9 +26,7 @@ from taco_optax import _backward
 from taco_optax import _clipping
 from taco_optax import _leaf_update
 from taco_optax import _outer_step
-from taco_optax import _rounding
-from taco_optax import _token_table
-from taco_optax import _transform
+from taco_optax import _step_context
 from taco_optax._layered_loss import LayeredLoss
 
 Params = Any
@@ -37,14 +34,6 @@ Batch = Any
 # step(params, opt_state, batch) -> (params, opt_state, loss)
 TrainStep = Callable[[tuple[Params, Params], Any, Batch],
                      tuple[tuple[Params, Params], Any, jax.Array]]
-
-
-def _is_masked(x: Any) -> bool:
-  return isinstance(x, optax.MaskedNode)
-
-
-def _flatten(tree: Any) -> list[Any]:
-  return jax.tree.leaves(tree, is_leaf=_is_masked)
 
 
 def train_step(loss: LayeredLoss,
@@ -192,37 +181,7 @@ def step_from_parts(loss: LayeredLoss, parts: _alias.TacoParts, *,
   return _accumulated_step(loss, parts, accumulation_steps, clip_global_norm)
 
 
-class _Leaves(NamedTuple):
-  """What every leaf's update reads in one step."""
-  num_outer: int
-  plans: list[Any]
-  states: _alias.TacoStates
-  leaf_states: list[Any]  # (values, indices, exponents); MaskedNode: Adam
-  rounding: Callable[..., Any]
-  update: Callable[..., tuple[jax.Array, ...]]
-
-
-def _leaves(parts, params, opt_state, clip=None) -> _Leaves:
-  """``clip``: an elementwise transform of every gradient (clipping)."""
-  plans = parts.plans(params)
-  states = _alias.taco_states(opt_state)
-  leaf_states = list(zip(*(_flatten(s) for s in states.direction)))
-  rounding = _leaf_rounding(parts, states, params)
-
-  def update(i, param, grad, state, plan, after=None, layer=None):
-    if clip is not None:
-      grad = (dataclasses.replace(grad, transform=clip)
-              if isinstance(grad, _token_table.TableGradient) else clip(grad))
-    return _leaf_update.taco_leaf_update(
-        param, grad, *state, plan=plan, mu=parts.mu,
-        lr_tx=parts.learning_rate, lr_state=states.learning_rate,
-        after=after, rounding=rounding(i, layer))
-
-  return _Leaves(len(jax.tree.leaves(params[0])), plans, states, leaf_states,
-                 rounding, update)
-
-
-def _layers_backward(loss, layer_backward, layers, ctx: _Leaves,
+def _layers_backward(loss, layer_backward, layers, ctx: _step_context.Leaves,
                      layer_inputs, d_hidden):
   """The backward pass over the layers, each TACO weight updated in it."""
   backward = _backward.scanned if loss.scan_layers else _backward.unrolled
@@ -248,7 +207,7 @@ def _one_batch_step(loss: LayeredLoss, parts: _alias.TacoParts,
       # The step's forward after the norm's pass: one pass alive at a time.
       hidden = jax.tree.map(
           lambda x: _leaf_update.data_dependency(x, norm), hidden)
-    ctx = _leaves(parts, params, opt_state, clip)
+    ctx = _step_context.leaves(parts, params, opt_state, clip)
     n = ctx.num_outer
     context = _outer_step.Outer(loss, outer, batch, ctx.plans[:n],
                                 ctx.leaf_states[:n], ctx.update, parts,
@@ -265,9 +224,9 @@ def _one_batch_step(loss: LayeredLoss, parts: _alias.TacoParts,
         head.d_hidden)
     outer_leaves, outer_states, outer_grads = _outer_step.after_embedding(
         context, head, d_hidden)
-    return _finish(parts, params, opt_state, ctx, clip,
-                   outer_leaves + layer_leaves, outer_grads + layer_grads,
-                   outer_states + layer_states, head.value)
+    return _step_context.finish(
+        parts, params, opt_state, ctx, clip, outer_leaves + layer_leaves,
+        outer_grads + layer_grads, outer_states + layer_states, head.value)
 
   return step
 
@@ -277,8 +236,10 @@ def _accumulated_step(loss: LayeredLoss, parts: _alias.TacoParts,
                       clip_global_norm: Optional[float] = None) -> TrainStep:
   """The step on ``steps`` micro-batches, layer-major (``_accumulation``).
 
-  Outer leaves the embedding does not read are updated after the head (their
-  mean gradient is complete then); the others after the embedding's pass.
+  The outer leaves take the roles of :func:`_outer_step.outer_roles` (no
+  two-phase table: the head's share of a tied table is accumulated whole):
+  the early ones are updated once the head's mean gradient is complete, the
+  late ones after the embedding's pass.
   """
   one_batch = _one_batch_step(loss, parts, clip_global_norm)
 
@@ -288,11 +249,12 @@ def _accumulated_step(loss: LayeredLoss, parts: _alias.TacoParts,
       return one_batch(params, opt_state,
                        jax.tree.map(lambda x: x[0], batches))
     outer, layers = params
-    n = len(jax.tree.leaves(outer))
     outer_leaves = jax.tree.leaves(outer)
+    n = len(outer_leaves)
     first = jax.tree.map(lambda x: x[0], batches)
     embed_reads = _outer_step._used_inputs(lambda o: loss.embed(o, first),
                                            outer)
+    # Forward over the micro-batches, keeping each one's layer inputs.
     hidden, layer_inputs = _backward.forward(
         _accumulation.layer_forward(loss.layer, batches),
         _accumulation.embed_forward(loss.embed, outer, batches), layers,
@@ -310,88 +272,41 @@ def _accumulated_step(loss: LayeredLoss, parts: _alias.TacoParts,
       clip = _clipping.clipper(norm, clip_global_norm)
       d_hidden = jax.tree.map(
           lambda x: _leaf_update.data_dependency(x, norm), d_hidden)
-    ctx = _leaves(parts, params, opt_state, clip)
-    updated = {}
-    for i, plan in enumerate(ctx.plans[:n]):
-      if plan is not None and head_reads[i] and not embed_reads[i]:
-        # Its mean gradient is complete now: update it so the mean dies.
-        grad = head_grads[i].astype(outer_leaves[i].dtype)
-        updated[i] = ctx.update(i, outer_leaves[i], grad, ctx.leaf_states[i],
-                                plan)
-        head_grads[i] = None
-        d_hidden = _outer_step._ordered_after(d_hidden, updated[i][0])
+    ctx = _step_context.leaves(parts, params, opt_state, clip)
+    roles = _outer_step.outer_roles(loss, outer, ctx.plans[:n], {},
+                                    ctx.leaf_states[:n], first,
+                                    two_phase_allowed=False)
+
+    def early_grad(i):  # its mean dies with the update
+      grad, head_grads[i] = head_grads[i], None
+      return _mean_as(grad, outer_leaves[i])
+
+    updated, d_hidden = _outer_step.update_early(
+        ctx.update, outer_leaves, ctx.leaf_states, ctx.plans, roles.early,
+        early_grad, d_hidden)
     d_hidden, layer_leaves, layer_states, layer_grads = _layers_backward(
         loss, _accumulation.layer_backward(loss.layer, batches), layers, ctx,
         layer_inputs, d_hidden)
-    grads = _accumulation.embed_backward(loss.embed, outer, d_hidden,
-                                         batches, embed_reads, head_grads)
-    outer_grads = []
-    for i, (x, plan, grad) in enumerate(zip(outer_leaves, ctx.plans[:n],
-                                            grads)):
-      grad = jnp.zeros_like(x) if grad is None else grad.astype(x.dtype)
-      if plan is not None and i not in updated:
-        updated[i] = ctx.update(i, x, grad, ctx.leaf_states[i], plan)
-      outer_grads.append(None if plan is not None else grad)
+    grads = [_mean_as(g, x) for g, x in zip(
+        _accumulation.embed_backward(loss.embed, outer, d_hidden, batches,
+                                     embed_reads, head_grads), outer_leaves)]
+    for i in roles.late:
+      updated[i] = ctx.update(i, outer_leaves[i], grads[i],
+                              ctx.leaf_states[i], ctx.plans[i])
     new_outer = [updated[i][0] if i in updated else x
                  for i, x in enumerate(outer_leaves)]
     outer_states = [tuple(updated[i][1:]) if i in updated else s
                     for i, s in enumerate(ctx.leaf_states[:n])]
-    return _finish(parts, params, opt_state, ctx, clip,
-                   new_outer + layer_leaves, outer_grads + layer_grads,
-                   outer_states + layer_states, value)
+    outer_grads = [None if plan is not None else g
+                   for g, plan in zip(grads, ctx.plans[:n])]
+    return _step_context.finish(
+        parts, params, opt_state, ctx, clip, new_outer + layer_leaves,
+        outer_grads + layer_grads, outer_states + layer_states, value)
 
   return step
 
 
-def _finish(parts, params, opt_state, ctx, clip, leaves, grads, leaf_states,
-            value):
-  """Adam on the (clipped) non-TACO gradients, then the new params and state.
-  """
-  if clip is not None:
-    grads = [None if g is None else clip(g) for g in grads]
-  new_leaves, adam_state = _adam(parts, params, ctx.plans, leaves, grads,
-                                 ctx.states.adam)
-  return (jax.tree.structure(params).unflatten(new_leaves),
-          _pack(parts, opt_state, ctx.states, leaf_states, adam_state), value)
-
-
-def _adam(parts, params, plans, leaves, grads, adam_state):
-  """Adam on the non-TACO leaves, as ``optax.partition`` would run it."""
-  is_adam = [plan is None for plan in plans]
-  mask = lambda xs: jax.tree.structure(params).unflatten(
-      [x if a else optax.MaskedNode() for x, a in zip(xs, is_adam)])
-  updates, adam_state = parts.adam.update(mask(grads), adam_state,
-                                          mask(leaves))
-  updated = _flatten(optax.apply_updates(mask(leaves), updates))
-  return ([u if a else p for p, u, a in zip(leaves, updated, is_adam)],
-          adam_state)
-
-
-def _leaf_rounding(parts, states, params):
-  """``rounding(leaf, layer=None)``: the leaf's ``LeafRounding``, or None.
-
-  Set for the 16-bit leaves when ``taco`` rounds stochastically; the key is
-  the one the optax path's ``stochastic_rounding`` folds for the leaf.
-  """
-  leaves = jax.tree.leaves(params)
-
-  def rounding(i, layer=None):
-    if states.rounding is None or not _rounding.is_low_precision(
-        leaves[i].dtype):
-      return None
-    key = _rounding.leaf_key(parts.rounding_seed, states.rounding.count, i)
-    return _leaf_update.LeafRounding(key, leaves[i].shape, layer)
-
-  return rounding
-
-
-def _pack(parts, opt_state, states, leaf_states, adam_state):
-  """The new :func:`taco` state from the per-leaf TACO states."""
-  _, lr_state = parts.learning_rate.update(None, states.learning_rate)
-  masked_def = jax.tree.structure(states.direction.values, is_leaf=_is_masked)
-  direction = _transform.TacoState(
-      *(masked_def.unflatten(field) for field in zip(*leaf_states)))
-  rounding = (None if states.rounding is None
-              else _rounding.advanced(states.rounding))
-  return _alias.with_taco_states(
-      opt_state, _alias.TacoStates(direction, lr_state, adam_state, rounding))
+def _mean_as(grad, like):
+  """An accumulated mean (``None``: the leaf is read by nothing) in the
+  leaf's dtype."""
+  return jnp.zeros_like(like) if grad is None else grad.astype(like.dtype)
