@@ -54,9 +54,20 @@ def is_low_precision(dtype: Any) -> bool:
 
 def leaf_key(seed: int, count: jax.Array, leaf: int) -> jax.Array:
   """The ``(2,)`` ``uint32`` key of one leaf at one step."""
-  key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), count),
-                           leaf)
-  return jax.random.key_data(key)
+  return leaf_keys(seed, count, leaf + 1)[leaf]
+
+
+def leaf_keys(seed: int, count: jax.Array, num_leaves: int) -> jax.Array:
+  """``(num_leaves, 2)`` ``uint32``: every leaf's :func:`leaf_key` at once.
+
+  One vectorised ``fold_in`` instead of one per leaf: the same keys, but
+  one threefry in the compiled step rather than hundreds (each is some
+  hundred HLO operations XLA compiles on its own).
+  """
+  step = jax.random.fold_in(jax.random.key(seed), count)
+  keys = jax.vmap(lambda i: jax.random.fold_in(step, i))(
+      jnp.arange(num_leaves, dtype=jnp.uint32))
+  return jax.random.key_data(keys)
 
 
 def _mix(h: jax.Array) -> jax.Array:
@@ -218,11 +229,11 @@ def stochastic_rounding(seed: int = 0) -> optax.GradientTransformation:
             "'nearest'.")
       return updates, advanced(state)
     out = []
+    keys = leaf_keys(seed, state.count, len(leaves))
     for i, (update, param) in enumerate(zip(leaves,
                                             treedef.flatten_up_to(params))):
       if not _is_masked(update) and is_low_precision(param.dtype):
-        bits = element_bits(leaf_key(seed, state.count, i),
-                            dense_flat_index(param))
+        bits = element_bits(keys[i], dense_flat_index(param))
         update = rounded_update(param, update, bits)
       out.append(update)
     return treedef.unflatten(out), advanced(state)

@@ -242,3 +242,19 @@ def test_layerwise_step_rounds_as_the_optax_path(monkeypatch, scan_layers,
     got = fused(*got, plain_case._tokens(step))[:2]
   assert_bitwise_equal(got, expected)
   assert int(_alias.taco_states(got[1]).rounding.count) == 3
+
+
+def test_leaf_keys_are_each_leafs_fold_in():
+  # Vectorised, the keys are those of folding the step and then the leaf
+  # into the seed one leaf at a time (what checkpoints' runs were drawn
+  # with); leaf_key is one of them.
+  count = jnp.asarray(7, jnp.int32)
+  keys = _rounding.leaf_keys(3, count, 40)
+  assert keys.shape == (40, 2) and keys.dtype == jnp.uint32
+  for leaf in (0, 1, 17, 39):
+    expected = jax.random.key_data(jax.random.fold_in(
+        jax.random.fold_in(jax.random.key(3), count), leaf))
+    np.testing.assert_array_equal(keys[leaf], expected)
+    np.testing.assert_array_equal(_rounding.leaf_key(3, count, leaf),
+                                  expected)
+  assert len({tuple(map(int, k)) for k in keys}) == 40
