@@ -2,8 +2,10 @@
 
 Times ``jit(update + apply_updates)`` (params and state donated) for
 ``taco_optax.taco`` and optax's adamw, adafactor, lion and contrib.muon, TACO
-as the layerwise step applies it (winners scattered into the weights, no dense
-update), and one read of the gradient tree (the memory-bound floor). Prints a
+as the example's layer-wise step applies it (blocks unrolled, each one's
+winners scattered into its weights at the end of its backward pass, no dense
+update, on a model whose backward pass only hands over the gradient), and one
+read of the gradient tree (the memory-bound floor). Prints a
 table and, on its last line,
 ``taco_over_adamw=<ratio> taco_over_read=<ratio> taco_scatter_over_adamw=...``.
 
@@ -95,31 +97,89 @@ def time_optimizer(tx, params, grads, repeats):
   return best, state_bytes
 
 
-def time_scatter_apply(params, grads, repeats, implementation, lr=1e-4):
-  """TACO as the layerwise step applies it: winners scattered into params.
+def _given_gradient(grad_of):
+  """``f(params, hidden, g) -> hidden`` whose vjp gives ``grad_of(g, hidden)``
+  as the params' gradient and passes the hidden cotangent through: a model
+  whose backward pass costs nothing but handing over a known gradient."""
+  @jax.custom_vjp
+  def f(params, hidden, g):
+    del params, g
+    return hidden
 
-  The same state update as ``scale_by_taco`` but no dense update tensor and
-  no ``apply_updates`` pass: ``taco_optax.layerwise.train_step`` on a loss
-  ``sum_i <W_i, G_i>`` whose gradient is exactly the given ``G`` (so the time
-  also holds one read of the weights and gradients for the loss).
+  def fwd(params, hidden, g):
+    return hidden, (hidden, g)
+
+  def bwd(residuals, d_hidden):
+    hidden, g = residuals
+    return grad_of(g, hidden), d_hidden, None
+
+  f.defvjp(fwd, bwd)
+  return f
+
+
+def layered_split(params):
+  """``(outer, layers)`` of a :func:`llama_params` tree, as the example splits
+  its decoder: embedding, head and final norm outside, one dict per block."""
+  outer = {k: v for k, v in params.items() if not k.startswith('layer')}
+  count = 1 + max(int(k.split('/')[0][5:]) for k in params
+                  if k.startswith('layer'))
+  layers = [{k.split('/')[1]: v for k, v in params.items()
+             if k.startswith(f'layer{l}/')} for l in range(count)]
+  return outer, layers
+
+
+def given_gradient_loss():
+  """A ``LayeredLoss`` on :func:`layered_split` params whose gradient is the
+  batch: ``batch = (outer G, layers' G stacked)`` (:func:`given_batch`).
+
+  Its backward hands each block its slice of ``G`` (``_given_gradient``) and
+  computes nothing else (no loss pass); the hidden state carries the
+  block's index. The embedding is read by the embedding, the head's leaves
+  by the head, as in the example's split.
   """
-  loss = taco_optax.layerwise.LayeredLoss(
-      embed=lambda outer, batch: jnp.zeros(()),
-      layer=None,
-      head=lambda outer, hidden, batch: sum(
-          jnp.vdot(outer[name], batch[name]).astype(jnp.float32)
-          for name in outer),
+  emit = _given_gradient(lambda g, hidden: g)
+  block = _given_gradient(lambda g, hidden: jax.tree.map(
+      lambda x: jax.lax.dynamic_index_in_dim(
+          x, hidden[1].astype(jnp.int32), keepdims=False), g))
+  head_leaves = lambda tree: {k: tree[k] for k in ('final_norm', 'lm_head')}
+  return taco_optax.layerwise.LayeredLoss(
+      embed=lambda outer, batch: emit(
+          outer['embedding'], (jnp.zeros(()), jnp.zeros(())),
+          batch[0]['embedding']),
+      layer=lambda p, hidden, batch: (
+          lambda h: (h[0], h[1] + 1))(block(p, hidden, batch[1])),
+      head=lambda outer, hidden, batch: emit(
+          head_leaves(outer), hidden, head_leaves(batch[0]))[0],
       scan_layers=False)
+
+
+def given_batch(grads):
+  """The batch of :func:`given_gradient_loss` for a gradient tree."""
+  g_outer, g_layers = layered_split(grads)
+  return g_outer, jax.tree.map(lambda *xs: jnp.stack(xs), *g_layers)
+
+
+def time_scatter_apply(params, grads, repeats, implementation, lr=1e-4):
+  """TACO as the example's layer-wise step applies it, on given gradients.
+
+  ``taco_optax.layerwise.train_step`` on the example's split (unrolled
+  blocks) with :func:`given_gradient_loss`: each block's winners are written
+  into its weights as its backward pass ends, the head's before the blocks
+  and the embedding's after.
+  """
+  loss = given_gradient_loss()
+  batches = [given_batch(tree) for tree in grads]
   tx = taco_optax.taco(lr, implementation=implementation)
-  state = tx.init((params, []))
+  split = layered_split(params)
+  state = tx.init(split)
   step = jax.jit(taco_optax.layerwise.train_step(loss, tx),
                  donate_argnums=(0, 1))
-  carry = [(jax.tree.map(jnp.copy, params), []), state, 0]
+  carry = [jax.tree.map(jnp.copy, split), state, 0]
 
   def run():
     carry[2] += 1
     carry[0], carry[1], _ = step(carry[0], carry[1],
-                                 grads[carry[2] % len(grads)])
+                                 batches[carry[2] % len(batches)])
     return carry[0]
 
   return time_fn(run, (), repeats)
