@@ -79,8 +79,8 @@ def unrolled(layer_backward: LayerBackward, layers: list[Any], plans: Plans,
     # The cotangent is the one entering the layer above, not this layer's
     # own, so this layer's recomputation can run while the layer above runs
     # its backward pass (XLA:CPU runs independent kernels side by side):
-    # one layer's activations more (measured +0.4 MiB on SmolLM2-135M at
-    # batch 4 x 64) for 5-6 % of the step's time.
+    # one layer's recomputation more alive (the example's default run:
+    # 606.8 -> 617.7 MiB compiled, 91.7 -> 95.9 tokens/s; README).
     layer_input = jax.tree.map(
         lambda x, after=previous_d_hidden: _leaf_update.data_dependency(
             x, after), layer_inputs[l])
