@@ -30,7 +30,6 @@ on random weights and prints the measured peak and tokens/s.
 """
 
 import argparse
-import contextlib
 import dataclasses
 import sys
 import time
@@ -228,14 +227,10 @@ def main():
                              seq=args.seq, num_layers=args.layers,
                              steps=args.steps)))
     return
-  output = provenance.Tee()
-  with contextlib.redirect_stdout(output):
-    compiled_tables(args, dtype)
+  text = provenance.captured(lambda: compiled_tables(args, dtype))
   if args.write:
     command = ' '.join(['python -m benchmarks.memory'] + sys.argv[1:])
-    with open(args.write, 'w') as f:
-      f.write(f'# Compiled peak memory (written by `{command}`)\n\n'
-              f'{provenance.stamp()}.\n\n```\n{output.getvalue()}```\n')
+    provenance.write_report(args.write, 'Compiled peak memory', command, text)
 
 
 def compiled_tables(args, dtype):

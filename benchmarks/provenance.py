@@ -1,5 +1,6 @@
 """Where a benchmark's figures come from: commit, date, machine, jax."""
 
+import contextlib
 import datetime
 import io
 import os
@@ -33,3 +34,19 @@ class Tee(io.StringIO):
   def write(self, text):
     sys.__stdout__.write(text)
     return super().write(text)
+
+
+def captured(run) -> str:
+  """What ``run()`` prints, printed as it goes and returned."""
+  output = Tee()
+  with contextlib.redirect_stdout(output):
+    run()
+  return output.getvalue()
+
+
+def write_report(path: str, title: str, command: str, text: str) -> None:
+  """A script's printed ``text`` as Markdown, titled with its command and
+  stamped with its provenance."""
+  with open(path, 'w') as f:
+    f.write(f'# {title} (written by `{command}`)\n\n{stamp()}.\n\n'
+            f'```\n{text}```\n')

@@ -25,7 +25,6 @@ with one key per optimizer, for the last (dtype, batch) measured.
 """
 
 import argparse
-import contextlib
 import dataclasses
 import statistics
 import sys
@@ -144,15 +143,11 @@ def main(argv=None):
     parser.error(f'unknown optimizers {unknown}; known: {", ".join(PATHS)}')
   if args.steps < 1 or args.rounds < 1:
     parser.error('--steps and --rounds must be >= 1')
-  output = provenance.Tee()
-  with contextlib.redirect_stdout(output):
-    _tables(args, paths)
+  text = provenance.captured(lambda: _tables(args, paths))
   if args.write:
     command = ' '.join(['python -m benchmarks.train_step']
                        + (sys.argv[1:] if argv is None else list(argv)))
-    with open(args.write, 'w') as f:
-      f.write(f'# Whole train steps (written by `{command}`)\n\n'
-              f'{provenance.stamp()}.\n\n```\n{output.getvalue()}```\n')
+    provenance.write_report(args.write, 'Whole train steps', command, text)
 
 
 def _tables(args, paths):
