@@ -54,7 +54,9 @@ def is_low_precision(dtype: Any) -> bool:
 
 def leaf_key(seed: int, count: jax.Array, leaf: int) -> jax.Array:
   """The ``(2,)`` ``uint32`` key of one leaf at one step."""
-  return leaf_keys(seed, count, leaf + 1)[leaf]
+  key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), count),
+                           leaf)
+  return jax.random.key_data(key)
 
 
 def leaf_keys(seed: int, count: jax.Array, num_leaves: int) -> jax.Array:
