@@ -12,13 +12,13 @@ in :mod:`taco_optax.nnx`, tunix's trainer with the layer-wise step in
 """
 
 from taco_optax import layerwise
-from taco_optax._alias import taco
-from taco_optax._dimension_numbers import TacoDimensionNumbers
-from taco_optax._rounding import stochastic_rounding
-from taco_optax._routing_report import routing_report
-from taco_optax._state_shardings import state_shardings
-from taco_optax._transform import scale_by_taco
-from taco_optax._transform import TacoState
+from taco_optax._src.transform import TacoDimensionNumbers
+from taco_optax._src.transform import TacoState
+from taco_optax._src.transform import routing_report
+from taco_optax._src.transform import scale_by_taco
+from taco_optax._src.transform import state_shardings
+from taco_optax._src.transform import stochastic_rounding
+from taco_optax._src.transform import taco
 
 __version__ = '0.1.0'
 

@@ -15,12 +15,12 @@ Examples:
    'TrainStep', 'train_step']
 """
 
-from taco_optax._layered_loss import LayeredLoss
-from taco_optax._leaf_update import COLUMN_BLOCK_ELEMENTS
-from taco_optax._token_table import TableLookup
-from taco_optax._token_table import TableProjection
-from taco_optax._train_step import train_step
-from taco_optax._train_step import TrainStep
+from taco_optax._src.layerwise import LayeredLoss
+from taco_optax._src.layerwise import COLUMN_BLOCK_ELEMENTS
+from taco_optax._src.layerwise import TableLookup
+from taco_optax._src.layerwise import TableProjection
+from taco_optax._src.layerwise import train_step
+from taco_optax._src.layerwise import TrainStep
 
 __all__ = (
     'COLUMN_BLOCK_ELEMENTS',

@@ -14,9 +14,8 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec
 
-from taco_optax import _dimension_numbers
-from taco_optax import _mesh
-from taco_optax import _state_shardings
+from taco_optax._src import transform
+from taco_optax._src import kernels
 
 try:
   from flax import nnx
@@ -26,7 +25,7 @@ except ImportError as error:  # pragma: no cover - depends on the install
       '`pip install "taco_optax[flax]"`.') from error
 
 # Flax is imported above: the module that reads Flax modules may now load.
-from taco_optax import _nnx_dimension_numbers as _routes  # pylint: disable=g-import-not-at-top,g-bad-import-order
+from taco_optax._src.integrations import nnx_routes  # pylint: disable=g-import-not-at-top,g-bad-import-order
 
 __all__ = ('dimension_numbers', 'for_nnx_optimizer', 'update_scales')
 
@@ -34,7 +33,7 @@ __all__ = ('dimension_numbers', 'for_nnx_optimizer', 'update_scales')
 def dimension_numbers(
     model: nnx.Module, wrt: Any = nnx.Param, *,
     overrides: Optional[Mapping[str, Optional[
-        _dimension_numbers.TacoDimensionNumbers]]] = None) -> nnx.State:
+        transform.TacoDimensionNumbers]]] = None) -> nnx.State:
   """TACO's ``weight_dimension_numbers`` for ``model``, read from its modules.
 
   Each parameter is routed by the module that holds it: ``nnx.Linear`` and
@@ -82,8 +81,8 @@ def dimension_numbers(
     ...     dimension_numbers(query)))
     >>> optimizer = nnx.Optimizer(query, tx, wrt=nnx.Param)
   """
-  found = _routes.routes(model, wrt, dict(overrides or {}))
-  return _routes.state_of(model, wrt, lambda path: found[path].dims)
+  found = nnx_routes.routes(model, wrt, dict(overrides or {}))
+  return nnx_routes.state_of(model, wrt, lambda path: found[path].dims)
 
 
 def update_scales(model: nnx.Module, wrt: Any = nnx.Param) -> nnx.State:
@@ -109,9 +108,9 @@ def update_scales(model: nnx.Module, wrt: Any = nnx.Param) -> nnx.State:
     >>> update_scales(nnx.Embed(10, 4, rngs=nnx.Rngs(0)))['embedding']
     1.0
   """
-  found = _routes.table_paths(model, wrt)
-  return _routes.state_of(
-      model, wrt, lambda path: _routes.TABLE_SCALE if path in found else None)
+  found = nnx_routes.table_paths(model, wrt)
+  return nnx_routes.state_of(
+      model, wrt, lambda path: nnx_routes.TABLE_SCALE if path in found else None)
 
 
 def for_nnx_optimizer(tx: optax.GradientTransformation
@@ -146,7 +145,7 @@ def for_nnx_optimizer(tx: optax.GradientTransformation
 
   def abstract_param(x):
     value = x.get_value() if is_variable(x) else x
-    sharding = (_mesh.explicit_sharding(value)
+    sharding = (kernels.explicit_sharding(value)
                 or getattr(value, 'sharding', None))
     names = x.get_metadata('out_sharding', None) if is_variable(x) else None
     if names is not None and not isinstance(sharding, NamedSharding):
@@ -162,9 +161,9 @@ def for_nnx_optimizer(tx: optax.GradientTransformation
     if not is_variable(leaf) or not shardings:  # e.g. Variable(MaskedNode())
       return leaf
     (sharding,) = shardings
-    names = _mesh.padded_spec(sharding.spec, leaf.get_value().ndim)
+    names = kernels.padded_spec(sharding.spec, leaf.get_value().ndim)
     return leaf.replace(leaf.get_value(),
-                        out_sharding=tuple(_mesh.spec_entry(a)
+                        out_sharding=tuple(kernels.spec_entry(a)
                                            for a in names))
 
   def init_fn(params):
@@ -174,7 +173,7 @@ def for_nnx_optimizer(tx: optax.GradientTransformation
                for x in jax.tree.leaves(abstract)):
       return state
     shardings = iter(jax.tree.leaves(
-        _state_shardings.state_shardings(tx, abstract)))
+        transform.state_shardings(tx, abstract)))
     leaves, treedef = jax.tree.flatten(state, is_leaf=is_variable)
     return treedef.unflatten([
         relabel(x, [next(shardings) for _ in jax.tree.leaves(x)])

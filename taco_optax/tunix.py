@@ -22,11 +22,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from taco_optax import _alias
-from taco_optax import _leaf
-from taco_optax import _train_step
-from taco_optax import _tunix_model
-from taco_optax import _dimension_numbers as dn
+from taco_optax._src import transform
+from taco_optax._src import layerwise
+from taco_optax._src.integrations import tunix_model
 
 try:
   from flax import nnx
@@ -41,15 +39,15 @@ __all__ = ('LayerwisePeftTrainer',)
 _logger = logging.getLogger('taco_optax')
 
 
-def pair_parts(parts: _alias.TacoParts, params: Any,
-               relayout: Any) -> _alias.TacoParts:
+def pair_parts(parts: transform.TacoParts, params: Any,
+               relayout: Any) -> transform.TacoParts:
   """``parts`` of an optimizer built for ``params``, for its relayout.
 
   The dimension numbers and update scales are read per leaf of ``params``
   (what ``nnx.Optimizer`` hands to the optimizer) and moved with the leaves.
   """
-  dims = dn.leaf_dimension_numbers(parts.dimension_numbers, params)
-  scales = _leaf._leaf_scales(parts.update_scale, params)
+  dims = transform.leaf_dimension_numbers(parts.dimension_numbers, params)
+  scales = transform.leaf_scales(parts.update_scale, params)
   pair_dims = relayout.target.unflatten([dims[i] for i in relayout.order])
   pair_scales = relayout.target.unflatten(
       [scales[i] for i in relayout.order])
@@ -103,7 +101,7 @@ class LayerwisePeftTrainer(peft_trainer.PeftTrainer):
   def __init__(self, model: nnx.Module, optimizer: optax.GradientTransformation,
                training_config: peft_trainer.TrainingConfig, *args, **kwargs):
     try:
-      self._taco_parts = _alias.parts_of(optimizer)
+      self._taco_parts = transform.parts_of(optimizer)
     except ValueError as error:
       raise ValueError(
           'LayerwisePeftTrainer runs the layer-wise TACO step and needs the '
@@ -130,7 +128,7 @@ class LayerwisePeftTrainer(peft_trainer.PeftTrainer):
       return 'the model has LoRA parameters'
     if self.loss_fn is not peft_trainer._default_loss_fn:  # pylint: disable=protected-access
       return 'a custom loss was set with with_loss_fn'
-    return _tunix_model.unsupported(self.model)
+    return tunix_model.unsupported(self.model)
 
   def create_train_step_fn(self):
     reason = self.fallback_reason()
@@ -188,10 +186,10 @@ class LayerwisePeftTrainer(peft_trainer.PeftTrainer):
     if inputs.get('images') is not None:
       raise ValueError('LayerwisePeftTrainer: image inputs are not supported '
                        'by the layer-wise step; use PeftTrainer.')
-    layered = _tunix_model.layered(model)
+    layered = tunix_model.layered(model)
     relayout = layered.relayout
     params = nnx.as_pure(nnx.state(model, nnx.Param))
-    step = _train_step.step_from_parts(
+    step = layerwise.step_from_parts(
         layered.loss, pair_parts(self._taco_parts, params, relayout),
         accumulation_steps=self._fused_steps)
     new_params, new_state, loss = step(
@@ -213,7 +211,7 @@ def _physical_mesh():
 def _fusable(model) -> bool:
   from tunix.sft import utils  # pylint: disable=import-outside-toplevel
   return (not utils.is_lora_enabled(model)
-          and _tunix_model.unsupported(model) is None)
+          and tunix_model.unsupported(model) is None)
 
 
 class _Grouped:

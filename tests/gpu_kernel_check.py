@@ -14,8 +14,8 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from taco_optax import _column_step
-from taco_optax import _pallas_kernel
+from taco_optax._src.kernels import reference as _column_step
+from taco_optax._src.kernels import pallas_kernel as _pallas_kernel
 
 SMOKE = sys.argv[1] == '1'
 INTERPRET = SMOKE

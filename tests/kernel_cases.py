@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from taco_optax import _column_step
+from taco_optax._src.kernels import reference as _column_step
 from tests.bitwise import assert_bitwise_equal
 
 HISTORY_FIELDS = ('values', 'exponents', 'indices', 'finite')

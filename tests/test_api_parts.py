@@ -13,7 +13,7 @@ import optax
 import pytest
 
 import taco_optax
-from taco_optax import _alias
+from taco_optax._src.transform import alias as _alias
 from tests.bitwise import assert_bitwise_equal
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -165,50 +165,195 @@ def test_tunix_module_exports_the_trainer():
   assert list(taco_optax.tunix.__all__) == ['LayerwisePeftTrainer']
 
 
+PACKAGE = ROOT / 'taco_optax'
+SRC = PACKAGE / '_src'
+SUBPACKAGES = sorted(p.name for p in SRC.iterdir() if (p / '__init__.py').exists())
+
+
 def _imports(path):
+  """``(module, names)`` of every import in ``path`` (names: ``()`` for a
+  plain ``import``)."""
   tree = ast.parse(path.read_text())
   for node in ast.walk(tree):
     if isinstance(node, ast.Import):
-      yield from (alias.name for alias in node.names)
+      yield from ((alias.name, ()) for alias in node.names)
     elif isinstance(node, ast.ImportFrom) and node.module:
-      yield node.module
-      yield from (f'{node.module}.{alias.name}' for alias in node.names)
+      yield node.module, tuple(alias.name for alias in node.names)
+
+
+def _package_of(path):
+  """The subpackage ``path`` belongs to, or None for a public module."""
+  parts = path.relative_to(PACKAGE).parts
+  return parts[1] if parts[0] == '_src' and len(parts) > 2 else None
+
+
+def _surface(package):
+  return importlib.import_module(f'taco_optax._src.{package}')
 
 
 def test_nothing_outside_the_package_imports_its_private_modules():
   offenders = [
-      f'{path.relative_to(ROOT)}: {name}'
+      f'{path.relative_to(ROOT)}: {module}'
       for folder in ('examples', 'benchmarks')
       for path in sorted((ROOT / folder).rglob('*.py'))
-      for name in _imports(path)
+      for module, names in _imports(path)
+      for name in (module, *(f'{module}.{n}' for n in names))
       if name.startswith('taco_optax._')]
   assert not offenders, offenders
 
 
-def test_package_modules_have_no_import_cycle():
-  package = ROOT / 'taco_optax'
+def test_the_four_rooms():
+  assert SUBPACKAGES == ['integrations', 'kernels', 'layerwise', 'transform']
+  assert sorted(p.name for p in PACKAGE.glob('*.py')) == [
+      '__init__.py', 'layerwise.py', 'nnx.py', 'tunix.py']
+
+
+def _reaches(path):
+  """Every import of another subpackage (or, from a public module, of any)
+  that does not go through that subpackage's surface."""
+  own = _package_of(path)
+  for module, names in _imports(path):
+    if not module.startswith('taco_optax._src'):
+      continue
+    parts = module.split('.')
+    if module == 'taco_optax._src':  # from taco_optax._src import kernels
+      bad = [n for n in names if n not in SUBPACKAGES]
+      if bad:
+        yield f'{module}: {bad}'
+      continue
+    target = parts[2]
+    if target == own:
+      continue
+    if len(parts) > 3:  # a module behind another subpackage's surface
+      yield module
+      continue
+    surface = _surface(target)
+    allowed = set(surface.__all__) | set(getattr(surface, 'OPTIONAL_MODULES',
+                                                 ()))
+    bad = [n for n in names if n not in allowed]
+    if bad:
+      yield f'{module}: {bad} (not in its __all__)'
+
+
+def test_subpackages_meet_only_through_their_surfaces():
+  offenders = [f'{path.relative_to(ROOT)}: {reach}'
+               for path in sorted(PACKAGE.rglob('*.py'))
+               for reach in _reaches(path)]
+  assert not offenders, offenders
+
+
+def test_optional_modules_are_imported_by_their_public_module_only():
+  optional = {f'taco_optax._src.integrations.{name}': name
+              for name in _surface('integrations').OPTIONAL_MODULES}
+  importers = {}
+  for path in sorted(PACKAGE.rglob('*.py')):
+    for module, names in _imports(path):
+      for name in (module, *(f'{module}.{n}' for n in names)):
+        if name in optional:
+          importers.setdefault(optional[name], set()).add(
+              str(path.relative_to(PACKAGE)))
+  assert importers == {'nnx_routes': {'nnx.py'},
+                       'tunix_model': {'tunix.py'}}
+
+
+def _private_uses(path):
+  """``module._name`` and ``from module import _name`` across modules."""
+  tree = ast.parse(path.read_text())
+  modules = set()
+  for node in ast.walk(tree):
+    if isinstance(node, ast.ImportFrom) and node.module and (
+        node.module.startswith('taco_optax')):
+      for alias in node.names:
+        if alias.name.startswith('_') and not alias.name.startswith('__'):
+          yield f'from {node.module} import {alias.name}'
+        modules.add(alias.asname or alias.name)
+  for node in ast.walk(tree):
+    if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+        and node.value.id in modules and node.attr.startswith('_')
+        and not node.attr.startswith('__')):
+      yield f'{node.value.id}.{node.attr} (line {node.lineno})'
+
+
+def test_no_module_reaches_into_another_modules_private_names():
+  offenders = [f'{path.relative_to(ROOT)}: {use}'
+               for path in sorted(PACKAGE.rglob('*.py'))
+               for use in _private_uses(path)]
+  assert not offenders, offenders
+
+
+def test_surfaces_only_re_export():
+  for package in SUBPACKAGES:
+    tree = ast.parse((SRC / package / '__init__.py').read_text())
+    for node in tree.body:
+      assert isinstance(node, (ast.ImportFrom, ast.Assign, ast.Expr)), (
+          package, ast.dump(node)[:80])
+    surface = _surface(package)
+    assert sorted(surface.__all__) == sorted(set(surface.__all__)), package
+    for name in surface.__all__:
+      assert hasattr(surface, name), (package, name)
+
+
+def _graph(node_of_path, node_of_import):
+  """Import edges between nodes (``None``: not a node) of the package."""
   graph = {}
-  for path in package.glob('*.py'):
-    module = f'taco_optax.{path.stem}'
-    graph[module] = {name for name in _imports(path)
-                     if name.startswith('taco_optax.') and
-                     (package / f'{name.split(".")[1]}.py').exists()}
-    graph[module] = {'.'.join(name.split('.')[:2]) for name in graph[module]}
-  graph.pop('taco_optax.__init__', None)
+  for path in sorted(PACKAGE.rglob('*.py')):
+    node = node_of_path(path)
+    if node is None:
+      continue
+    graph.setdefault(node, set())
+    for module, names in _imports(path):
+      for name in (module, *(f'{module}.{n}' for n in names)):
+        target = node_of_import(name)
+        if target is not None and target != node:
+          graph[node].add(target)
+  return graph
+
+
+def _assert_acyclic(graph):
   visiting, done = set(), set()
 
-  def visit(module, trail):
-    if module in done:
+  def visit(node, trail):
+    if node in done:
       return
-    assert module not in visiting, ' -> '.join(trail + [module])
-    visiting.add(module)
-    for child in graph.get(module, ()):
-      visit(child, trail + [module])
-    visiting.discard(module)
-    done.add(module)
+    assert node not in visiting, ' -> '.join(trail + [node])
+    visiting.add(node)
+    for child in sorted(graph.get(node, ())):
+      visit(child, trail + [node])
+    visiting.discard(node)
+    done.add(node)
 
-  for module in graph:
-    visit(module, [])
+  for node in sorted(graph):
+    visit(node, [])
+
+
+def _src_parts(name):
+  parts = name.split('.')
+  return parts[2:] if parts[:2] == ['taco_optax', '_src'] else []
+
+
+def test_subpackages_have_no_import_cycle():
+  def package_of_import(name):
+    parts = _src_parts(name)
+    return parts[0] if parts and parts[0] in SUBPACKAGES else None
+  graph = _graph(_package_of, package_of_import)
+  _assert_acyclic(graph)
+  assert graph == {'kernels': set(), 'transform': {'kernels'},
+                   'layerwise': {'kernels', 'transform'},
+                   'integrations': {'layerwise', 'transform'}}
+
+
+def test_modules_have_no_import_cycle():
+  def module_of_path(path):
+    if path.name == '__init__.py' or _package_of(path) is None:
+      return None
+    return '.'.join(path.relative_to(SRC).with_suffix('').parts)
+
+  def module_of_import(name):
+    parts = _src_parts(name)
+    if len(parts) < 2 or not (SRC / parts[0] / f'{parts[1]}.py').exists():
+      return None
+    return f'{parts[0]}.{parts[1]}'
+  _assert_acyclic(_graph(module_of_path, module_of_import))
 
 
 def test_no_module_is_over_400_lines():
@@ -216,6 +361,23 @@ def test_no_module_is_over_400_lines():
           for folder in ('taco_optax', 'examples', 'benchmarks')
           for path in (ROOT / folder).rglob('*.py')
           if (n := len(path.read_text().splitlines())) > 400]
+  assert not long, long
+
+
+def test_no_function_is_over_80_code_lines():
+  long = []
+  for folder in ('taco_optax', 'examples'):
+    for path in (ROOT / folder).rglob('*.py'):
+      for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+          lines = node.end_lineno - node.lineno + 1
+          first = node.body[0]
+          if isinstance(first, ast.Expr) and isinstance(first.value,
+                                                        ast.Constant):
+            lines -= first.end_lineno - first.lineno + 1
+          if lines > 80:
+            long.append(f'{path.relative_to(ROOT)}:{node.lineno} '
+                        f'{node.name} ({lines} lines)')
   assert not long, long
 
 

@@ -18,7 +18,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import taco_optax
-from taco_optax import _auto_partition
+from taco_optax._src.kernels import auto_partition as _auto_partition
 from taco_optax import TacoDimensionNumbers as Dims
 from tests import multidevice
 from tests.bitwise import assert_bitwise_equal

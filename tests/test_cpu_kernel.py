@@ -11,9 +11,9 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from taco_optax import _column_step
-from taco_optax import _cpu_kernel
-from taco_optax import _kernels
+from taco_optax._src.kernels import reference as _column_step
+from taco_optax._src.kernels import cpu_kernel as _cpu_kernel
+from taco_optax._src.kernels import dispatch as _kernels
 from tests import kernel_cases
 from tests.bitwise import assert_bitwise_equal
 

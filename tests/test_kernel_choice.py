@@ -8,8 +8,8 @@ import optax
 import pytest
 
 import taco_optax
-from taco_optax import _cpu_kernel
-from taco_optax import _kernels
+from taco_optax._src.kernels import cpu_kernel as _cpu_kernel
+from taco_optax._src.kernels import dispatch as _kernels
 from tests import layerwise_case
 from tests import test_train_step as plain_case
 from tests.bitwise import assert_bitwise_equal

@@ -29,7 +29,7 @@ def test_wheel_ships_py_typed(tmp_path):
   with zipfile.ZipFile(wheel) as archive:
     names = archive.namelist()
   assert 'taco_optax/py.typed' in names
-  assert 'taco_optax/csrc/column_step.cc' in names
+  assert 'taco_optax/_src/kernels/csrc/column_step.cc' in names
 
 
 def test_taco_signature_names_its_types_instead_of_expanding_them():

@@ -11,9 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from taco_optax import _column_step
-from taco_optax import _kernels
-from taco_optax import _pallas_kernel
+from taco_optax._src.kernels import reference as _column_step
+from taco_optax._src.kernels import dispatch as _kernels
+from taco_optax._src.kernels import pallas_kernel as _pallas_kernel
 from tests import kernel_cases
 from tests.bitwise import assert_bitwise_equal
 

@@ -7,9 +7,9 @@ import optax
 import pytest
 
 import taco_optax
-from taco_optax import _alias
-from taco_optax import _leaf_update
-from taco_optax import _rounding
+from taco_optax._src.transform import alias as _alias
+from taco_optax._src.layerwise import weight_update as _leaf_update
+from taco_optax._src.transform import rounding as _rounding
 from tests import layerwise_case
 from tests import test_train_step as plain_case
 from tests.bitwise import assert_bitwise_equal

@@ -19,11 +19,12 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import taco_optax
-from taco_optax import _alias
-from taco_optax import _leaf
-from taco_optax import _mesh
-from taco_optax import _leaf_update
+from taco_optax._src.transform import alias as _alias
+from taco_optax._src.transform import plan as _leaf
+from taco_optax._src.kernels import mesh as _mesh
+from taco_optax._src.layerwise import weight_update as _leaf_update
 from taco_optax import TacoDimensionNumbers as Dims
+from taco_optax._src.transform.dimension_numbers import normalize_axes
 from tests import multidevice
 from tests.bitwise import assert_bitwise_equal
 from tests import layerwise_case
@@ -53,8 +54,8 @@ test_mesh_suite_in_subprocess = multidevice.subprocess_suite(__file__,
 def test_state_specs_follow_batch_and_reduction_axes(shape, spec, dims,
                                                      values_spec,
                                                      exponents_spec):
-  shards = _mesh.leaf_sharding(shape, spec, dims,
-                                   {'fsdp': 2, 'tensor': 4})
+  shards = _mesh.leaf_sharding(shape, spec, normalize_axes(shape, dims),
+                               {'fsdp': 2, 'tensor': 4})
   assert shards.values_spec == values_spec
   assert shards.exponents_spec == exponents_spec
 
@@ -62,10 +63,12 @@ def test_state_specs_follow_batch_and_reduction_axes(shape, spec, dims,
 def test_state_specs_reject_unshardable_layouts():
   mesh_shape = {'fsdp': 2, 'tensor': 4}
   with pytest.raises(ValueError, match='not divisible'):
-    _mesh.leaf_sharding((64, 30), P(None, 'tensor'), Dims(), mesh_shape)
+    _mesh.leaf_sharding((64, 30), P(None, 'tensor'),
+                        normalize_axes((64, 30), Dims()), mesh_shape)
   with pytest.raises(ValueError, match='first reduction axis'):
-    _mesh.leaf_sharding((4, 8, 16), P(None, 'fsdp', None), Dims((0, 1), 2),
-                            mesh_shape)
+    _mesh.leaf_sharding((4, 8, 16), P(None, 'fsdp', None),
+                        normalize_axes((4, 8, 16), Dims((0, 1), 2)),
+                        mesh_shape)
 
 
 # Mesh tests.
@@ -195,9 +198,9 @@ def test_state_shardings_stable_across_init_update_and_jit():
     eager_state = tx.init(params)
     expected = sharding_specs(taco_optax.state_shardings(tx, params),
                               eager_state)
-    shards = {n: _mesh.leaf_sharding(LAYOUTS[n][0], LAYOUTS[n][1],
-                                         dims[n], {'fsdp': 2, 'tensor': 4})
-              for n in names}
+    shards = {n: _mesh.leaf_sharding(
+        LAYOUTS[n][0], LAYOUTS[n][1], normalize_axes(LAYOUTS[n][0], dims[n]),
+        {'fsdp': 2, 'tensor': 4}) for n in names}
     assert expected.values == {
         n: normalized(s.values_spec, eager_state.values[n].ndim)
         for n, s in shards.items()}

@@ -17,12 +17,12 @@ import optax
 import pytest
 
 import taco_optax
-from taco_optax import _alias
-from taco_optax import _column_step
-from taco_optax import _leaf
-from taco_optax import _leaf_update
-from taco_optax import _table_update
-from taco_optax import _token_table
+from taco_optax._src.transform import alias as _alias
+from taco_optax._src.kernels import reference as _column_step
+from taco_optax._src.transform import plan as _leaf
+from taco_optax._src.layerwise import weight_update as _leaf_update
+from taco_optax._src.layerwise import tied_table as _table_update
+from taco_optax._src.layerwise import token_table as _token_table
 from tests import test_train_step as plain_case
 from tests.bitwise import assert_bitwise_equal
 from tests import layerwise_case

@@ -8,12 +8,12 @@ import optax
 import pytest
 
 import taco_optax
-from taco_optax import _alias
-from taco_optax import _leaf_update
-from taco_optax import _outer_step
-from taco_optax._dimension_numbers import leaf_dimension_numbers
-from taco_optax._dimension_numbers import matrix_layout
-from taco_optax._dimension_numbers import TacoDimensionNumbers
+from taco_optax._src.transform import alias as _alias
+from taco_optax._src.layerwise import weight_update as _leaf_update
+from taco_optax._src.layerwise import outer as _outer_step
+from taco_optax._src.transform.dimension_numbers import leaf_dimension_numbers
+from taco_optax._src.transform.dimension_numbers import matrix_layout
+from taco_optax._src.transform.dimension_numbers import TacoDimensionNumbers
 from tests.bitwise import assert_bitwise_equal
 from tests import layerwise_case
 
@@ -273,7 +273,7 @@ def test_untied_head_is_updated_before_the_layers_and_equals_plain(
   outer = dict(outer, w_head=jax.random.normal(jax.random.key(7),
                                                (WIDTH, VOCAB)) / 4)
   params = (outer, layers)
-  embed_reads = _outer_step._used_inputs(lambda o: _embed(o, _tokens(0)),
+  embed_reads = _outer_step.used_inputs(lambda o: _embed(o, _tokens(0)),
                                          outer)
   # Leaves in key order: embedding, final_scale, w_head.
   assert embed_reads == [True, False, False]

@@ -9,13 +9,13 @@ from typing import Any, Callable, NamedTuple, Optional, Union
 import jax
 import optax
 
-from taco_optax import _dimension_numbers as dn
-from taco_optax import _inject_guard
-from taco_optax import _kernels
-from taco_optax import _leaf
-from taco_optax import _prefix
-from taco_optax import _rounding
-from taco_optax import _transform
+from taco_optax._src.transform import dimension_numbers as dn
+from taco_optax._src.transform import inject_guard
+from taco_optax._src import kernels
+from taco_optax._src.transform import plan
+from taco_optax._src.transform import prefix
+from taco_optax._src.transform import rounding as rounding_lib
+from taco_optax._src.transform import scale
 
 TACO_LABEL = 'taco'
 ADAM_LABEL = 'adam'
@@ -45,7 +45,7 @@ class TacoParts(NamedTuple):
     update_scale: the per-leaf scale override of :func:`scale_by_taco`.
     implementation: what runs the column step (resolved).
     rounding: the TACO branch's stochastic rounding of 16-bit parameters
-      (``_rounding.stochastic_rounding``), ``None`` with ``'nearest'``; the
+      (``rounding_lib.stochastic_rounding``), ``None`` with ``'nearest'``; the
       Adam branch ends with its own.
     rounding_seed: the seed of the stochastic rounding's random bits.
     default_routing: ``weight_dimension_numbers`` was not given: every
@@ -58,15 +58,15 @@ class TacoParts(NamedTuple):
   adam: optax.GradientTransformation
   mu: Union[float, jax.Array]
   update_topk: int
-  update_scale: _transform.ScaleTree
+  update_scale: scale.ScaleTree
   implementation: str
   rounding: Optional[optax.GradientTransformation]
   rounding_seed: int
   default_routing: bool = False
 
-  def plans(self, params: Any) -> list[Optional[_leaf.LeafPlan]]:
+  def plans(self, params: Any) -> list[Optional[plan.LeafPlan]]:
     """One :class:`LeafPlan` per leaf of ``params`` (``None``: Adam)."""
-    return _leaf.leaf_plans(params, self.dimension_numbers, self.update_scale,
+    return plan.leaf_plans(params, self.dimension_numbers, self.update_scale,
                             self.update_topk, self.implementation)
 
 
@@ -76,10 +76,10 @@ class TacoStates(NamedTuple):
   ``rounding`` is the TACO branch's stochastic rounding state, ``None`` with
   ``rounding='nearest'``.
   """
-  direction: _transform.TacoState
+  direction: scale.TacoState
   learning_rate: Any
   adam: Any
-  rounding: Optional[_rounding.StochasticRoundingState] = None
+  rounding: Optional[rounding_lib.StochasticRoundingState] = None
 
 
 def taco_states(opt_state: Any) -> TacoStates:
@@ -131,7 +131,7 @@ def taco(
     *,
     update_topk: Optional[int] = None,
     weight_dimension_numbers: dn.WeightDimNumOrFn | None = None,
-    update_scale: _transform.ScaleTree = None,
+    update_scale: scale.ScaleTree = None,
     values_dtype: Any = None,
     index_dtype: Any = None,
     adam_learning_rate: Optional[optax.ScalarOrSchedule] = None,
@@ -234,7 +234,7 @@ def taco(
     TACO: Ternary Absolute-max Column-wise One-sparse Optimizer for LLM
     Fine-Tuning, 2026.
   """
-  _inject_guard.refuse_scheduled_routing('taco_optax.taco')
+  inject_guard.refuse_scheduled_routing('taco_optax.taco')
   parts = _parts(
       learning_rate, k, mu, update_topk=update_topk,
       weight_dimension_numbers=weight_dimension_numbers,
@@ -290,7 +290,7 @@ def _warning_of_unrouted(init: Callable[[Any], Any]) -> Callable[[Any], Any]:
 def _parts(learning_rate: optax.ScalarOrSchedule, k: Optional[int],
            mu: Union[float, jax.Array], *, update_topk: Optional[int],
            weight_dimension_numbers: dn.WeightDimNumOrFn | None,
-           update_scale: _transform.ScaleTree, values_dtype: Any,
+           update_scale: scale.ScaleTree, values_dtype: Any,
            index_dtype: Any,
            adam_learning_rate: Optional[optax.ScalarOrSchedule],
            adam: tuple[Any, ...], implementation: Optional[str],
@@ -301,14 +301,14 @@ def _parts(learning_rate: optax.ScalarOrSchedule, k: Optional[int],
   default_routing = weight_dimension_numbers is None
   if default_routing:
     weight_dimension_numbers = dn.rank2_matrices
-  implementation = _kernels.resolve(implementation)
-  stochastic = _rounding.check_mode(rounding) == 'stochastic'
+  implementation = kernels.resolve(implementation)
+  stochastic = rounding_lib.check_mode(rounding) == 'stochastic'
 
   def dims_tree(params):
     return dn.resolve(weight_dimension_numbers, params)
 
   def per_leaf(params, fn):
-    dims = _prefix.per_leaf(dims_tree(params), params, dn.is_prefix_leaf)
+    dims = prefix.per_leaf(dims_tree(params), params, dn.is_prefix_leaf)
     return jax.tree.structure(params).unflatten([fn(d) for d in dims])
 
   def param_labels(params):
@@ -321,7 +321,7 @@ def _parts(learning_rate: optax.ScalarOrSchedule, k: Optional[int],
   return TacoParts(
       param_labels=param_labels,
       dimension_numbers=dims_tree,
-      direction=_transform.scale_by_taco(
+      direction=scale.scale_by_taco(
           k=k, mu=mu, update_topk=update_topk,
           weight_dimension_numbers=masked_dims, update_scale=update_scale,
           values_dtype=values_dtype, index_dtype=index_dtype,
@@ -331,7 +331,7 @@ def _parts(learning_rate: optax.ScalarOrSchedule, k: Optional[int],
                  rounding_seed=rounding_seed if stochastic else None),
       mu=mu, update_topk=1 if update_topk is None else update_topk,
       update_scale=update_scale, implementation=implementation,
-      rounding=(_rounding.stochastic_rounding(rounding_seed) if stochastic
+      rounding=(rounding_lib.stochastic_rounding(rounding_seed) if stochastic
                 else None),
       rounding_seed=rounding_seed, default_routing=default_routing)
 
@@ -356,7 +356,7 @@ def _adam(learning_rate, b1, b2, eps, eps_root, weight_decay, *,
           weight_decay),
       optax.scale_by_learning_rate(learning_rate),
   )
-  pieces = tuple(map(_rounding.in_float32, pieces))
+  pieces = tuple(map(rounding_lib.in_float32, pieces))
   if rounding_seed is None:
-    return optax.chain(*pieces, _rounding.rounded_to_params())
-  return optax.chain(*pieces, _rounding.stochastic_rounding(rounding_seed))
+    return optax.chain(*pieces, rounding_lib.rounded_to_params())
+  return optax.chain(*pieces, rounding_lib.stochastic_rounding(rounding_seed))

@@ -1,7 +1,7 @@
 """The one place that chooses what runs TACO's column step, and runs it.
 
 The implementations are leaves that never call each other or fall back on
-their own: :func:`_column_step.reference_column_step` (plain ``jax.numpy``,
+their own: :func:`reference.reference_column_step` (plain ``jax.numpy``,
 the oracle), ``_cpu_kernel`` (fused C++ through XLA's FFI) and
 ``_pallas_kernel`` (Pallas/Triton). :func:`choose` picks one from the
 ``implementation`` argument of :func:`taco_optax.taco` /
@@ -40,10 +40,10 @@ from typing import NamedTuple, Optional, Union
 import jax
 import jax.numpy as jnp
 
-from taco_optax import _auto_partition
-from taco_optax import _column_step
-from taco_optax import _cpu_kernel
-from taco_optax import _mesh
+from taco_optax._src.kernels import auto_partition
+from taco_optax._src.kernels import reference
+from taco_optax._src.kernels import cpu_kernel
+from taco_optax._src.kernels import mesh
 
 ENV = 'TACO_OPTAX_KERNEL'
 IMPLEMENTATIONS = ('auto', 'cpu', 'pallas', 'reference')
@@ -83,8 +83,8 @@ class Choice(NamedTuple):
 
 def _pallas():
   # Imported on use: Pallas adds ~0.4 s to import and only this choice uses it.
-  from taco_optax import _pallas_kernel  # pylint: disable=g-import-not-at-top
-  return _pallas_kernel
+  from taco_optax._src.kernels import pallas_kernel  # pylint: disable=g-import-not-at-top
+  return pallas_kernel
 
 
 def _unsupported(name: str, grad_rows, values, indices,
@@ -126,21 +126,21 @@ def choose(implementation: str, grad_rows: jax.Array, values: jax.Array,
     return Choice('reference', f'no verified kernel for '
                   f'{jax.default_backend()} yet')
   else:  # 'cpu', or 'auto' on CPU
-    available = _cpu_kernel.availability()
+    available = cpu_kernel.availability()
     if not available.ok:
       if implementation == 'cpu':
         raise RuntimeError(f"implementation='cpu', but the CPU kernel cannot "
                            f'be built or loaded: {available.reason}')
       return Choice('reference', f'the CPU kernel is unavailable '
                     f'({available.reason})', fallback=True)
-    if not _cpu_kernel.supports(grad_rows, values, indices, update_topk):
+    if not cpu_kernel.supports(grad_rows, values, indices, update_topk):
       if implementation == 'cpu':
         raise _unsupported('cpu', grad_rows, values, indices, update_topk)
       return Choice('reference', f'the CPU kernel does not take '
                     f'{grad_rows.dtype} gradients with {values.dtype}/'
                     f'{indices.dtype} history')
     implementation = 'cpu'
-  if _column_step.decay_folds_away(mu):
+  if reference.decay_folds_away(mu):
     return Choice('reference', f'mu={mu}: XLA folds the reference\'s '
                   '(1 - mu) * g, which a kernel would round')
   if implementation == 'cpu':
@@ -165,28 +165,28 @@ def _pallas_step(grad_rows, values, indices, exponents, mu, update_topk):
 
 # Module-level functions: the Auto-mesh op is cached per step function.
 _LOCAL_STEPS = {
-    'cpu': _cpu_kernel.cpu_column_step,
+    'cpu': cpu_kernel.cpu_column_step,
     'pallas': _pallas_step,
-    'reference': _column_step.reference_column_step,
+    'reference': reference.reference_column_step,
 }
 
 
 def _sharded_step(grad_rows, values, indices, exponents, mu, update_topk,
-                  shards: _mesh.LeafSharding) -> _column_step.ColumnStep:
+                  shards: mesh.LeafSharding) -> reference.ColumnStep:
   """The step on one device's slice of rows split over a mesh (exact)."""
-  return _column_step.reference_column_step(
+  return reference.reference_column_step(
       grad_rows, values, indices, exponents, mu, update_topk,
-      _mesh.selection(shards))
+      mesh.selection(shards))
 
 
 def column_step(grad_rows: jax.Array, values: jax.Array, indices: jax.Array,
                 exponents: jax.Array, mu: Union[float, jax.Array],
                 update_topk: int, implementation: str = 'auto',
-                shards: Optional[_mesh.LeafSharding] = None
-                ) -> _column_step.ColumnStep:
+                shards: Optional[mesh.LeafSharding] = None
+                ) -> reference.ColumnStep:
   """One TACO step on rows by the chosen implementation.
 
-  Same arguments and results as :func:`_column_step.reference_column_step`,
+  Same arguments and results as :func:`reference.reference_column_step`,
   plus the resolved ``implementation`` and, inside ``shard_map`` on an
   Explicit mesh, the leaf's ``shards`` (the rows are this device's slices).
   On an Auto mesh XLA partitions the step through ``_auto_partition``'s rule.
@@ -202,7 +202,7 @@ def column_step(grad_rows: jax.Array, values: jax.Array, indices: jax.Array,
     if shards is not None:
       return _sharded_step(grad_rows, values, indices, exponents, mu,
                            update_topk, shards)
-    return _auto_partition.column_step(
+    return auto_partition.column_step(
         grad_rows, values, indices, exponents, mu, update_topk,
         _LOCAL_STEPS[choice.implementation], _sharded_step)
 
@@ -222,13 +222,13 @@ def stored_history(rows: jax.Array, shape: tuple[int, ...]) -> jax.Array:
 
 def _empty_step(grad_rows: jax.Array, values: jax.Array, indices: jax.Array,
                 exponents: jax.Array, update_topk: int
-                ) -> _column_step.ColumnStep:
+                ) -> reference.ColumnStep:
   """A matrix with a zero dimension: no winners, the (empty) state kept.
 
   As optax's optimizers do with empty leaves: nothing to select, no error.
   """
   winners = (grad_rows.shape[0], update_topk)
-  return _column_step.ColumnStep(
+  return reference.ColumnStep(
       values=history_rows(values), exponents=exponents.reshape(-1),
       indices=history_rows(indices),
       winner_indices=jnp.zeros(winners, jnp.int32),
@@ -239,8 +239,8 @@ def _empty_step(grad_rows: jax.Array, values: jax.Array, indices: jax.Array,
 def history_step(grad_rows: jax.Array, values: jax.Array, indices: jax.Array,
                  exponents: jax.Array, *, update_topk: int,
                  mu: Union[float, jax.Array], implementation: str,
-                 shards: Optional[_mesh.LeafSharding] = None
-                 ) -> tuple[_column_step.ColumnStep, tuple[jax.Array, ...]]:
+                 shards: Optional[mesh.LeafSharding] = None
+                 ) -> tuple[reference.ColumnStep, tuple[jax.Array, ...]]:
   """The column step on rows, with the state in its stored layout.
 
   Args:

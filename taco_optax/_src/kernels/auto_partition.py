@@ -34,14 +34,13 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec
 
-from taco_optax import _column_step
-from taco_optax import _dimension_numbers as dn
-from taco_optax import _mesh
+from taco_optax._src.kernels import reference
+from taco_optax._src.kernels import mesh as mesh_lib
 
 # (grad_rows, values, indices, exponents, mu, update_topk) -> ColumnStep.
-LocalStep = Callable[..., _column_step.ColumnStep]
-# The same plus the leaf's _mesh.LeafSharding: one device's slice of rows.
-ShardedStep = Callable[..., _column_step.ColumnStep]
+LocalStep = Callable[..., reference.ColumnStep]
+# The same plus the leaf's mesh_lib.LeafSharding: one device's slice of rows.
+ShardedStep = Callable[..., reference.ColumnStep]
 
 # Rows N, candidates m, history k, winners r; an empty entry is a scalar (mu
 # when it is an array, the finiteness flag).
@@ -49,7 +48,7 @@ _RULE = 'N m, N k, N k, N{mu} -> N k, N, N k, N r, N r, '
 
 
 def _split_axes(sharding: Any, shape: tuple[int, ...]
-                ) -> tuple[Any, _mesh.MeshAxes, _mesh.MeshAxes]:
+                ) -> tuple[Any, mesh_lib.MeshAxes, mesh_lib.MeshAxes]:
   """``(mesh, axes splitting N, axes splitting m)`` of the rows' sharding.
 
   Axes that do not split their dimension into equal blocks, and every axis of
@@ -59,19 +58,19 @@ def _split_axes(sharding: Any, shape: tuple[int, ...]
     return None, (), ()
   mesh = sharding.mesh
   sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
-  axes = _mesh.padded_spec(sharding.spec, 2)
+  axes = mesh_lib.padded_spec(sharding.spec, 2)
   even = lambda dim: not shape[dim] % math.prod(sizes[a] for a in axes[dim])
   rows = axes[0] if even(0) else ()
   candidates = axes[1] if even(1) and set(axes[1]).isdisjoint(rows) else ()
   return mesh, rows, candidates
 
 
-def _specs(rows: _mesh.MeshAxes, candidates: _mesh.MeshAxes, array_mu: bool
+def _specs(rows: mesh_lib.MeshAxes, candidates: mesh_lib.MeshAxes, array_mu: bool
            ) -> tuple[tuple[PartitionSpec, ...], tuple[PartitionSpec, ...]]:
   """Argument and result specs of the op for a row/candidate split."""
-  row = _mesh.spec_entry(rows)
+  row = mesh_lib.spec_entry(rows)
   per_row = PartitionSpec(row, None)
-  arguments = (PartitionSpec(row, _mesh.spec_entry(candidates)), per_row,
+  arguments = (PartitionSpec(row, mesh_lib.spec_entry(candidates)), per_row,
                per_row, PartitionSpec(row))
   arguments += (PartitionSpec(),) if array_mu else ()
   results = (per_row, PartitionSpec(row), per_row, per_row, per_row,
@@ -80,15 +79,15 @@ def _specs(rows: _mesh.MeshAxes, candidates: _mesh.MeshAxes, array_mu: bool
 
 
 def _per_device_step(local_step: LocalStep, update_topk: int, mesh: Any,
-                     rows: _mesh.MeshAxes, candidates: _mesh.MeshAxes,
+                     rows: mesh_lib.MeshAxes, candidates: mesh_lib.MeshAxes,
                      shape: tuple[int, int], sharded_step: ShardedStep
                      ) -> Callable[..., tuple[Any, ...]]:
   """The step on one device's block, with global results."""
   if candidates:
-    shards = _mesh.leaf_sharding(
-        shape, PartitionSpec(_mesh.spec_entry(rows),
-                             _mesh.spec_entry(candidates)),
-        dn.TacoDimensionNumbers(), dict(zip(mesh.axis_names, mesh.axis_sizes)))
+    shards = mesh_lib.leaf_sharding(
+        shape, PartitionSpec(mesh_lib.spec_entry(rows),
+                             mesh_lib.spec_entry(candidates)),
+        ((), (0,), (1,)), dict(zip(mesh.axis_names, mesh.axis_sizes)))
 
   def step(mu, grad_rows, values, indices, exponents):
     if candidates:
@@ -170,10 +169,10 @@ _ops = {}
 def column_step(grad_rows: jax.Array, values: jax.Array, indices: jax.Array,
                 exponents: jax.Array, mu: Union[float, jax.Array],
                 update_topk: int, local_step: LocalStep,
-                sharded_step: ShardedStep) -> _column_step.ColumnStep:
+                sharded_step: ShardedStep) -> reference.ColumnStep:
   """``local_step`` on rows, partitioned per device on an Auto mesh.
 
-  Same arguments and results as :func:`_column_step.reference_column_step`
+  Same arguments and results as :func:`reference.reference_column_step`
   on one device. In a process with one device it is ``local_step`` itself;
   under :func:`jax.vmap` each entry runs ``local_step`` unpartitioned.
 
@@ -187,10 +186,10 @@ def column_step(grad_rows: jax.Array, values: jax.Array, indices: jax.Array,
     update_topk: winners per row.
     local_step: the single-device step to run per device on whole rows.
     sharded_step: the step to run per device when the candidate axis is
-      split (it takes the leaf's ``_mesh.LeafSharding`` last).
+      split (it takes the leaf's ``mesh_lib.LeafSharding`` last).
 
   Returns:
-    A :class:`_column_step.ColumnStep`.
+    A :class:`reference.ColumnStep`.
   """
   if jax.device_count() == 1:  # nothing to partition
     return local_step(grad_rows, values, indices, exponents, mu, update_topk)
@@ -200,4 +199,4 @@ def column_step(grad_rows: jax.Array, values: jax.Array, indices: jax.Array,
     _ops[key] = _make_op(local_step, sharded_step, static_mu, update_topk)
   arrays = (grad_rows, values, indices, exponents)
   arrays += (jnp.asarray(mu),) if static_mu is None else ()
-  return _column_step.ColumnStep(*_ops[key](*arrays))
+  return reference.ColumnStep(*_ops[key](*arrays))

@@ -1,7 +1,7 @@
 """Writing one matrix's TACO winners into its weight, as the gradient appears.
 
 The per-leaf half of the layer-wise train step: the same history step as
-``scale_by_taco`` (``_kernels.history_step``), then a scatter of each column's
+``scale_by_taco`` (``kernels.history_step``), then a scatter of each column's
 ``<= r`` winners into the weight (no dense update), optionally a block of
 columns at a time, and per shard under ``shard_map`` when the weight is split
 over an explicit mesh.
@@ -13,12 +13,9 @@ from typing import Any, NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 
-from taco_optax import _dimension_numbers as dn
-from taco_optax import _kernels
-from taco_optax import _leaf
-from taco_optax import _mesh
-from taco_optax import _rounding
-from taco_optax import _token_table
+from taco_optax._src import transform
+from taco_optax._src import kernels
+from taco_optax._src.layerwise import token_table
 
 
 def data_dependency(values: jax.Array, after: Any) -> jax.Array:
@@ -31,7 +28,7 @@ def data_dependency(values: jax.Array, after: Any) -> jax.Array:
   front; the input cotangent ``d_out @ W.T`` reads ``W`` without feeding the
   update, so the update is made to depend on it.
   """
-  first = _mesh.first_element(jax.tree.leaves(after)[0])
+  first = kernels.first_element(jax.tree.leaves(after)[0])
   first = first.astype(values.dtype)
   return values + jnp.where(jnp.isfinite(first), first, 0) * 0
 
@@ -42,7 +39,7 @@ def data_dependency(values: jax.Array, after: Any) -> jax.Array:
 COLUMN_BLOCK_ELEMENTS = 2**20
 
 
-def column_chunk(layout: dn.MatrixLayout) -> Optional[int]:
+def column_chunk(layout: transform.MatrixLayout) -> Optional[int]:
   """Columns per block for a chunked update, or None for one pass."""
   if layout.batch_shape or layout.n * layout.m <= 2 * COLUMN_BLOCK_ELEMENTS:
     return None
@@ -58,7 +55,7 @@ class LeafRounding(NamedTuple):
   """Stochastic rounding of one 16-bit leaf's winners (see ``_rounding``).
 
   Attributes:
-    key: the leaf's ``(2,)`` key at this step (``_rounding.leaf_key``).
+    key: the leaf's ``(2,)`` key at this step (``transform.leaf_key``).
     shape: the whole leaf's shape (every layer of a stacked leaf).
     layer: the slice's index when the update is one slice of a stacked
       leaf, else ``None``.
@@ -68,14 +65,14 @@ class LeafRounding(NamedTuple):
   layer: Optional[jax.Array] = None
 
 
-def winner_bits(rounding: LeafRounding, layout: dn.MatrixLayout,
+def winner_bits(rounding: LeafRounding, layout: transform.MatrixLayout,
                 shape: tuple[int, ...], row_ids: jax.Array,
                 winners: jax.Array, shards=None) -> jax.Array:
   """The random bits of the elements at ``(row_ids, winners)`` of the rows.
 
   ``layout`` and ``shape`` are those of the block being updated (a slice, a
   device's block); the bits are those of the same elements of the whole leaf
-  (``_rounding.element_bits`` of their flat index), as the optax path draws
+  (``transform.element_bits`` of their flat index), as the optax path draws
   them.
   """
   flat = row_ids.astype(jnp.int32) * layout.m + winners
@@ -85,12 +82,12 @@ def winner_bits(rounding: LeafRounding, layout: dn.MatrixLayout,
   for position, axis in zip(permuted, layout.transpose):
     coords[axis] = position
   if shards is not None:
-    coords = [c + _mesh.block_start(shards, axis, shape[axis])
+    coords = [c + kernels.block_start(shards, axis, shape[axis])
               for axis, c in enumerate(coords)]
   if rounding.layer is not None:
     coords = [jnp.broadcast_to(rounding.layer, flat.shape)] + coords
-  return _rounding.element_bits(rounding.key,
-                                _rounding.flat_index(rounding.shape, coords))
+  return transform.element_bits(rounding.key,
+                                transform.flat_index(rounding.shape, coords))
 
 
 def taco_leaf_update(param, grad, values, indices, exponents, *, plan, mu,
@@ -109,16 +106,16 @@ def taco_leaf_update(param, grad, values, indices, exponents, *, plan, mu,
     ``(param, values, indices, exponents)``, updated.
   """
   local_update = functools.partial(_local_leaf_update, lr_tx=lr_tx)
-  sharded = _mesh.leaf_sharding_of(param, plan.dim_num)
-  if sharded is not None and isinstance(grad, _token_table.TableGradient):
+  sharded = kernels.leaf_sharding_of(param, plan.axes(param.shape))
+  if sharded is not None and isinstance(grad, token_table.TableGradient):
     grad = grad.dense()
   if sharded is None:
     return local_update(param, grad, values, indices, exponents, plan=plan,
                         mu=mu, lr_state=lr_state, after=after,
                         rounding=rounding)
   if after is not None:  # the one element data_dependency reads
-    after = _mesh.first_element(jax.tree.leaves(after)[0])
-  return _mesh.map_over_shards(local_update, *sharded, param, grad,
+    after = kernels.first_element(jax.tree.leaves(after)[0])
+  return kernels.map_over_shards(local_update, *sharded, param, grad,
                                values, indices, exponents, plan=plan, mu=mu,
                                lr_state=lr_state, after=after,
                                rounding=rounding)
@@ -131,7 +128,7 @@ def _local_winners(winners, shards):
   """
   if shards is None or not shards.gather_axes:  # every device holds whole rows
     return winners
-  local, held = _mesh.local_rows(winners, shards)
+  local, held = kernels.local_rows(winners, shards)
   return jnp.where(held, local, -1)
 
 
@@ -141,7 +138,7 @@ def scatter_add(x, where, delta, dropping, bits=None):
   In place on a donated ``x``; with ``dropping``, out-of-range positions
   (winners held by another device, marked ``-1``) are skipped. With ``bits``
   (one per position) ``delta`` is first rounded stochastically as
-  ``_rounding.rounded_update`` rounds it on the optax path.
+  ``transform.rounded_update`` rounds it on the optax path.
   """
   if dropping:
     rows, winners = where
@@ -150,7 +147,7 @@ def scatter_add(x, where, delta, dropping, bits=None):
   else:
     current = x[where]
   if bits is not None:
-    delta = _rounding.rounded_update(current, delta, bits)
+    delta = transform.rounded_update(current, delta, bits)
   new = jnp.asarray(current + delta).astype(x.dtype)
   return x.at[where].set(new, unique_indices=not dropping,
                          mode='drop' if dropping else 'promise_in_bounds')
@@ -170,7 +167,7 @@ def _add_at_winners(rows: jax.Array, winners: jax.Array, delta: jax.Array,
   if bits is not None:
     current = jnp.take_along_axis(rows, jnp.clip(winners, 0, rows.shape[1] - 1),
                                   axis=1)
-    delta = _rounding.rounded_update(current, delta, bits)
+    delta = transform.rounded_update(current, delta, bits)
   positions = jax.lax.broadcasted_iota(jnp.int32, rows.shape, 1)
   out = rows
   for slot in range(winners.shape[1]):
@@ -197,14 +194,14 @@ def _local_leaf_update(param, grad, values, indices, exponents, *, plan, mu,
   """
   layout = plan.local_layout(param.shape)
   chunk = column_chunk(layout)
-  if isinstance(grad, _token_table.TableGradient) and (
+  if isinstance(grad, token_table.TableGradient) and (
       chunk is None or grad.axis != column_axis(layout)):
     grad = grad.dense()
   if chunk is not None:
     return _chunked_leaf_update(param, grad, values, indices, exponents,
                                 layout, plan, mu, lr_tx, lr_state, after,
                                 shards, chunk, rounding)
-  step, state = _kernels.history_step(
+  step, state = kernels.history_step(
       layout.to_rows(grad), values, indices, exponents,
       update_topk=plan.update_topk, mu=mu,
       implementation=plan.implementation, shards=shards)
@@ -223,7 +220,7 @@ def _local_leaf_update(param, grad, values, indices, exponents, *, plan, mu,
   return (new_param,) + state
 
 
-def column_axis(layout: dn.MatrixLayout) -> int:
+def column_axis(layout: transform.MatrixLayout) -> int:
   """The axis of a 2-D leaf that holds its columns (the paper's ``n``)."""
   return 0 if layout.transpose == (0, 1) else 1
 
@@ -240,13 +237,13 @@ def _chunked_leaf_update(param, grad, values, indices, exponents, layout,
   finiteness is known only after the last block, so the state is chosen then.
   """
   rows_are_axis0 = layout.transpose == (0, 1)
-  blockwise = isinstance(grad, _token_table.TableGradient)
+  blockwise = isinstance(grad, token_table.TableGradient)
   if blockwise:
     finite = jnp.array(True)
   else:
     finite = jnp.all(jnp.isfinite(grad))
     if shards is not None:
-      finite = _mesh.all_finite(finite, shards)
+      finite = kernels.all_finite(finite, shards)
 
   axis = column_axis(layout)
   # XLA:CPU slices and updates 16-bit floats in float32 (converting the whole
@@ -280,7 +277,7 @@ def _chunked_leaf_update(param, grad, values, indices, exponents, layout,
     block_grad = grad_rows(start)
     if blockwise:
       finite = finite & jnp.all(jnp.isfinite(block_grad))
-    step, new_state = _kernels.history_step(
+    step, new_state = kernels.history_step(
         block_grad, columns(values), columns(indices), columns(exponents),
         update_topk=plan.update_topk, mu=mu,
         implementation=plan.implementation, shards=shards)
@@ -310,8 +307,8 @@ def _chunked_leaf_update(param, grad, values, indices, exponents, layout,
   return (jnp.where(finite, param, jnp.nan),) + tuple(state)
 
 
-def drop_leading_axis(plan: Optional[_leaf.LeafPlan], shape: tuple[int, ...]
-                      ) -> Optional[_leaf.LeafPlan]:
+def drop_leading_axis(plan: Optional[transform.LeafPlan], shape: tuple[int, ...]
+                      ) -> Optional[transform.LeafPlan]:
   """The plan of one slice ``x[l]`` of a stacked leaf."""
   if plan is None:
     return plan
@@ -321,8 +318,8 @@ def drop_leading_axis(plan: Optional[_leaf.LeafPlan], shape: tuple[int, ...]
         f'A stacked TACO leaf of shape {shape} must keep its leading (layer) '
         'axis as a batch axis; check weight_dimension_numbers.')
   transpose = tuple(ax - 1 for ax in layout.transpose[1:])
-  _, reduction, output = dn.normalize_axes(shape, plan.dim_num)
-  dim_num = dn.TacoDimensionNumbers(tuple(ax - 1 for ax in reduction),
+  _, reduction, output = transform.normalize_axes(shape, plan.dim_num)
+  dim_num = transform.TacoDimensionNumbers(tuple(ax - 1 for ax in reduction),
                                     tuple(ax - 1 for ax in output))
   return plan._replace(
       layout=layout._replace(batch_shape=layout.batch_shape[1:],

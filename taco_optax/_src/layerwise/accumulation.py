@@ -19,8 +19,8 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from taco_optax import _outer_step
-from taco_optax import _token_table
+from taco_optax._src.layerwise import outer as outer_lib
+from taco_optax._src.layerwise import token_table
 
 Params = Any
 Batch = Any
@@ -123,8 +123,8 @@ def head_backward(head: Callable[[Params, Any, Batch], jax.Array],
   the float32 accumulator is table-sized.
   """
   leaves, treedef = jax.tree.flatten(outer)
-  table = (_token_table.leaf_index(outer, head.table)
-           if isinstance(head, _token_table.TableProjection) else None)
+  table = (token_table.leaf_index(outer, head.table)
+           if isinstance(head, token_table.TableProjection) else None)
   dense_reads = [r and i != table for i, r in enumerate(reads)]
   read = [x for x, r in zip(leaves, dense_reads) if r]
   restricted = _restricted(head, leaves, treedef, dense_reads)
@@ -137,10 +137,10 @@ def head_backward(head: Callable[[Params, Any, Batch], jax.Array],
                                 h)
       grads, d_hidden = head_vjp(jnp.ones_like(value))
     else:
-      _outer_step.refuse_table_reads(
+      outer_lib.refuse_table_reads(
           lambda o: head.features(o, h, batch), outer, head.table,
           'TableProjection.features')
-      value, all_grads, d_hidden, _, gradient = _token_table.head_backward(
+      value, all_grads, d_hidden, _, gradient = token_table.head_backward(
           head, outer, h, batch)
       grads = [g for g, r in zip(all_grads, dense_reads) if r]
       table_acc = _table_running_mean(table_acc, gradient, index)

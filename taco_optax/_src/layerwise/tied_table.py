@@ -24,14 +24,10 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from taco_optax import _codec
-from taco_optax import _column_step
-from taco_optax import _kernels
-from taco_optax import _leaf
-from taco_optax import _leaf_update
-from taco_optax import _mesh
-from taco_optax import _rounding
-from taco_optax import _token_table
+from taco_optax._src import kernels
+from taco_optax._src import transform
+from taco_optax._src.layerwise import weight_update
+from taco_optax._src.layerwise import token_table
 
 
 class HeadCandidates(NamedTuple):
@@ -60,8 +56,8 @@ def batch_tokens(ids: jax.Array, vocab: int) -> tuple[jax.Array, jax.Array]:
   return tokens.astype(jnp.int32), inverse.reshape(ids.shape)
 
 
-def select_outside(gradient: _token_table.TableGradient, tokens: jax.Array,
-                   state, plan: _leaf.LeafPlan, mu,
+def select_outside(gradient: token_table.TableGradient, tokens: jax.Array,
+                   state, plan: transform.LeafPlan, mu,
                    chunk: int) -> HeadCandidates:
   """Phase 1, a block of ``chunk`` columns at a time (``plan``'s columns lie
   along ``gradient.axis``; ``state`` is ``(values, indices, exponents)``)."""
@@ -74,9 +70,9 @@ def select_outside(gradient: _token_table.TableGradient, tokens: jax.Array,
   def body(finite, start):
     grads = gradient.columns(start, chunk)  # (chunk, m)
     columns = lambda x: jax.lax.dynamic_slice_in_dim(x, start, chunk, -1)
-    candidates = _column_step.merged_candidates(
-        grads.astype(jnp.float32), _kernels.history_rows(columns(values)),
-        _kernels.history_rows(columns(indices)), columns(exponents), mu)
+    candidates = kernels.merged_candidates(
+        grads.astype(jnp.float32), kernels.history_rows(columns(values)),
+        kernels.history_rows(columns(indices)), columns(exponents), mu)
     magnitude = jnp.where(excluded, -1.0, jnp.abs(candidates))
     _, top = jax.lax.top_k(magnitude, keep)
     inside = jnp.take(grads, jnp.minimum(tokens, vocab - 1), axis=1)
@@ -91,8 +87,8 @@ def select_outside(gradient: _token_table.TableGradient, tokens: jax.Array,
 
 
 def merge_batch_tokens(outside: HeadCandidates, tokens: jax.Array,
-                       lookup_grads: jax.Array, state, plan: _leaf.LeafPlan,
-                       mu) -> _column_step.ColumnStep:
+                       lookup_grads: jax.Array, state, plan: transform.LeafPlan,
+                       mu) -> kernels.ColumnStep:
   """Phase 2: the batch's tokens' candidates, merged with ``outside``.
 
   Args:
@@ -106,14 +102,14 @@ def merge_batch_tokens(outside: HeadCandidates, tokens: jax.Array,
   Returns:
     The :class:`ColumnStep` on the table's ``n`` columns.
   """
-  values, indices, exponents = (_kernels.history_rows(state[0]),
-                                _kernels.history_rows(state[1]), state[2])
+  values, indices, exponents = (kernels.history_rows(state[0]),
+                                kernels.history_rows(state[1]), state[2])
   k = values.shape[-1]
   vocab = plan.layout.m
   grads = (lookup_grads + outside.inside).astype(jnp.float32)
   finite = outside.finite & jnp.all(jnp.isfinite(grads))
   scaled = (1 - mu) * grads  # (n, U)
-  previous = mu * _codec.decode(_codec.EncodedRows(values, exponents))
+  previous = mu * kernels.decode_history(values, exponents)
   match = indices[:, :, None] == tokens[None, None, :]  # (n, k, U)
   held = jnp.sum(jnp.where(match, previous[:, :, None], 0.0), axis=1)
   candidates = jnp.where(match.any(axis=1), scaled + held, scaled)
@@ -133,28 +129,28 @@ def merge_batch_tokens(outside: HeadCandidates, tokens: jax.Array,
       -jnp.abs(all_values), jnp.inf)
   _, top_tokens, top_values = jax.lax.sort((order, all_tokens, all_values),
                                            dimension=-1, num_keys=2)
-  return _column_step.step_from_top_k(
+  return kernels.step_from_top_k(
       top_values[:, :k], top_tokens[:, :k], finite, values, indices,
       exponents, plan.update_topk)
 
 
-def applies(param, gradient: _token_table.TableGradient, plan, ids,
+def applies(param, gradient: token_table.TableGradient, plan, ids,
             k: int) -> bool:
   """Whether the two phases can run for this table (``k`` history entries
   per column) on this device."""
-  if _mesh.leaf_sharding_of(param, plan.dim_num) is not None:
+  if kernels.leaf_sharding_of(param, plan.axes(param.shape)) is not None:
     return False
   layout = plan.local_layout(param.shape)
   # Phase 1 must find max(k, r) tokens outside the batch's.
-  return (_leaf_update.column_chunk(layout) is not None and param.ndim == 2
-          and gradient.axis == _leaf_update.column_axis(layout)
+  return (weight_update.column_chunk(layout) is not None and param.ndim == 2
+          and gradient.axis == weight_update.column_axis(layout)
           and layout.m >= ids.size + max(k, plan.update_topk))
 
 
 def head_phase(gradient, ids, param, state, plan, mu) -> tuple[Any, ...]:
   """Phase 1 for a table: ``(tokens, inverse, outside)`` to keep for phase 2."""
   tokens, inverse = batch_tokens(ids, plan.layout.m)
-  chunk = _leaf_update.column_chunk(plan.local_layout(param.shape))
+  chunk = weight_update.column_chunk(plan.local_layout(param.shape))
   return tokens, inverse, select_outside(gradient, tokens, state, plan, mu,
                                          chunk)
 
@@ -179,22 +175,22 @@ def update(param, kept, gather, d_rows, state, plan, mu, lr_tx, lr_state,
     ``(param, values, indices, exponents)``, updated.
   """
   tokens, inverse, outside = kept
-  axis = _leaf_update.column_axis(plan.layout)
+  axis = weight_update.column_axis(plan.layout)
   compact = jnp.zeros((tokens.size, param.shape[axis]), param.dtype)
   _, gather_vjp = jax.vjp(lambda table: gather(table, inverse), compact)
   (lookup_grads,) = gather_vjp(d_rows)  # (U, n): the lookup's share
   step = merge_batch_tokens(outside, tokens, lookup_grads.T, state, plan,
                             mu)
-  delta = _leaf_update.winner_delta(step, plan.scale, param.dtype, lr_tx,
+  delta = weight_update.winner_delta(step, plan.scale, param.dtype, lr_tx,
                                     lr_state, None)
   columns = jnp.arange(param.shape[axis], dtype=jnp.int32)[:, None]
   where = ((step.winner_indices, columns) if axis == 1
            else (columns, step.winner_indices))
-  bits = None if rounding is None else _rounding.element_bits(
-      rounding.key, _rounding.flat_index(param.shape, list(where)))
-  param = _leaf_update.scatter_add(param, where, delta, dropping=False,
+  bits = None if rounding is None else transform.element_bits(
+      rounding.key, transform.flat_index(param.shape, list(where)))
+  param = weight_update.scatter_add(param, where, delta, dropping=False,
                                    bits=bits)
   return (jnp.where(step.finite, param, jnp.nan),
-          _kernels.stored_history(step.values, state[0].shape),
-          _kernels.stored_history(step.indices, state[1].shape),
+          kernels.stored_history(step.values, state[0].shape),
+          kernels.stored_history(step.indices, state[1].shape),
           step.exponents)

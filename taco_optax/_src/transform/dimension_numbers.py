@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from taco_optax import _prefix
+from taco_optax._src.transform import prefix
 
 Axes = Union[int, Sequence[int]]
 
@@ -156,7 +156,7 @@ def leaf_dimension_numbers(weight_dimension_numbers: WeightDimNumOrFn | None,
   ``None`` entries mean "not a TACO leaf". Masked leaves
   (:class:`optax.MaskedNode`) have no leaves and so get no entry.
   """
-  return _prefix.per_leaf(resolve(weight_dimension_numbers, tree), tree,
+  return prefix.per_leaf(resolve(weight_dimension_numbers, tree), tree,
                           is_prefix_leaf)
 
 

@@ -15,8 +15,8 @@ from typing import Any, Callable, Optional, Union
 import jax
 import jax.numpy as jnp
 
-from taco_optax import _accumulation
-from taco_optax import _backward
+from taco_optax._src.layerwise import accumulation
+from taco_optax._src.layerwise import backward
 
 
 def _square_sum(x: jax.Array) -> jax.Array:
@@ -29,13 +29,13 @@ def squared_norms(loss, params, batch) -> list[jax.Array]:
   ``jax.grad`` sums them; a stacked leaf's layers summed in layer order."""
   outer, layers = params
   run_layer = lambda p, h: loss.layer(p, h, batch)
-  hidden, layer_inputs = _backward.forward(
+  hidden, layer_inputs = backward.forward(
       run_layer, loss.embed(outer, batch), layers, loss.scan_layers)
   value, head_vjp = jax.vjp(lambda o, h: loss.head(o, h, batch), outer,
                             hidden)
   head_grads, d_hidden = head_vjp(jnp.ones_like(value))
   d_hidden, layer_sums = layer_squares(
-      _backward.vjp_backward(run_layer), layers, layer_inputs, d_hidden,
+      backward.vjp_backward(run_layer), layers, layer_inputs, d_hidden,
       loss.scan_layers)
   _, embed_vjp = jax.vjp(lambda o: loss.embed(o, batch), outer)
   (embed_grads,) = embed_vjp(d_hidden)
@@ -99,9 +99,9 @@ def accumulated_norm(loss, outer, layers, layer_inputs, d_hidden, batches,
   """The global norm of the mean gradient (cast as ``MultiSteps`` casts it),
   from a backward pass over the layers that updates nothing."""
   d_first, layer_sums = layer_squares(
-      _accumulation.layer_backward(loss.layer, batches), layers,
+      accumulation.layer_backward(loss.layer, batches), layers,
       layer_inputs, d_hidden, loss.scan_layers)
-  means = _accumulation.embed_backward(loss.embed, outer, d_first, batches,
+  means = accumulation.embed_backward(loss.embed, outer, d_first, batches,
                                        embed_reads, head_grads)
   outer_sums = [square_sum(None if g is None else g.astype(x.dtype))
                 for g, x in zip(means, jax.tree.leaves(outer))]

@@ -14,17 +14,17 @@ import jax
 from jax.extend import core as jax_core
 import jax.numpy as jnp
 
-from taco_optax import _alias
-from taco_optax import _leaf_update
-from taco_optax import _table_update
-from taco_optax import _token_table
-from taco_optax._layered_loss import LayeredLoss
+from taco_optax._src import transform
+from taco_optax._src.layerwise import weight_update
+from taco_optax._src.layerwise import tied_table
+from taco_optax._src.layerwise import token_table
+from taco_optax._src.layerwise.layered_loss import LayeredLoss
 
 Params = Any
 Batch = Any
 
 
-def _used_inputs(fn: Callable[[Any], Any], tree: Any) -> list[bool]:
+def used_inputs(fn: Callable[[Any], Any], tree: Any) -> list[bool]:
   """Which leaves of ``tree`` the traced ``fn(tree)`` reads at all."""
   jaxpr = jax.make_jaxpr(fn)(tree).jaxpr
   read = {v for eqn in jaxpr.eqns for v in eqn.invars
@@ -35,13 +35,13 @@ def _used_inputs(fn: Callable[[Any], Any], tree: Any) -> list[bool]:
 
 def _ordered_after(tree: Any, after: Any) -> Any:
   """``tree`` made to depend on ``after`` (see ``data_dependency``)."""
-  return jax.tree.map(lambda x: _leaf_update.data_dependency(x, after), tree)
+  return jax.tree.map(lambda x: weight_update.data_dependency(x, after), tree)
 
 
 def refuse_table_reads(fn: Callable[[Any], Any], outer: Any, path,
                         what: str) -> None:
   """Raises if ``fn(outer)`` reads the token table at ``path``."""
-  if _used_inputs(fn, outer)[_token_table.leaf_index(outer, path)]:
+  if used_inputs(fn, outer)[token_table.leaf_index(outer, path)]:
     raise ValueError(
         f'{what} reads the token table; its gradient would be missed. Read '
         'the table only through the lookup and the projection.')
@@ -49,10 +49,10 @@ def refuse_table_reads(fn: Callable[[Any], Any], outer: Any, path,
 
 def _head_backward(head, outer, hidden, batch):
   """``(value, outer grads, d_hidden, {leaf: TableGradient})`` of the head."""
-  if isinstance(head, _token_table.TableProjection):
+  if isinstance(head, token_table.TableProjection):
     refuse_table_reads(lambda o: head.features(o, hidden, batch), outer,
                         head.table, 'TableProjection.features')
-    value, grads, d_hidden, index, table = _token_table.head_backward(
+    value, grads, d_hidden, index, table = token_table.head_backward(
         head, outer, hidden, batch)
     return value, grads, d_hidden, {index: table}
   value, head_vjp = jax.vjp(lambda o, h: head(o, h, batch), outer, hidden)
@@ -62,12 +62,12 @@ def _head_backward(head, outer, hidden, batch):
 
 def _embed_backward(embed, outer, batch, d_hidden):
   """``(outer grads, {leaf: (ids, d_rows)})`` of the embedding."""
-  if isinstance(embed, _token_table.TableLookup):
-    rows = embed.gather(_token_table.table_at(outer, embed.table),
+  if isinstance(embed, token_table.TableLookup):
+    rows = embed.gather(token_table.table_at(outer, embed.table),
                         embed.ids(batch))
     refuse_table_reads(lambda o: embed.apply(o, rows, batch), outer,
                         embed.table, 'TableLookup.apply')
-    grads, index, ids, d_rows = _token_table.embed_backward(embed, outer,
+    grads, index, ids, d_rows = token_table.embed_backward(embed, outer,
                                                             batch)(d_hidden)
     return grads, {index: (ids, d_rows)}
   _, embed_vjp = jax.vjp(lambda o: embed(o, batch), outer)
@@ -97,13 +97,13 @@ def outer_roles(loss: LayeredLoss, outer, plans, tables, states, batch,
   the projection's share before the clipped sum exists) makes a tied table
   late.
   """
-  embed_reads = _used_inputs(lambda o: loss.embed(o, batch), outer)
+  embed_reads = used_inputs(lambda o: loss.embed(o, batch), outer)
   taco = [i for i, plan in enumerate(plans) if plan is not None]
   early = tuple(i for i in taco if not embed_reads[i])
   two_phase = None
-  if two_phase_allowed and isinstance(loss.embed, _token_table.TableLookup):
-    i = _token_table.leaf_index(outer, loss.embed.table)
-    if (i in tables and plans[i] is not None and _table_update.applies(
+  if two_phase_allowed and isinstance(loss.embed, token_table.TableLookup):
+    i = token_table.leaf_index(outer, loss.embed.table)
+    if (i in tables and plans[i] is not None and tied_table.applies(
         jax.tree.leaves(outer)[i], tables[i], plans[i],
         loss.embed.ids(batch), states[i][0].shape[-2])):
       two_phase = i
@@ -119,9 +119,9 @@ class Outer(NamedTuple):
   plans: list[Any]
   states: list[Any]
   update: Callable[..., tuple[jax.Array, ...]]
-  parts: _alias.TacoParts
-  opt_states: _alias.TacoStates
-  rounding: Callable[..., Optional[_leaf_update.LeafRounding]]
+  parts: transform.TacoParts
+  opt_states: transform.TacoStates
+  rounding: Callable[..., Optional[weight_update.LeafRounding]]
   two_phase_allowed: bool = True
 
   @property
@@ -140,7 +140,7 @@ class Head(NamedTuple):
     tables: ``{leaf: TableGradient}`` of the tables still to update.
     roles: each outer TACO leaf's role.
     updated: ``{leaf: (param, *state)}`` of the early leaves.
-    kept: phase 1 of the two-phase table (``_table_update.head_phase``).
+    kept: phase 1 of the two-phase table (``tied_table.head_phase``).
   """
   value: jax.Array
   d_hidden: Any
@@ -183,7 +183,7 @@ def after_head(context: Outer, hidden: Any) -> Head:
   if i is not None:
     # Select among the rows outside the batch's tokens now, so the logits'
     # cotangent dies before the layers.
-    kept = _table_update.head_phase(
+    kept = tied_table.head_phase(
         tables.pop(i), loss.embed.ids(batch), leaves[i], context.states[i],
         context.plans[i], context.parts.mu)
     d_hidden = _ordered_after(d_hidden, kept[2].values)
@@ -203,13 +203,13 @@ def after_embedding(context: Outer, head: Head, d_hidden: Any):
       head.updated)
   for i, (ids, d_rows) in lookups.items():
     if i == head.roles.two_phase:
-      updated[i] = _table_update.update(
+      updated[i] = tied_table.update(
           leaves[i], head.kept, context.loss.embed.gather, d_rows,
           context.states[i], context.plans[i], context.parts.mu,
           context.parts.learning_rate, context.opt_states.learning_rate,
           context.rounding(i))
     else:
-      table = _token_table.lookup_gradient(context.loss.embed, leaves[i],
+      table = token_table.lookup_gradient(context.loss.embed, leaves[i],
                                            ids, d_rows)
       tables[i] = table.plus(tables.get(i))
   grads = [g if i in head.roles.early else _sum_grads(g, e)

@@ -35,10 +35,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from taco_optax import _dimension_numbers as dn
-from taco_optax import _einsum
+from taco_optax._src import transform
+from taco_optax._src.integrations import einsum
 
-DN = dn.TacoDimensionNumbers
+DN = transform.TacoDimensionNumbers
 TABLE_SCALE = 1.0  # the paper's update scale for a token table
 
 
@@ -66,7 +66,7 @@ def _shifted(declared: DN, declared_rank: int, ndim: int) -> DN:
   extra = ndim - declared_rank
 
   def shift(axes):
-    shifted = tuple(a + extra for a in dn.as_tuple(axes))
+    shifted = tuple(a + extra for a in transform.as_tuple(axes))
     return shifted[0] if len(shifted) == 1 else shifted
 
   return DN(shift(declared.reduction_axis), shift(declared.output_axis))
@@ -100,8 +100,8 @@ def _lora_route(module: Any, name: str, ndim: int) -> Route:
   if not isinstance(einsum_str, str):
     return Route(DN(ndim - 2, ndim - 1))
   try:
-    declared = _einsum.lora_dimension_numbers(einsum_str, factor)
-  except _einsum.AmbiguousEinsum as error:
+    declared = einsum.lora_dimension_numbers(einsum_str, factor)
+  except einsum.AmbiguousEinsum as error:
     raise _Refused(str(error)) from None
   return Route(_shifted(declared, ndim, ndim))
 
@@ -132,11 +132,11 @@ def _module_route(module: Any, name: str, variable: Any) -> Route:
     return Route(_shifted(declared, batch + inputs + outputs, ndim))
   einsum_str = getattr(module, 'einsum_str', None)
   if isinstance(einsum_str, str):
-    rank = _einsum.weight_rank(einsum_str)
+    rank = einsum.weight_rank(einsum_str)
     if name == _einsum_weight_name(module, rank):
       try:
-        declared = _einsum.weight_dimension_numbers(einsum_str)
-      except _einsum.AmbiguousEinsum as error:
+        declared = einsum.weight_dimension_numbers(einsum_str)
+      except einsum.AmbiguousEinsum as error:
         raise _Refused(str(error)) from None
       return Route(_shifted(declared, rank, ndim))
   if ndim == 2:
@@ -169,7 +169,7 @@ def routes(model: Any, wrt: Any, overrides: Mapping[str, Optional[DN]]
   holders, used = _holders(model), set()
   found, refused = {}, []
   for path, variable in nnx.to_flat_state(nnx.state(model, wrt)):
-    name = dn.path_name(path)
+    name = transform.path_name(path)
     override = _override(name, overrides, used)
     if override:
       found[path] = Route(override[0])

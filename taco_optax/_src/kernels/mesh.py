@@ -26,10 +26,12 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec
 
-from taco_optax import _dimension_numbers as dn
-from taco_optax import _column_step
+from taco_optax._src.kernels import reference
 
 MeshAxes = tuple[str, ...]
+# A leaf's (batch, reduction, output) axes, non-negative and validated (the
+# transformation's dimension numbers, normalised).
+LeafAxes = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]
 
 
 def _mesh_axes(entry: Any) -> MeshAxes:
@@ -104,14 +106,15 @@ class LeafSharding(NamedTuple):
 
 
 def leaf_sharding(shape: Sequence[int], spec: PartitionSpec,
-                  dim_nums: dn.TacoDimensionNumbers,
+                  axes: LeafAxes,
                   mesh_shape: dict[str, int]) -> LeafSharding:
   """The :class:`LeafSharding` of a TACO parameter of ``shape`` and ``spec``.
 
   Args:
     shape: the parameter's (global) shape.
     spec: its ``PartitionSpec``.
-    dim_nums: its :class:`TacoDimensionNumbers`.
+    axes: its ``(batch, reduction, output)`` axes (normalised dimension
+      numbers).
     mesh_shape: mesh axis name to size.
 
   Returns:
@@ -123,7 +126,7 @@ def leaf_sharding(shape: Sequence[int], spec: PartitionSpec,
       would not be contiguous blocks per device).
   """
   shape = tuple(shape)
-  batch, reduction, output = dn.normalize_axes(shape, dim_nums)
+  batch, reduction, output = axes
   param_axes = padded_spec(spec, len(shape))
   for ax, axes in enumerate(param_axes):
     split = math.prod(mesh_shape[a] for a in axes)
@@ -155,13 +158,13 @@ def _mesh_shape(mesh: Any) -> dict[str, int]:
   return dict(zip(mesh.axis_names, mesh.axis_sizes))
 
 
-def leaf_sharding_of(param: Any, dim_nums: dn.TacoDimensionNumbers
+def leaf_sharding_of(param: Any, axes: LeafAxes
                      ) -> Optional[tuple[Any, LeafSharding]]:
   """``(mesh, LeafSharding)`` if ``param`` is explicitly sharded, else None."""
   sharding = explicit_sharding(param)
   if sharding is None:
     return None
-  return sharding.mesh, leaf_sharding(param.shape, sharding.spec, dim_nums,
+  return sharding.mesh, leaf_sharding(param.shape, sharding.spec, axes,
                                       _mesh_shape(sharding.mesh))
 
 
@@ -207,13 +210,13 @@ def local_rows(global_indices: jax.Array, shards: LeafSharding
 
 def add_history(dense: jax.Array, indices: jax.Array, values: jax.Array,
                 shards: LeafSharding) -> jax.Array:
-  """Sharded :func:`_column_step.scatter_add_rows` with global ``indices``.
+  """Sharded :func:`reference.scatter_add_rows` with global ``indices``.
 
   Entries held by other devices are dropped rather than added as zeros, so
   ``-0.0`` stays ``-0.0`` exactly as on one device.
   """
   if not shards.gather_axes:  # every device holds whole rows
-    return _column_step.scatter_add_rows(dense, indices, values)
+    return reference.scatter_add_rows(dense, indices, values)
   local, held = local_rows(indices, shards)
   m_local = dense.shape[-1]
   local = jnp.where(held, local, m_local)  # out of bounds: dropped
@@ -223,7 +226,7 @@ def add_history(dense: jax.Array, indices: jax.Array, values: jax.Array,
 
 def merged_column_topk(candidates: jax.Array, k: int, shards: LeafSharding
                        ) -> tuple[jax.Array, jax.Array]:
-  """Exact :func:`_column_step.column_topk` of rows split across devices.
+  """Exact :func:`reference.column_topk` of rows split across devices.
 
   Args:
     candidates: ``(N, m_local)`` this device's slice of every row.
@@ -235,8 +238,8 @@ def merged_column_topk(candidates: jax.Array, k: int, shards: LeafSharding
     the single-device result; ``indices`` are global.
   """
   if not shards.gather_axes:  # every device holds whole rows
-    return _column_step.column_topk(candidates, k)
-  local_values, local_indices = _column_step.column_topk(
+    return reference.column_topk(candidates, k)
+  local_values, local_indices = reference.column_topk(
       candidates, min(k, candidates.shape[-1]))
   gather = lambda x: jax.lax.all_gather(x, shards.gather_axes, axis=1,
                                         tiled=True)
@@ -255,9 +258,9 @@ def all_finite(finite: jax.Array, shards: LeafSharding) -> jax.Array:
   return bad == 0
 
 
-def selection(shards: LeafSharding) -> _column_step.Selection:
-  """The column step's :class:`~_column_step.Selection` inside ``shard_map``."""
-  return _column_step.Selection(
+def selection(shards: LeafSharding) -> reference.Selection:
+  """The column step's :class:`~reference.Selection` inside ``shard_map``."""
+  return reference.Selection(
       add_history=lambda dense, indices, values: add_history(
           dense, indices, values, shards),
       topk=lambda candidates, k: merged_column_topk(candidates, k, shards),

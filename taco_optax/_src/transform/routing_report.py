@@ -6,8 +6,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from taco_optax import _alias
-from taco_optax import _dimension_numbers as dn
+from taco_optax._src.transform import alias
+from taco_optax._src.transform import dimension_numbers as dn
 
 
 class LeafRoute(NamedTuple):
@@ -165,10 +165,10 @@ def routing_report(tx: optax.GradientTransformation, params: Any
     b     (32,)     float32  adam                         256           vector
     w     (64, 32)  float32  taco   32 x 64, k=16, s=0.5  5,184         reduction (0,), output (1,)
   """
-  parts = _alias.parts_of(tx)
+  parts = alias.parts_of(tx)
   params = _abstract(params)
   state = jax.eval_shape(tx.init, params)
-  states = _alias.taco_states(state)
+  states = alias.taco_states(state)
   adam_moments = states.adam[0]
   ours = _leaf_bytes(params, *states.direction, adam_moments.mu,
                      adam_moments.nu)

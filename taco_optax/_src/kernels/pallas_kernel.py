@@ -44,8 +44,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from taco_optax import _codec
-from taco_optax import _column_step
+from taco_optax._src.kernels import codec
+from taco_optax._src.kernels import reference
 
 # Rows longer than this run the reference: a padded row must fit in one
 # program's registers (8192 float32 across 8 warps is 32 per thread per tile).
@@ -200,7 +200,7 @@ def _select(grads: jax.Array, history_indices: jax.Array,
 def pallas_column_step(grad_rows: jax.Array, values: jax.Array,
                        indices: jax.Array, exponents: jax.Array,
                        mu: Union[float, jax.Array], update_topk: int, *,
-                       interpret: bool = False) -> _column_step.ColumnStep:
+                       interpret: bool = False) -> reference.ColumnStep:
   """One TACO step on rows with the Pallas kernel.
 
   Same arguments and results as
@@ -235,10 +235,10 @@ def pallas_column_step(grad_rows: jax.Array, values: jax.Array,
   # The reference's arithmetic: for a Python float, 1 - mu is formed in
   # float64 and rounded once to float32 (weak typing), and mu * M likewise.
   one_minus_mu = jnp.asarray(1 - mu, jnp.float32)
-  previous = _codec.decode(_codec.EncodedRows(values, exponents))
+  previous = codec.decode_history(values, exponents)
   decayed = jnp.asarray(mu, jnp.float32) * previous
   top_values, top_indices, finite = _select(
       grad_rows, indices, decayed, one_minus_mu, rounds=k,
       interpret=interpret)
-  return _column_step.step_from_top_k(top_values, top_indices, finite,
+  return reference.step_from_top_k(top_values, top_indices, finite,
                                       values, indices, exponents, update_topk)

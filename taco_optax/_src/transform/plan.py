@@ -3,7 +3,7 @@
 A :class:`LeafPlan` says once how a parameter maps to TACO's matrices (layout,
 dimension numbers, scale, signs per column, implementation). Both the optax
 path (:func:`dense_direction`) and the layer-wise train step
-(``_leaf_update``) run its column step through ``_kernels.history_step``.
+(``_leaf_update``) run its column step through ``kernels.history_step``.
 """
 
 from typing import Any, NamedTuple, Optional, Union
@@ -12,10 +12,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from taco_optax import _dimension_numbers as dn
-from taco_optax import _kernels
-from taco_optax import _mesh
-from taco_optax import _prefix
+from taco_optax._src.transform import dimension_numbers as dn
+from taco_optax._src import kernels
+from taco_optax._src.transform import prefix
 
 ScaleTree = Union[float, None, Any]
 
@@ -29,7 +28,7 @@ class LeafPlan(NamedTuple):
       device's block on a mesh).
     scale: the update scale ``s`` (``m / n`` unless overridden).
     update_topk: signs per column, ``min(r, m)``.
-    implementation: what runs the column step (``_kernels.IMPLEMENTATIONS``,
+    implementation: what runs the column step (``kernels.IMPLEMENTATIONS``,
       resolved).
   """
   layout: dn.MatrixLayout
@@ -37,6 +36,11 @@ class LeafPlan(NamedTuple):
   scale: float
   update_topk: int
   implementation: str = 'auto'
+
+  def axes(self, shape: tuple[int, ...]) -> kernels.LeafAxes:
+    """The ``(batch, reduction, output)`` axes of this leaf (or a block of
+    it) of ``shape``, normalised."""
+    return dn.normalize_axes(shape, self.dim_num)
 
   def local_layout(self, shape: tuple[int, ...]) -> dn.MatrixLayout:
     """The layout of a block of this leaf of ``shape`` (e.g. one device's)."""
@@ -47,11 +51,11 @@ def _is_scale_leaf(x: Any) -> bool:
   return x is None or isinstance(x, (int, float, optax.MaskedNode))
 
 
-def _leaf_scales(update_scale: ScaleTree, tree: Any) -> list[Optional[float]]:
+def leaf_scales(update_scale: ScaleTree, tree: Any) -> list[Optional[float]]:
   """``update_scale`` (a number, tree prefix or callable) for every leaf."""
   if callable(update_scale):
     update_scale = update_scale(tree)
-  return _prefix.per_leaf(update_scale, tree, _is_scale_leaf)
+  return prefix.per_leaf(update_scale, tree, _is_scale_leaf)
 
 
 def _default_scale(layout: dn.MatrixLayout) -> float:
@@ -70,7 +74,7 @@ def leaf_plans(tree: Any, weight_dimension_numbers: dn.WeightDimNumOrFn | None,
   """
   leaves = jax.tree.leaves(tree)
   dims = dn.leaf_dimension_numbers(weight_dimension_numbers, tree)
-  scales = _leaf_scales(update_scale, tree)
+  scales = leaf_scales(update_scale, tree)
   plans = []
   for leaf, dim_num, scale in zip(leaves, dims, scales):
     if dim_num is None:
@@ -109,7 +113,7 @@ def one_sparse_rows(indices: jax.Array, signs: jax.Array, m: int,
 def dense_direction(grad: jax.Array, values: jax.Array, indices: jax.Array,
                     exponents: jax.Array, *, plan: LeafPlan,
                     mu: Union[float, jax.Array],
-                    shards: Optional[_mesh.LeafSharding] = None
+                    shards: Optional[kernels.LeafSharding] = None
                     ) -> tuple[jax.Array, ...]:
   """``scale_by_taco`` on one leaf: the dense direction and the new state.
 
@@ -122,13 +126,13 @@ def dense_direction(grad: jax.Array, values: jax.Array, indices: jax.Array,
     the gradient is not finite.
   """
   layout = plan.local_layout(grad.shape)
-  step, state = _kernels.history_step(
+  step, state = kernels.history_step(
       layout.to_rows(grad), values, indices, exponents,
       update_topk=plan.update_topk, mu=mu,
       implementation=plan.implementation, shards=shards)
   winners = step.winner_indices
   if shards is not None:
-    winners, held = _mesh.local_rows(winners, shards)
+    winners, held = kernels.local_rows(winners, shards)
     winners = jnp.where(held, winners, -1)
   direction = one_sparse_rows(winners, step.winner_signs * plan.scale,
                               layout.m, grad.dtype)

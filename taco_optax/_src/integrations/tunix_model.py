@@ -17,9 +17,8 @@ from flax import nnx
 import jax
 import jax.numpy as jnp
 
-from taco_optax import _layered_loss
-from taco_optax import _relayout
-from taco_optax import _token_table
+from taco_optax._src import layerwise
+from taco_optax._src.integrations import relayout as relayout_lib
 
 TABLE = 'input_embedding'
 
@@ -64,8 +63,8 @@ class Layered(NamedTuple):
     loss: the model's SFT loss as a ``LayeredLoss``.
     relayout: model ``State`` -> ``(outer, [Layer, ...])`` and back.
   """
-  loss: _layered_loss.LayeredLoss
-  relayout: _relayout.Relayout
+  loss: layerwise.LayeredLoss
+  relayout: relayout_lib.Relayout
 
 
 def split(params: Any) -> tuple[dict[str, Any], list[Layer]]:
@@ -150,17 +149,17 @@ def layered(model: Any) -> Layered:
                        batch['attention_mask'])
     return hidden
 
-  head = _token_table.TableProjection(
+  head = layerwise.TableProjection(
       table=('embedder', TABLE) if tied else ('lm_head', 'w'),
       features=features, loss=next_token_loss, project=project,
       table_axis=1 if tied else 0)
-  embed = _token_table.TableLookup(table=('embedder', TABLE),
+  embed = layerwise.TableLookup(table=('embedder', TABLE),
                                    ids=lambda batch: batch['input_tokens'],
                                    apply=embed_apply)
-  loss = _layered_loss.LayeredLoss(embed=embed, layer=layer, head=head,
+  loss = layerwise.LayeredLoss(embed=embed, layer=layer, head=head,
                                    scan_layers=False)
   params = nnx.as_pure(nnx.state(model, nnx.Param))
-  return Layered(loss, _relayout.Relayout.of(params, split))
+  return Layered(loss, relayout_lib.Relayout.of(params, split))
 
 
 def _split(module):

@@ -20,14 +20,14 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from taco_optax import _accumulation
-from taco_optax import _alias
-from taco_optax import _backward
-from taco_optax import _clipping
-from taco_optax import _leaf_update
-from taco_optax import _outer_step
-from taco_optax import _step_context
-from taco_optax._layered_loss import LayeredLoss
+from taco_optax._src.layerwise import accumulation
+from taco_optax._src import transform
+from taco_optax._src.layerwise import backward as backward_lib
+from taco_optax._src.layerwise import clipping
+from taco_optax._src.layerwise import weight_update
+from taco_optax._src.layerwise import outer as outer_lib
+from taco_optax._src.layerwise import leaves
+from taco_optax._src.layerwise.layered_loss import LayeredLoss
 
 Params = Any
 Batch = Any
@@ -140,7 +140,7 @@ def train_step(loss: LayeredLoss,
     Fine-Tuning, 2026 (Section 5, immediate gradient processing).
   """
   try:
-    parts = _alias.parts_of(optimizer)
+    parts = transform.parts_of(optimizer)
   except ValueError as error:
     raise ValueError(f'{error} {_NO_CLIPPING}') from None
   return step_from_parts(loss, parts, accumulation_steps=accumulation_steps,
@@ -156,7 +156,7 @@ _NO_CLIPPING = (
     'lr * s (bounded by construction).')
 
 
-def step_from_parts(loss: LayeredLoss, parts: _alias.TacoParts, *,
+def step_from_parts(loss: LayeredLoss, parts: transform.TacoParts, *,
                     accumulation_steps: Optional[int] = None,
                     clip_global_norm: Optional[float] = None) -> TrainStep:
   """:func:`train_step` from a :func:`taco` optimizer's :class:`TacoParts`.
@@ -181,10 +181,10 @@ def step_from_parts(loss: LayeredLoss, parts: _alias.TacoParts, *,
   return _accumulated_step(loss, parts, accumulation_steps, clip_global_norm)
 
 
-def _layers_backward(loss, layer_backward, layers, ctx: _step_context.Leaves,
+def _layers_backward(loss, layer_backward, layers, ctx: leaves.Leaves,
                      layer_inputs, d_hidden):
   """The backward pass over the layers, each TACO weight updated in it."""
-  backward = _backward.scanned if loss.scan_layers else _backward.unrolled
+  backward = backward_lib.scanned if loss.scan_layers else backward_lib.unrolled
   n = ctx.num_outer
   return backward(layer_backward, layers, ctx.plans[n:], layer_inputs,
                   d_hidden, ctx.leaf_states[n:],
@@ -192,7 +192,7 @@ def _layers_backward(loss, layer_backward, layers, ctx: _step_context.Leaves,
                                                         **kwargs))
 
 
-def _one_batch_step(loss: LayeredLoss, parts: _alias.TacoParts,
+def _one_batch_step(loss: LayeredLoss, parts: transform.TacoParts,
                     clip_global_norm: Optional[float] = None) -> TrainStep:
   """The step on one batch (no micro-batch axis)."""
 
@@ -201,42 +201,42 @@ def _one_batch_step(loss: LayeredLoss, parts: _alias.TacoParts,
     hidden = loss.embed(outer, batch)
     clip = None
     if clip_global_norm is not None:
-      norm = _clipping.global_norm(
-          _clipping.squared_norms(loss, params, batch))
-      clip = _clipping.clipper(norm, clip_global_norm)
+      norm = clipping.global_norm(
+          clipping.squared_norms(loss, params, batch))
+      clip = clipping.clipper(norm, clip_global_norm)
       # The step's forward after the norm's pass: one pass alive at a time.
       hidden = jax.tree.map(
-          lambda x: _leaf_update.data_dependency(x, norm), hidden)
-    ctx = _step_context.leaves(parts, params, opt_state, clip)
+          lambda x: weight_update.data_dependency(x, norm), hidden)
+    ctx = leaves.leaves(parts, params, opt_state, clip)
     n = ctx.num_outer
-    context = _outer_step.Outer(loss, outer, batch, ctx.plans[:n],
+    context = outer_lib.Outer(loss, outer, batch, ctx.plans[:n],
                                 ctx.leaf_states[:n], ctx.update, parts,
                                 ctx.states, ctx.rounding,
                                 two_phase_allowed=clip is None)
     run_layer = lambda p, h: loss.layer(p, h, batch)
 
     # Forward, keeping each layer's input (the only saved activations).
-    hidden, layer_inputs = _backward.forward(run_layer, hidden, layers,
+    hidden, layer_inputs = backward_lib.forward(run_layer, hidden, layers,
                                              loss.scan_layers)
-    head = _outer_step.after_head(context, hidden)
+    head = outer_lib.after_head(context, hidden)
     d_hidden, layer_leaves, layer_states, layer_grads = _layers_backward(
-        loss, _backward.vjp_backward(run_layer), layers, ctx, layer_inputs,
+        loss, backward_lib.vjp_backward(run_layer), layers, ctx, layer_inputs,
         head.d_hidden)
-    outer_leaves, outer_states, outer_grads = _outer_step.after_embedding(
+    outer_leaves, outer_states, outer_grads = outer_lib.after_embedding(
         context, head, d_hidden)
-    return _step_context.finish(
+    return leaves.finish(
         parts, params, opt_state, ctx, clip, outer_leaves + layer_leaves,
         outer_grads + layer_grads, outer_states + layer_states, head.value)
 
   return step
 
 
-def _accumulated_step(loss: LayeredLoss, parts: _alias.TacoParts,
+def _accumulated_step(loss: LayeredLoss, parts: transform.TacoParts,
                       steps: int,
                       clip_global_norm: Optional[float] = None) -> TrainStep:
   """The step on ``steps`` micro-batches, layer-major (``_accumulation``).
 
-  The outer leaves take the roles of :func:`_outer_step.outer_roles` (no
+  The outer leaves take the roles of :func:`outer_lib.outer_roles` (no
   two-phase table: the head's share of a tied table is accumulated whole):
   the early ones are updated once the head's mean gradient is complete, the
   late ones after the embedding's pass.
@@ -244,7 +244,7 @@ def _accumulated_step(loss: LayeredLoss, parts: _alias.TacoParts,
   one_batch = _one_batch_step(loss, parts, clip_global_norm)
 
   def step(params, opt_state, batches):
-    _accumulation.check_micro_batches(batches, steps)
+    accumulation.check_micro_batches(batches, steps)
     if steps == 1:  # the one-batch step, and its memory
       return one_batch(params, opt_state,
                        jax.tree.map(lambda x: x[0], batches))
@@ -252,28 +252,28 @@ def _accumulated_step(loss: LayeredLoss, parts: _alias.TacoParts,
     outer_leaves = jax.tree.leaves(outer)
     n = len(outer_leaves)
     first = jax.tree.map(lambda x: x[0], batches)
-    embed_reads = _outer_step._used_inputs(lambda o: loss.embed(o, first),
+    embed_reads = outer_lib.used_inputs(lambda o: loss.embed(o, first),
                                            outer)
     # Forward over the micro-batches, keeping each one's layer inputs.
-    hidden, layer_inputs = _backward.forward(
-        _accumulation.layer_forward(loss.layer, batches),
-        _accumulation.embed_forward(loss.embed, outer, batches), layers,
+    hidden, layer_inputs = backward_lib.forward(
+        accumulation.layer_forward(loss.layer, batches),
+        accumulation.embed_forward(loss.embed, outer, batches), layers,
         loss.scan_layers)
-    head_reads = _outer_step._used_inputs(
+    head_reads = outer_lib.used_inputs(
         lambda o: loss.head(o, jax.tree.map(lambda x: x[0], hidden), first),
         outer)
-    value, head_grads, d_hidden = _accumulation.head_backward(
+    value, head_grads, d_hidden = accumulation.head_backward(
         loss.head, outer, hidden, batches, head_reads)
     clip = None
     if clip_global_norm is not None:
-      norm = _clipping.accumulated_norm(
+      norm = clipping.accumulated_norm(
           loss, outer, layers, layer_inputs, d_hidden, batches, embed_reads,
           head_grads)
-      clip = _clipping.clipper(norm, clip_global_norm)
+      clip = clipping.clipper(norm, clip_global_norm)
       d_hidden = jax.tree.map(
-          lambda x: _leaf_update.data_dependency(x, norm), d_hidden)
-    ctx = _step_context.leaves(parts, params, opt_state, clip)
-    roles = _outer_step.outer_roles(loss, outer, ctx.plans[:n], {},
+          lambda x: weight_update.data_dependency(x, norm), d_hidden)
+    ctx = leaves.leaves(parts, params, opt_state, clip)
+    roles = outer_lib.outer_roles(loss, outer, ctx.plans[:n], {},
                                     ctx.leaf_states[:n], first,
                                     two_phase_allowed=False)
 
@@ -281,14 +281,14 @@ def _accumulated_step(loss: LayeredLoss, parts: _alias.TacoParts,
       grad, head_grads[i] = head_grads[i], None
       return _mean_as(grad, outer_leaves[i])
 
-    updated, d_hidden = _outer_step.update_early(
+    updated, d_hidden = outer_lib.update_early(
         ctx.update, outer_leaves, ctx.leaf_states, ctx.plans, roles.early,
         early_grad, d_hidden)
     d_hidden, layer_leaves, layer_states, layer_grads = _layers_backward(
-        loss, _accumulation.layer_backward(loss.layer, batches), layers, ctx,
+        loss, accumulation.layer_backward(loss.layer, batches), layers, ctx,
         layer_inputs, d_hidden)
     grads = [_mean_as(g, x) for g, x in zip(
-        _accumulation.embed_backward(loss.embed, outer, d_hidden, batches,
+        accumulation.embed_backward(loss.embed, outer, d_hidden, batches,
                                      embed_reads, head_grads), outer_leaves)]
     for i in roles.late:
       updated[i] = ctx.update(i, outer_leaves[i], grads[i],
@@ -299,7 +299,7 @@ def _accumulated_step(loss: LayeredLoss, parts: _alias.TacoParts,
                     for i, s in enumerate(ctx.leaf_states[:n])]
     outer_grads = [None if plan is not None else g
                    for g, plan in zip(grads, ctx.plans[:n])]
-    return _step_context.finish(
+    return leaves.finish(
         parts, params, opt_state, ctx, clip, new_outer + layer_leaves,
         outer_grads + layer_grads, outer_states + layer_states, value)
 

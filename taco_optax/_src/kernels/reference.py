@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from taco_optax import _codec
+from taco_optax._src.kernels import codec
 
 
 class ColumnStep(NamedTuple):
@@ -142,7 +142,7 @@ def merged_candidates(grads: jax.Array, values: jax.Array, indices: jax.Array,
     mu: EMA decay.
     add_history: how the decayed history is added (``Selection``'s).
   """
-  previous = _codec.decode(_codec.EncodedRows(values, exponents))
+  previous = codec.decode_history(values, exponents)
   return add_history((1 - mu) * grads, indices, mu * previous)
 
 
@@ -155,7 +155,7 @@ def step_from_top_k(top_values: jax.Array, top_indices: jax.Array,
   ``exponents``) when the gradient was not ``finite``, and takes the top
   ``r`` as winners.
   """
-  history = _codec.encode(top_values, values.dtype)
+  history = codec.encode(top_values, values.dtype)
   keep = lambda new, old: jnp.where(finite, new, old)
   return ColumnStep(
       values=keep(history.values, values),

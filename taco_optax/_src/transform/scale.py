@@ -7,14 +7,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from taco_optax import _codec
-from taco_optax import _dimension_numbers as dn
-from taco_optax import _inject_guard
-from taco_optax import _kernels
-from taco_optax import _leaf
-from taco_optax import _mesh
+from taco_optax._src import kernels
+from taco_optax._src.transform import dimension_numbers as dn
+from taco_optax._src.transform import inject_guard
+from taco_optax._src.transform import plan as plan_lib
 
-ScaleTree = _leaf.ScaleTree
+ScaleTree = plan_lib.ScaleTree
 
 
 class TacoState(NamedTuple):
@@ -191,13 +189,13 @@ def scale_by_taco(
     TACO: Ternary Absolute-max Column-wise One-sparse Optimizer for LLM
     Fine-Tuning, 2026 (Sections 3 and 5).
   """
-  _inject_guard.refuse_scheduled_routing('taco_optax.scale_by_taco')
+  inject_guard.refuse_scheduled_routing('taco_optax.scale_by_taco')
   update_topk, values_dtype, index_dtype = _checked_settings(
       k, mu, update_topk, values_dtype, index_dtype)
-  implementation = _kernels.resolve(implementation)
+  implementation = kernels.resolve(implementation)
 
   def plans(tree):
-    return _leaf.leaf_plans(tree, weight_dimension_numbers, update_scale,
+    return plan_lib.leaf_plans(tree, weight_dimension_numbers, update_scale,
                             update_topk, implementation)
 
   def init_leaf(param, plan):
@@ -215,10 +213,10 @@ def scale_by_taco(
         jnp.arange(keep, dtype=index_dtype)[:, None], shape)
     state = (jnp.zeros(shape, values_dtype), indices,
              jnp.zeros(layout.batch_shape + (layout.n,),
-                       _codec.EXPONENT_DTYPE))
-    sharded = _mesh.leaf_sharding_of(param, plan.dim_num)
+                       kernels.EXPONENT_DTYPE))
+    sharded = kernels.leaf_sharding_of(param, plan.axes(param.shape))
     if sharded is not None:
-      state = _mesh.with_state_sharding(state, *sharded)
+      state = kernels.with_state_sharding(state, *sharded)
     return state
 
   def init_fn(params):
@@ -238,11 +236,11 @@ def scale_by_taco(
       if plan is None:
         out.append((grad,) + leaf_state)
         continue
-      sharded = _mesh.leaf_sharding_of(grad, plan.dim_num)
+      sharded = kernels.leaf_sharding_of(grad, plan.axes(grad.shape))
       if sharded is None:
-        out.append(_leaf.dense_direction(grad, *leaf_state, plan=plan, mu=mu))
+        out.append(plan_lib.dense_direction(grad, *leaf_state, plan=plan, mu=mu))
       else:
-        out.append(_mesh.map_over_shards(_leaf.dense_direction, *sharded,
+        out.append(kernels.map_over_shards(plan_lib.dense_direction, *sharded,
                                          grad, *leaf_state, plan=plan, mu=mu))
     unflatten = lambda i: treedef.unflatten([o[i] for o in out])
     return unflatten(0), TacoState(values=unflatten(1), indices=unflatten(2),

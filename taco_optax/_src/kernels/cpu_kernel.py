@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from taco_optax import _column_step
+from taco_optax._src.kernels import reference
 
 TARGET_NAME = 'taco_optax_column_step'
 _SOURCE = pathlib.Path(__file__).parent / 'csrc' / 'column_step.cc'
@@ -167,13 +167,13 @@ def supports(grad_rows: jax.Array, values: jax.Array, indices: jax.Array,
 def cpu_column_step(grad_rows: jax.Array, values: jax.Array,
                     indices: jax.Array, exponents: jax.Array,
                     mu: Union[float, jax.Array],
-                    update_topk: int) -> _column_step.ColumnStep:
+                    update_topk: int) -> reference.ColumnStep:
   """One TACO step on rows with the fused CPU kernel.
 
   Same arguments and results as
   :func:`taco_optax._column_step.reference_column_step` (single device), for
   the inputs :func:`supports` accepts and a ``mu`` whose ``1 - mu`` XLA does
-  not fold away (``_column_step.decay_folds_away``; ``_kernels`` chooses the
+  not fold away (``reference.decay_folds_away``; ``_kernels`` chooses the
   reference then). Works under ``jax.jit`` and
   ``jax.vmap`` (batch axes are passed to the kernel, which treats each batch
   entry as its own leaf: its own ``mu`` and finiteness).
@@ -219,4 +219,4 @@ def cpu_column_step(grad_rows: jax.Array, values: jax.Array,
   call = jax.ffi.ffi_call(TARGET_NAME, results, vmap_method='broadcast_all')
   outputs = call(grad_rows, values, indices, exponents.astype(jnp.int8), mu,
                  one_minus_mu, update_topk=np.int64(update_topk))
-  return _column_step.ColumnStep(*outputs)
+  return reference.ColumnStep(*outputs)

@@ -11,14 +11,14 @@ from typing import Any, Callable, Optional
 import jax
 import jax.numpy as jnp
 
-from taco_optax import _leaf
-from taco_optax import _leaf_update
+from taco_optax._src import transform
+from taco_optax._src.layerwise import weight_update
 
 # update(leaf, param, grad, state, plan, after=None, layer=None)
 #   -> (param, *state); ``leaf`` indexes the leaves of ``layers``, ``layer`` is
 #   the slice of a stacked leaf.
 LeafUpdate = Callable[..., tuple[jax.Array, ...]]
-Plans = list[Optional[_leaf.LeafPlan]]
+Plans = list[Optional[transform.LeafPlan]]
 # layer_backward(layer_params, layer_input, d_output) -> (grads, d_input): one
 #   layer's weight gradients and input cotangent (``vjp_backward`` for one
 #   batch; ``_accumulation.layer_backward`` for micro-batches).
@@ -82,7 +82,7 @@ def unrolled(layer_backward: LayerBackward, layers: list[Any], plans: Plans,
     # one layer's recomputation more alive (the example's default run:
     # 606.8 -> 617.7 MiB compiled, 91.7 -> 95.9 tokens/s; README).
     layer_input = jax.tree.map(
-        lambda x, after=previous_d_hidden: _leaf_update.data_dependency(
+        lambda x, after=previous_d_hidden: weight_update.data_dependency(
             x, after), layer_inputs[l])
     previous_d_hidden = d_hidden
     grads, d_hidden = layer_backward(layers[l], layer_input, d_hidden)
@@ -99,7 +99,7 @@ def unrolled(layer_backward: LayerBackward, layers: list[Any], plans: Plans,
     # postpone the updates (keeping every gradient alive) to the end.
     if updated is not None:
       d_hidden = jax.tree.map(
-          lambda x, u=updated: _leaf_update.data_dependency(x, u), d_hidden)
+          lambda x, u=updated: weight_update.data_dependency(x, u), d_hidden)
   return d_hidden, new_leaves, new_states, grads_out
 
 
@@ -111,7 +111,7 @@ def scanned(layer_backward: LayerBackward, layers: Any, plans: Plans,
   have a leading layer axis (and so do ``layer_inputs`` and the states).
   """
   leaves, layer_def = jax.tree.flatten(layers)
-  slice_plans = [_leaf_update.drop_leading_axis(p, x.shape)
+  slice_plans = [weight_update.drop_leading_axis(p, x.shape)
                  for p, x in zip(plans, leaves)]
   taco_ids = [i for i, p in enumerate(plans) if p is not None]
   adam_ids = [i for i, p in enumerate(plans) if p is None]

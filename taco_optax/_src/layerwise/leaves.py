@@ -12,11 +12,9 @@ from typing import Any, Callable, NamedTuple
 import jax
 import optax
 
-from taco_optax import _alias
-from taco_optax import _leaf_update
-from taco_optax import _rounding
-from taco_optax import _token_table
-from taco_optax import _transform
+from taco_optax._src import transform
+from taco_optax._src.layerwise import weight_update
+from taco_optax._src.layerwise import token_table
 
 
 def _is_masked(x: Any) -> bool:
@@ -31,7 +29,7 @@ class Leaves(NamedTuple):
   """What every leaf's update reads in one step."""
   num_outer: int
   plans: list[Any]
-  states: _alias.TacoStates
+  states: transform.TacoStates
   leaf_states: list[Any]  # (values, indices, exponents); MaskedNode: Adam
   rounding: Callable[..., Any]
   update: Callable[..., tuple[jax.Array, ...]]
@@ -43,15 +41,15 @@ def leaves(parts, params, opt_state, clip=None) -> Leaves:
   ``clip``: an elementwise transform of every gradient (clipping), or None.
   """
   plans = parts.plans(params)
-  states = _alias.taco_states(opt_state)
+  states = transform.taco_states(opt_state)
   leaf_states = list(zip(*(_flatten(s) for s in states.direction)))
   rounding = _leaf_rounding(parts, states, params)
 
   def update(i, param, grad, state, plan, after=None, layer=None):
     if clip is not None:
       grad = (dataclasses.replace(grad, transform=clip)
-              if isinstance(grad, _token_table.TableGradient) else clip(grad))
-    return _leaf_update.taco_leaf_update(
+              if isinstance(grad, token_table.TableGradient) else clip(grad))
+    return weight_update.taco_leaf_update(
         param, grad, *state, plan=plan, mu=parts.mu,
         lr_tx=parts.learning_rate, lr_state=states.learning_rate,
         after=after, rounding=rounding(i, layer))
@@ -97,14 +95,14 @@ def _leaf_rounding(parts, states, params):
   leaves = jax.tree.leaves(params)
   keys = None
   if states.rounding is not None and any(
-      _rounding.is_low_precision(x.dtype) for x in leaves):
-    keys = _rounding.leaf_keys(parts.rounding_seed, states.rounding.count,
+      transform.is_low_precision(x.dtype) for x in leaves):
+    keys = transform.leaf_keys(parts.rounding_seed, states.rounding.count,
                                len(leaves))
 
   def rounding(i, layer=None):
-    if keys is None or not _rounding.is_low_precision(leaves[i].dtype):
+    if keys is None or not transform.is_low_precision(leaves[i].dtype):
       return None
-    return _leaf_update.LeafRounding(keys[i], leaves[i].shape, layer)
+    return weight_update.LeafRounding(keys[i], leaves[i].shape, layer)
 
   return rounding
 
@@ -113,9 +111,9 @@ def _pack(parts, opt_state, states, leaf_states, adam_state):
   """The new :func:`taco` state from the per-leaf TACO states."""
   _, lr_state = parts.learning_rate.update(None, states.learning_rate)
   masked_def = jax.tree.structure(states.direction.values, is_leaf=_is_masked)
-  direction = _transform.TacoState(
+  direction = transform.TacoState(
       *(masked_def.unflatten(field) for field in zip(*leaf_states)))
   rounding = (None if states.rounding is None
-              else _rounding.advanced(states.rounding))
-  return _alias.with_taco_states(
-      opt_state, _alias.TacoStates(direction, lr_state, adam_state, rounding))
+              else transform.advanced(states.rounding))
+  return transform.with_taco_states(
+      opt_state, transform.TacoStates(direction, lr_state, adam_state, rounding))

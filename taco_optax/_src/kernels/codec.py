@@ -50,5 +50,10 @@ def decode(encoded: EncodedRows) -> jax.Array:
   return encoded.values.astype(jnp.float32) * scale[:, None]
 
 
+def decode_history(values: jax.Array, exponents: jax.Array) -> jax.Array:
+  """Float32 ``(N, k)`` history of stored ``values`` and their ``exponents``."""
+  return decode(EncodedRows(values, exponents))
+
+
 def _pow2(exponent: jax.Array) -> jax.Array:
   return jnp.ldexp(jnp.ones(exponent.shape, jnp.float32), exponent)

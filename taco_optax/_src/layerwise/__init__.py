@@ -1,0 +1,27 @@
+"""The layer-wise train step: each layer's gradient consumed as it appears.
+
+What the public :mod:`taco_optax.layerwise` and the integrations use:
+:func:`train_step` (from a :func:`taco_optax.taco` optimizer),
+:func:`step_from_parts` (from its parts, for a caller that re-lays the
+parameters, as tunix's trainer does), the loss's shape
+(:class:`LayeredLoss`) and the token tables' reads (:class:`TableLookup`,
+:class:`TableProjection`).
+"""
+
+from taco_optax._src.layerwise.layered_loss import LayeredLoss
+from taco_optax._src.layerwise.token_table import TableLookup
+from taco_optax._src.layerwise.token_table import TableProjection
+from taco_optax._src.layerwise.train_step import TrainStep
+from taco_optax._src.layerwise.train_step import step_from_parts
+from taco_optax._src.layerwise.train_step import train_step
+from taco_optax._src.layerwise.weight_update import COLUMN_BLOCK_ELEMENTS
+
+__all__ = (
+    'COLUMN_BLOCK_ELEMENTS',
+    'LayeredLoss',
+    'TableLookup',
+    'TableProjection',
+    'TrainStep',
+    'step_from_parts',
+    'train_step',
+)

@@ -1,0 +1,67 @@
+"""The optax transformation: :func:`taco`, :func:`scale_by_taco` and their parts.
+
+What the package's public face and its siblings use: the public names
+(:func:`taco`, :func:`scale_by_taco`, :class:`TacoState`,
+:class:`TacoDimensionNumbers`, :func:`state_shardings`,
+:func:`stochastic_rounding`, :func:`routing_report`); :func:`parts_of`, the
+one place that gives a ``taco(...)``'s :class:`TacoParts` (the layer-wise step
+and tunix's trainer apply them by hand); each leaf's :class:`LeafPlan`; the
+layout helpers of dimension numbers; and the stochastic rounding's bits, which
+the layer-wise step draws at its winners exactly as the optax path does.
+"""
+
+from taco_optax._src.transform.alias import TacoParts
+from taco_optax._src.transform.alias import TacoStates
+from taco_optax._src.transform.alias import parts_of
+from taco_optax._src.transform.alias import taco
+from taco_optax._src.transform.alias import taco_states
+from taco_optax._src.transform.alias import with_taco_states
+from taco_optax._src.transform.dimension_numbers import MatrixLayout
+from taco_optax._src.transform.dimension_numbers import TacoDimensionNumbers
+from taco_optax._src.transform.dimension_numbers import as_tuple
+from taco_optax._src.transform.dimension_numbers import leaf_dimension_numbers
+from taco_optax._src.transform.dimension_numbers import normalize_axes
+from taco_optax._src.transform.dimension_numbers import path_name
+from taco_optax._src.transform.plan import LeafPlan
+from taco_optax._src.transform.plan import leaf_scales
+from taco_optax._src.transform.rounding import advanced
+from taco_optax._src.transform.rounding import element_bits
+from taco_optax._src.transform.rounding import flat_index
+from taco_optax._src.transform.rounding import is_low_precision
+from taco_optax._src.transform.rounding import leaf_key
+from taco_optax._src.transform.rounding import leaf_keys
+from taco_optax._src.transform.rounding import rounded_update
+from taco_optax._src.transform.rounding import stochastic_rounding
+from taco_optax._src.transform.routing_report import routing_report
+from taco_optax._src.transform.scale import TacoState
+from taco_optax._src.transform.scale import scale_by_taco
+from taco_optax._src.transform.state_shardings import state_shardings
+
+__all__ = (
+    'LeafPlan',
+    'MatrixLayout',
+    'TacoDimensionNumbers',
+    'TacoParts',
+    'TacoState',
+    'TacoStates',
+    'advanced',
+    'as_tuple',
+    'element_bits',
+    'flat_index',
+    'is_low_precision',
+    'leaf_dimension_numbers',
+    'leaf_key',
+    'leaf_keys',
+    'leaf_scales',
+    'normalize_axes',
+    'parts_of',
+    'path_name',
+    'rounded_update',
+    'routing_report',
+    'scale_by_taco',
+    'state_shardings',
+    'stochastic_rounding',
+    'taco',
+    'taco_states',
+    'with_taco_states',
+)
