@@ -179,4 +179,4 @@ def for_nnx_optimizer(tx: optax.GradientTransformation
         relabel(x, [next(shardings) for _ in jax.tree.leaves(x)])
         for x in leaves])
 
-  return optax.GradientTransformation(init_fn, tx.update)
+  return transform.replace_init(tx, init_fn)

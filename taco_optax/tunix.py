@@ -101,12 +101,11 @@ class LayerwisePeftTrainer(peft_trainer.PeftTrainer):
   def __init__(self, model: nnx.Module, optimizer: optax.GradientTransformation,
                training_config: peft_trainer.TrainingConfig, *args, **kwargs):
     try:
-      self._taco_parts = transform.parts_of(optimizer)
+      self._taco_parts = transform.parts_of(optimizer,
+                                            user='LayerwisePeftTrainer')
     except ValueError as error:
-      raise ValueError(
-          'LayerwisePeftTrainer runs the layer-wise TACO step and needs the '
-          'transformation taco_optax.taco(...) returns, unwrapped; use '
-          f'tunix\'s PeftTrainer for other optimizers. ({error})') from None
+      raise ValueError(f'{error} Or use tunix\'s PeftTrainer for other '
+                       'optimizers.') from None
     steps = training_config.gradient_accumulation_steps
     self._fused_steps = None
     if steps not in (None, 1) and _fusable(model):

@@ -7,7 +7,7 @@ import optax
 import pytest
 
 import taco_optax
-from taco_optax._src.transform import alias as _alias
+from taco_optax._src.transform import parts as _alias
 from tests import reference
 from tests import test_train_step as case
 from tests.bitwise import assert_bitwise_equal

@@ -13,7 +13,7 @@ import optax
 import pytest
 
 import taco_optax
-from taco_optax._src.transform import alias as _alias
+from taco_optax._src.transform import parts as _alias
 from tests.bitwise import assert_bitwise_equal
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -404,3 +404,36 @@ def test_layerwise_step_refuses_anything_but_taco_itself():
     with pytest.raises(ValueError, match='taco_optax.taco'):
       taco_optax.layerwise.train_step(loss, wrapped)
   assert callable(taco_optax.layerwise.train_step(loss, tx))
+
+
+@pytest.mark.parametrize('wrap, named, instead', [
+    (lambda tx: optax.chain(optax.clip_by_global_norm(1.0), tx),
+     'optax.chain', 'clip_global_norm=c'),
+    (lambda tx: optax.inject_hyperparams(taco_optax.taco,
+                                         static_args=('k',))(1e-2),
+     'optax.inject_hyperparams', 'taco(learning_rate=schedule)'),
+    (lambda tx: optax.MultiSteps(tx, 2), 'optax.MultiSteps',
+     'accumulation_steps=A'),
+    (lambda tx: optax.adamw(1e-2), 'optax.chain', 'no layer-wise'),
+    (lambda tx: tx._replace(update=tx.update), 'functions were replaced',
+     'taco_optax.taco'),
+])
+def test_wrappers_are_refused_naming_the_wrapper(wrap, named, instead):
+  wrapped = wrap(taco_optax.taco(1e-2))
+  with pytest.raises(ValueError) as error:
+    _alias.parts_of(wrapped, user='This test')
+  message = str(error.value)
+  assert message.startswith('This test applies the pieces'), message
+  assert named in message and instead in message, message
+
+
+def test_parts_travel_with_the_transformation():
+  tx = taco_optax.taco(1e-2, k=2, mu=0.5)
+  parts = _alias.parts_of(tx)
+  assert parts.mu == 0.5 and parts.update_topk == 1
+  assert _alias.parts_of(taco_optax.taco(1e-2, k=2, mu=0.5)) is not parts
+  nnx = pytest.importorskip('taco_optax.nnx')
+  assert _alias.parts_of(nnx.for_nnx_optimizer(tx)) is parts
+  state = tx.init(_params())
+  assert jax.tree.structure(_alias.with_taco_states(
+      state, _alias.taco_states(state))) == jax.tree.structure(state)

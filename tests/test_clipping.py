@@ -135,7 +135,7 @@ def _clipped_table_runs(head, params, max_norm, tokens):
 def test_clipped_token_tables_formed_a_block_at_a_time(monkeypatch, tied):
   # 2- to 8-column blocks: each block of a table's gradient is clipped as
   # it is formed; a tied table's two phases give way to the one-pass update.
-  from taco_optax import _leaf_update  # pylint: disable=g-import-not-at-top
+  from taco_optax._src.layerwise import weight_update as _leaf_update  # pylint: disable=g-import-not-at-top
   from tests import test_token_table as tables  # pylint: disable=g-import-not-at-top
   monkeypatch.setattr(_leaf_update, 'COLUMN_BLOCK_ELEMENTS', 48)
   params = (case._params(False, jnp.float32) if tied
@@ -147,7 +147,7 @@ def test_clipped_token_tables_formed_a_block_at_a_time(monkeypatch, tied):
 
 
 def test_clipped_tied_table_where_two_phases_would_run(monkeypatch):
-  from taco_optax import _leaf_update  # pylint: disable=g-import-not-at-top
+  from taco_optax._src.layerwise import weight_update as _leaf_update  # pylint: disable=g-import-not-at-top
   from tests import test_token_table as tables  # pylint: disable=g-import-not-at-top
   monkeypatch.setattr(_leaf_update, 'COLUMN_BLOCK_ELEMENTS', 256 * 4)
   tokens = [jax.random.randint(jax.random.key(100 + s), (4, 8), 20 * s,

@@ -7,7 +7,7 @@ import optax
 import pytest
 
 import taco_optax
-from taco_optax._src.transform import alias as _alias
+from taco_optax._src.transform import parts as _alias
 from taco_optax._src.layerwise import weight_update as _leaf_update
 from taco_optax._src.transform import rounding as _rounding
 from tests import layerwise_case

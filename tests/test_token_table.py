@@ -17,7 +17,7 @@ import optax
 import pytest
 
 import taco_optax
-from taco_optax._src.transform import alias as _alias
+from taco_optax._src.transform import parts as _alias
 from taco_optax._src.kernels import reference as _column_step
 from taco_optax._src.transform import plan as _leaf
 from taco_optax._src.layerwise import weight_update as _leaf_update

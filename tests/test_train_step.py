@@ -8,7 +8,7 @@ import optax
 import pytest
 
 import taco_optax
-from taco_optax._src.transform import alias as _alias
+from taco_optax._src.transform import parts as _alias
 from taco_optax._src.layerwise import weight_update as _leaf_update
 from taco_optax._src.layerwise import outer as _outer_step
 from taco_optax._src.transform.dimension_numbers import leaf_dimension_numbers

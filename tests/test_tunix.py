@@ -20,7 +20,7 @@ from tunix.sft import peft_trainer  # pylint: disable=g-import-not-at-top
 
 from benchmarks import tunix_models  # pylint: disable=g-import-not-at-top
 import taco_optax  # pylint: disable=g-import-not-at-top
-from taco_optax import _tunix_model  # pylint: disable=g-import-not-at-top
+from taco_optax._src.integrations import tunix_model as _tunix_model  # pylint: disable=g-import-not-at-top
 from taco_optax import tunix as taco_tunix  # pylint: disable=g-import-not-at-top
 
 
@@ -146,7 +146,7 @@ def test_checkpoint_resumes(tmp_path, first):
 def _taco_winners(trainer):
   state = nnx.as_pure(trainer.optimizer.opt_state)
   state = getattr(state, 'inner_opt_state', state)  # optax.MultiSteps
-  return taco_optax._src.transform.alias.taco_states(state).direction.indices  # pylint: disable=protected-access
+  return taco_optax._src.transform.parts.taco_states(state).direction.indices  # pylint: disable=protected-access
 
 
 def test_accumulation_is_fused_and_matches_multisteps(caplog):
@@ -227,7 +227,7 @@ def test_peft_trainer_recipe_routes_attention_to_taco():
   trainer = peft_trainer.PeftTrainer(model, tunix_models.taco(model),
                                      _config(1))
   params = nnx.as_pure(nnx.state(model, nnx.Param))
-  states = taco_optax._src.transform.alias.taco_states(  # pylint: disable=protected-access
+  states = taco_optax._src.transform.parts.taco_states(  # pylint: disable=protected-access
       nnx.as_pure(trainer.optimizer.opt_state))
   for param, values in zip(jax.tree.leaves(params),
                            jax.tree.leaves(states.direction.values,

@@ -139,21 +139,9 @@ def train_step(loss: LayeredLoss,
     TACO: Ternary Absolute-max Column-wise One-sparse Optimizer for LLM
     Fine-Tuning, 2026 (Section 5, immediate gradient processing).
   """
-  try:
-    parts = transform.parts_of(optimizer)
-  except ValueError as error:
-    raise ValueError(f'{error} {_NO_CLIPPING}') from None
-  return step_from_parts(loss, parts, accumulation_steps=accumulation_steps,
+  return step_from_parts(loss, transform.parts_of(optimizer),
+                         accumulation_steps=accumulation_steps,
                          clip_global_norm=clip_global_norm)
-
-
-# Why a chain such as optax.chain(optax.clip_by_global_norm(c), taco(...))
-# is refused (README, "Clipping").
-_NO_CLIPPING = (
-    'A chain is opaque to the layer-wise step; for '
-    'optax.chain(optax.clip_by_global_norm(c), taco(...)) pass taco(...) and '
-    'clip_global_norm=c. TACO\'s own step moves each column by exactly '
-    'lr * s (bounded by construction).')
 
 
 def step_from_parts(loss: LayeredLoss, parts: transform.TacoParts, *,

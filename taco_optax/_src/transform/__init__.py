@@ -10,12 +10,13 @@ layout helpers of dimension numbers; and the stochastic rounding's bits, which
 the layer-wise step draws at its winners exactly as the optax path does.
 """
 
-from taco_optax._src.transform.alias import TacoParts
-from taco_optax._src.transform.alias import TacoStates
-from taco_optax._src.transform.alias import parts_of
 from taco_optax._src.transform.alias import taco
-from taco_optax._src.transform.alias import taco_states
-from taco_optax._src.transform.alias import with_taco_states
+from taco_optax._src.transform.parts import TacoParts
+from taco_optax._src.transform.parts import TacoStates
+from taco_optax._src.transform.parts import parts_of
+from taco_optax._src.transform.parts import replace_init
+from taco_optax._src.transform.parts import taco_states
+from taco_optax._src.transform.parts import with_taco_states
 from taco_optax._src.transform.dimension_numbers import MatrixLayout
 from taco_optax._src.transform.dimension_numbers import TacoDimensionNumbers
 from taco_optax._src.transform.dimension_numbers import as_tuple
@@ -55,6 +56,7 @@ __all__ = (
     'leaf_scales',
     'normalize_axes',
     'parts_of',
+    'replace_init',
     'path_name',
     'rounded_update',
     'routing_report',

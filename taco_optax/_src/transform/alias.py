@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import logging
-import weakref
-from typing import Any, Callable, NamedTuple, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import jax
 import optax
@@ -12,116 +11,12 @@ import optax
 from taco_optax._src.transform import dimension_numbers as dn
 from taco_optax._src.transform import inject_guard
 from taco_optax._src import kernels
-from taco_optax._src.transform import plan
+from taco_optax._src.transform import parts as parts_lib
 from taco_optax._src.transform import prefix
 from taco_optax._src.transform import rounding as rounding_lib
 from taco_optax._src.transform import scale
 
-TACO_LABEL = 'taco'
-ADAM_LABEL = 'adam'
-
 _logger = logging.getLogger('taco_optax')
-
-
-class TacoParts(NamedTuple):
-  """The pieces a :func:`taco` optimizer partitions its parameters between.
-
-  :func:`taco` is ``optax.partition({TACO_LABEL: chain(direction,
-  learning_rate[, rounding]), ADAM_LABEL: adam}, param_labels)``; the
-  layer-wise train step applies the pieces by hand and reads them here
-  (:func:`parts_of`).
-
-  Attributes:
-    param_labels: ``params -> labels``, :data:`TACO_LABEL` for TACO matrices
-      and :data:`ADAM_LABEL` for everything else.
-    dimension_numbers: ``params -> tree`` of :class:`TacoDimensionNumbers`
-      (``None`` for non-TACO leaves).
-    direction: :func:`scale_by_taco` as it runs on the TACO leaves.
-    learning_rate: ``optax.scale_by_learning_rate`` of the TACO leaves.
-    adam: the transformation of every other leaf (Adam, or AdamW with
-      ``adam_weight_decay``).
-    mu: the history EMA decay.
-    update_topk: signs per column.
-    update_scale: the per-leaf scale override of :func:`scale_by_taco`.
-    implementation: what runs the column step (resolved).
-    rounding: the TACO branch's stochastic rounding of 16-bit parameters
-      (``rounding_lib.stochastic_rounding``), ``None`` with ``'nearest'``; the
-      Adam branch ends with its own.
-    rounding_seed: the seed of the stochastic rounding's random bits.
-    default_routing: ``weight_dimension_numbers`` was not given: every
-      rank-2 leaf is a matrix, nothing else.
-  """
-  param_labels: Callable[[Any], Any]
-  dimension_numbers: Callable[[Any], Any]
-  direction: optax.GradientTransformation
-  learning_rate: optax.GradientTransformation
-  adam: optax.GradientTransformation
-  mu: Union[float, jax.Array]
-  update_topk: int
-  update_scale: scale.ScaleTree
-  implementation: str
-  rounding: Optional[optax.GradientTransformation]
-  rounding_seed: int
-  default_routing: bool = False
-
-  def plans(self, params: Any) -> list[Optional[plan.LeafPlan]]:
-    """One :class:`LeafPlan` per leaf of ``params`` (``None``: Adam)."""
-    return plan.leaf_plans(params, self.dimension_numbers, self.update_scale,
-                            self.update_topk, self.implementation)
-
-
-class TacoStates(NamedTuple):
-  """The states of a :func:`taco` optimizer's pieces (:func:`taco_states`).
-
-  ``rounding`` is the TACO branch's stochastic rounding state, ``None`` with
-  ``rounding='nearest'``.
-  """
-  direction: scale.TacoState
-  learning_rate: Any
-  adam: Any
-  rounding: Optional[rounding_lib.StochasticRoundingState] = None
-
-
-def taco_states(opt_state: Any) -> TacoStates:
-  """The pieces' states inside ``taco(...).init(params)``."""
-  inner = opt_state.inner_states
-  direction, learning_rate, *rounding = inner[TACO_LABEL].inner_state
-  return TacoStates(direction, learning_rate, inner[ADAM_LABEL].inner_state,
-                    *rounding)
-
-
-def with_taco_states(opt_state: Any, states: TacoStates) -> Any:
-  """``opt_state`` of :func:`taco` with its pieces' states replaced."""
-  inner = opt_state.inner_states
-  rounding = () if states.rounding is None else (states.rounding,)
-  return opt_state._replace(inner_states={
-      TACO_LABEL: inner[TACO_LABEL]._replace(
-          inner_state=(states.direction, states.learning_rate) + rounding),
-      ADAM_LABEL: inner[ADAM_LABEL]._replace(inner_state=states.adam),
-  })
-
-
-# taco(...)'s update function -> the parts it was built from.
-_PARTS: 'weakref.WeakKeyDictionary[Callable, TacoParts]' = (
-    weakref.WeakKeyDictionary())
-
-
-def parts_of(optimizer: optax.GradientTransformation) -> TacoParts:
-  """The :class:`TacoParts` of a transformation :func:`taco` returned.
-
-  Raises:
-    ValueError: for any other transformation (a wrapped or chained ``taco``
-      included: its pieces are not known from outside).
-  """
-  update = getattr(optimizer, 'update', None)
-  try:
-    return _PARTS[update]
-  except (KeyError, TypeError):
-    raise ValueError(
-        'Expected the transformation taco_optax.taco(...) returns, unwrapped '
-        f'(the layer-wise step applies its pieces itself); got {optimizer!r}. '
-        'Give learning-rate schedules to taco() itself, not through '
-        'optax.chain or optax.inject_hyperparams.') from None
 
 
 def taco(
@@ -243,19 +138,10 @@ def taco(
       adam=(adam_b1, adam_b2, adam_eps, adam_eps_root, adam_weight_decay),
       implementation=implementation, rounding=rounding,
       rounding_seed=rounding_seed)
-  taco_chain = (parts.direction, parts.learning_rate)
-  if parts.rounding is not None:
-    taco_chain += (parts.rounding,)
-  optimizer = optax.partition(
-      transforms={
-          TACO_LABEL: optax.chain(*taco_chain),
-          ADAM_LABEL: parts.adam,
-      },
-      param_labels=parts.param_labels,
-  )
+  optimizer = parts.transformation()
   if parts.default_routing:
-    optimizer = optimizer._replace(init=_warning_of_unrouted(optimizer.init))
-  _PARTS[optimizer.update] = parts
+    optimizer = parts_lib.replace_init(optimizer,
+                                       _warning_of_unrouted(optimizer.init))
   return optimizer
 
 
@@ -294,7 +180,7 @@ def _parts(learning_rate: optax.ScalarOrSchedule, k: Optional[int],
            index_dtype: Any,
            adam_learning_rate: Optional[optax.ScalarOrSchedule],
            adam: tuple[Any, ...], implementation: Optional[str],
-           rounding: str, rounding_seed: int) -> TacoParts:
+           rounding: str, rounding_seed: int) -> parts_lib.TacoParts:
   """:func:`taco`'s pieces; ``adam`` is ``(b1, b2, eps, eps_root, decay)``."""
   if adam_learning_rate is None:
     adam_learning_rate = learning_rate
@@ -312,13 +198,14 @@ def _parts(learning_rate: optax.ScalarOrSchedule, k: Optional[int],
     return jax.tree.structure(params).unflatten([fn(d) for d in dims])
 
   def param_labels(params):
-    return per_leaf(params, lambda d: ADAM_LABEL if d is None else TACO_LABEL)
+    return per_leaf(params, lambda d: (parts_lib.ADAM_LABEL if d is None
+                                       else parts_lib.TACO_LABEL))
 
   def masked_dims(params):
     # Inside the partition the TACO branch sees MaskedNode for other leaves.
     return per_leaf(params, lambda d: optax.MaskedNode() if d is None else d)
 
-  return TacoParts(
+  return parts_lib.TacoParts(
       param_labels=param_labels,
       dimension_numbers=dims_tree,
       direction=scale.scale_by_taco(

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from taco_optax._src.transform import alias
+from taco_optax._src.transform import parts as parts_lib
 from taco_optax._src.transform import dimension_numbers as dn
 
 
@@ -165,10 +165,10 @@ def routing_report(tx: optax.GradientTransformation, params: Any
     b     (32,)     float32  adam                         256           vector
     w     (64, 32)  float32  taco   32 x 64, k=16, s=0.5  5,184         reduction (0,), output (1,)
   """
-  parts = alias.parts_of(tx)
+  parts = parts_lib.parts_of(tx, user='routing_report')
   params = _abstract(params)
   state = jax.eval_shape(tx.init, params)
-  states = alias.taco_states(state)
+  states = parts_lib.taco_states(state)
   adam_moments = states.adam[0]
   ours = _leaf_bytes(params, *states.direction, adam_moments.mu,
                      adam_moments.nu)

@@ -1,0 +1,211 @@
+"""What a :func:`taco` optimizer is made of, and the one place that reads it.
+
+``taco(...)`` is ``optax.partition({TACO_LABEL: chain(direction,
+learning_rate[, rounding]), ADAM_LABEL: adam}, param_labels)``. The
+layer-wise train step and tunix's trainer apply those pieces by hand, so
+they need them back: :func:`parts_of` gives them, from the
+:class:`TacoTransformation` that :func:`taco` returns (it carries its
+:class:`TacoParts`), and refuses anything else naming the wrapper and what to
+do instead. The TACO branch's pieces are named once (:data:`TACO_PIECES`):
+:meth:`TacoParts.transformation` chains them in that order and
+:func:`taco_states` / :func:`with_taco_states` read and write their states
+by those names.
+"""
+
+from typing import Any, Callable, NamedTuple, Optional, Union
+
+import jax
+import optax
+
+from taco_optax._src.transform import plan as plan_lib
+
+TACO_LABEL = 'taco'
+ADAM_LABEL = 'adam'
+# The TACO branch's chain, in order; 'rounding' is absent with 'nearest'.
+TACO_PIECES = ('direction', 'learning_rate', 'rounding')
+
+
+class TacoStates(NamedTuple):
+  """The states of a :func:`taco` optimizer's pieces (:func:`taco_states`).
+
+  ``rounding`` is the TACO branch's stochastic rounding state, ``None`` with
+  ``rounding='nearest'``.
+  """
+  direction: Any
+  learning_rate: Any
+  adam: Any
+  rounding: Any = None
+
+
+class TacoParts(NamedTuple):
+  """The pieces a :func:`taco` optimizer partitions its parameters between.
+
+  Attributes:
+    param_labels: ``params -> labels``, :data:`TACO_LABEL` for TACO matrices
+      and :data:`ADAM_LABEL` for everything else.
+    dimension_numbers: ``params -> tree`` of :class:`TacoDimensionNumbers`
+      (``None`` for non-TACO leaves).
+    direction: :func:`scale_by_taco` as it runs on the TACO leaves.
+    learning_rate: ``optax.scale_by_learning_rate`` of the TACO leaves.
+    adam: the transformation of every other leaf (Adam, or AdamW with
+      ``adam_weight_decay``).
+    mu: the history EMA decay.
+    update_topk: signs per column.
+    update_scale: the per-leaf scale override of :func:`scale_by_taco`.
+    implementation: what runs the column step (resolved).
+    rounding: the TACO branch's stochastic rounding of 16-bit parameters
+      (:func:`stochastic_rounding`), ``None`` with ``'nearest'``; the Adam
+      branch ends with its own.
+    rounding_seed: the seed of the stochastic rounding's random bits.
+    default_routing: ``weight_dimension_numbers`` was not given: every
+      rank-2 leaf is a matrix, nothing else.
+  """
+  param_labels: Callable[[Any], Any]
+  dimension_numbers: Callable[[Any], Any]
+  direction: optax.GradientTransformation
+  learning_rate: optax.GradientTransformation
+  adam: optax.GradientTransformation
+  mu: Union[float, jax.Array]
+  update_topk: int
+  update_scale: Any
+  implementation: str
+  rounding: Optional[optax.GradientTransformation]
+  rounding_seed: int
+  default_routing: bool = False
+
+  def plans(self, params: Any) -> list[Optional[plan_lib.LeafPlan]]:
+    """One :class:`LeafPlan` per leaf of ``params`` (``None``: Adam)."""
+    return plan_lib.leaf_plans(params, self.dimension_numbers,
+                               self.update_scale, self.update_topk,
+                               self.implementation)
+
+  def transformation(self) -> 'TacoTransformation':
+    """The ``optax.partition`` of the pieces, carrying these parts."""
+    pieces = [getattr(self, name) for name in TACO_PIECES]
+    partition = optax.partition(
+        transforms={
+            TACO_LABEL: optax.chain(*(p for p in pieces if p is not None)),
+            ADAM_LABEL: self.adam,
+        },
+        param_labels=self.param_labels,
+    )
+    return TacoTransformation(partition.init, partition.update, self)
+
+
+class TacoTransformation(optax.GradientTransformationExtraArgs):
+  """What :func:`taco` returns: optax's ``(init, update)``, and its parts.
+
+  An ``optax.GradientTransformationExtraArgs`` like any other (``chain``,
+  ``nnx.Optimizer`` and ``MultiSteps`` take it as such); ``parts`` is the
+  :class:`TacoParts` it was built from, for :func:`parts_of`. A copy made
+  with ``_replace`` (new functions) has no parts.
+  """
+
+  def __new__(cls, init, update, parts: Optional[TacoParts] = None):
+    transformation = super().__new__(cls, init, update)
+    transformation.parts = parts
+    return transformation
+
+  def _replace(self, **changes):
+    return TacoTransformation(**{**self._asdict(), **changes})
+
+
+def replace_init(optimizer: optax.GradientTransformation,
+                 init: Callable[[Any], Any]) -> optax.GradientTransformation:
+  """``optimizer`` with another ``init`` (the same state); a
+  :class:`TacoTransformation` keeps its parts."""
+  if isinstance(optimizer, TacoTransformation):
+    return TacoTransformation(init, optimizer.update, optimizer.parts)
+  if isinstance(optimizer, optax.GradientTransformationExtraArgs):
+    return optax.GradientTransformationExtraArgs(init, optimizer.update)
+  return optax.GradientTransformation(init, optimizer.update)
+
+
+def _branch(opt_state: Any) -> tuple[dict[str, Any], Any]:
+  """The TACO branch's states by piece name, and the Adam branch's state."""
+  inner = opt_state.inner_states
+  chained = inner[TACO_LABEL].inner_state
+  return dict(zip(TACO_PIECES, chained)), inner[ADAM_LABEL].inner_state
+
+
+def taco_states(opt_state: Any) -> TacoStates:
+  """The pieces' states inside ``taco(...).init(params)``."""
+  pieces, adam = _branch(opt_state)
+  return TacoStates(adam=adam, **pieces)
+
+
+def with_taco_states(opt_state: Any, states: TacoStates) -> Any:
+  """``opt_state`` of :func:`taco` with its pieces' states replaced."""
+  inner = opt_state.inner_states
+  pieces, _ = _branch(opt_state)
+  chained = tuple(getattr(states, name) for name in TACO_PIECES
+                  if name in pieces)
+  return opt_state._replace(inner_states={
+      TACO_LABEL: inner[TACO_LABEL]._replace(inner_state=chained),
+      ADAM_LABEL: inner[ADAM_LABEL]._replace(inner_state=states.adam),
+  })
+
+
+# What to do instead of a wrapper around taco(...), by the function optax
+# builds it with (the head of its update function's __qualname__).
+_INSTEAD = {
+    'chain': ('pass taco(...) itself, with clip_global_norm=c for '
+              'optax.clip_by_global_norm(c) in front and a learning-rate '
+              'schedule as taco(learning_rate=schedule); optimizers other '
+              'than TACO (optax.adamw is a chain too) have no layer-wise '
+              'step.'),
+    'inject_hyperparams': (
+        'give a learning-rate schedule to taco(learning_rate=schedule) '
+        'itself: an injected taco is rebuilt at every step, which the '
+        'layer-wise step cannot do.'),
+    'MultiSteps': 'pass taco(...) itself, with accumulation_steps=A.',
+    'apply_if_finite': (
+        'pass taco(...) itself: a non-finite gradient already leaves the '
+        'history intact and makes the offending weights NaN; skip the step '
+        'on the loss or the new params.'),
+}
+_ITSELF = 'pass the transformation taco_optax.taco(...) returns.'
+
+
+def _wrapper(optimizer: Any) -> tuple[str, str]:
+  """``(what optimizer is, what to do instead)`` for a transformation that
+  is not ``taco(...)`` itself."""
+  update = getattr(optimizer, 'update', None)
+  if not callable(update):
+    return f'{type(optimizer).__name__}, not an optax transformation', _ITSELF
+  if isinstance(optimizer, TacoTransformation):
+    return 'a taco(...) whose functions were replaced', _ITSELF
+  head = (getattr(update, '__qualname__', '') or '').split('.')[0]
+  module = (getattr(update, '__module__', '') or '').split('.')[0]
+  name = f'{module}.{head}' if module and head else head or repr(update)
+  return f'a transformation built by {name}', _INSTEAD.get(head, _ITSELF)
+
+
+def parts_of(optimizer: optax.GradientTransformation,
+             user: str = 'The layer-wise step') -> TacoParts:
+  """The :class:`TacoParts` of the transformation :func:`taco` returned.
+
+  The one place that reads a ``taco(...)``'s parts back: the layer-wise
+  step (:func:`taco_optax.layerwise.train_step`), tunix's
+  ``LayerwisePeftTrainer`` and :func:`taco_optax.routing_report` call it.
+  Only ``taco(...)`` itself (or :func:`taco_optax.nnx.for_nnx_optimizer` of
+  it) has parts: the step applies each piece itself, so it cannot run a
+  piece it does not know, such as a chain's first link.
+
+  Args:
+    optimizer: the transformation.
+    user: who needs the parts, for the message.
+
+  Raises:
+    ValueError: for anything else, naming what wraps it (``optax.chain``,
+      ``optax.inject_hyperparams``, ``optax.MultiSteps``, ...) and what to do
+      instead.
+  """
+  parts = getattr(optimizer, 'parts', None)
+  if isinstance(optimizer, TacoTransformation) and isinstance(parts,
+                                                              TacoParts):
+    return parts
+  what, instead = _wrapper(optimizer)
+  raise ValueError(
+      f'{user} applies the pieces of taco_optax.taco(...) itself and needs '
+      f'that transformation, unwrapped; got {what}. Instead, {instead}')
