@@ -10,23 +10,28 @@ model's token tables read through :class:`TableLookup` and
 Examples:
   >>> import taco_optax
   >>> from taco_optax import layerwise
-  >>> sorted(layerwise.__all__)  # doctest: +NORMALIZE_WHITESPACE
-  ['COLUMN_BLOCK_ELEMENTS', 'LayeredLoss', 'TableLookup', 'TableProjection',
-   'TrainStep', 'train_step']
+  >>> sorted(layerwise.__all__)
+  ['LayeredLoss', 'TableLookup', 'TableProjection', 'TrainStep', 'train_step']
 """
 
 from taco_optax._src.layerwise import LayeredLoss
-from taco_optax._src.layerwise import COLUMN_BLOCK_ELEMENTS
 from taco_optax._src.layerwise import TableLookup
 from taco_optax._src.layerwise import TableProjection
 from taco_optax._src.layerwise import train_step
 from taco_optax._src.layerwise import TrainStep
 
 __all__ = (
-    'COLUMN_BLOCK_ELEMENTS',
     'LayeredLoss',
     'TableLookup',
     'TableProjection',
     'TrainStep',
     'train_step',
 )
+
+
+def __getattr__(name):
+  if name == 'COLUMN_BLOCK_ELEMENTS':
+    raise AttributeError(
+        'taco_optax.layerwise.COLUMN_BLOCK_ELEMENTS is gone (assigning it '
+        'changed nothing): pass train_step(..., column_block_elements=n).')
+  raise AttributeError(f'module {__name__!r} has no attribute {name!r}')

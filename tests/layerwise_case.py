@@ -1,6 +1,6 @@
 """The layer-wise step with the optimizer it runs, as the tests build it."""
 
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, NamedTuple, Optional
 
 import optax
 
@@ -13,7 +13,12 @@ class Train(NamedTuple):
 
 
 def train(loss: taco_optax.layerwise.LayeredLoss, *taco_args: Any,
+          column_block_elements: Optional[int] = None,
           **taco_kwargs: Any) -> Train:
-  """``taco(*taco_args, **taco_kwargs)`` and its layer-wise step on ``loss``."""
+  """``taco(*taco_args, **taco_kwargs)`` and its layer-wise step on ``loss``
+  (with ``column_block_elements`` when given)."""
   optimizer = taco_optax.taco(*taco_args, **taco_kwargs)
-  return Train(optimizer, taco_optax.layerwise.train_step(loss, optimizer))
+  blocks = ({} if column_block_elements is None
+            else {'column_block_elements': column_block_elements})
+  return Train(optimizer,
+               taco_optax.layerwise.train_step(loss, optimizer, **blocks))

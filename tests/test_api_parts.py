@@ -386,8 +386,10 @@ def test_top_level_is_what_optax_would_export():
       'TacoDimensionNumbers', 'TacoState', 'routing_report', 'scale_by_taco',
       'state_shardings', 'stochastic_rounding', 'taco']
   assert sorted(taco_optax.layerwise.__all__) == [
-      'COLUMN_BLOCK_ELEMENTS', 'LayeredLoss', 'TableLookup',
-      'TableProjection', 'TrainStep', 'train_step']
+      'LayeredLoss', 'TableLookup', 'TableProjection', 'TrainStep',
+      'train_step']
+  with pytest.raises(AttributeError, match='column_block_elements='):
+    taco_optax.layerwise.COLUMN_BLOCK_ELEMENTS  # pylint: disable=pointless-statement
   with pytest.raises(AttributeError, match=r'layerwise\.train_step'):
     taco_optax.layerwise_train_step  # pylint: disable=pointless-statement
   with pytest.raises(AttributeError, match='has no attribute'):

@@ -111,7 +111,7 @@ def test_clip_global_norm_above_the_norm_changes_nothing():
   case._assert_same_step(got, expected, exact_params=False)
 
 
-def _clipped_table_runs(head, params, max_norm, tokens):
+def _clipped_table_runs(head, params, max_norm, tokens, block):
   from tests import test_token_table as tables  # pylint: disable=g-import-not-at-top
   loss = taco_optax.layerwise.LayeredLoss(tables.EMBED, case._layer, head,
                                           scan_layers=False)
@@ -121,7 +121,7 @@ def _clipped_table_runs(head, params, max_norm, tokens):
   chain = optax.chain(optax.clip_by_global_norm(max_norm), tx)
   plain = jax.jit(case._plain_step(loss, chain))
   fused = jax.jit(taco_optax.layerwise.train_step(
-      loss, tx, clip_global_norm=max_norm))
+      loss, tx, clip_global_norm=max_norm, column_block_elements=block))
   expected, got = (params, chain.init(params)), (params, tx.init(params))
   for batch in tokens:
     assert float(optax.tree.norm(jax.grad(loss)(expected[0], batch))) > (
@@ -132,29 +132,25 @@ def _clipped_table_runs(head, params, max_norm, tokens):
 
 
 @pytest.mark.parametrize('tied', [True, False])
-def test_clipped_token_tables_formed_a_block_at_a_time(monkeypatch, tied):
+def test_clipped_token_tables_formed_a_block_at_a_time(tied):
   # 2- to 8-column blocks: each block of a table's gradient is clipped as
   # it is formed; a tied table's two phases give way to the one-pass update.
-  from taco_optax._src.layerwise import weight_update as _leaf_update  # pylint: disable=g-import-not-at-top
   from tests import test_token_table as tables  # pylint: disable=g-import-not-at-top
-  monkeypatch.setattr(_leaf_update, 'COLUMN_BLOCK_ELEMENTS', 48)
   params = (case._params(False, jnp.float32) if tied
             else tables._untied_params(False))
   got, expected = _clipped_table_runs(
       tables.TIED if tied else tables.UNTIED, params, 0.05,
-      [case._tokens(step) for step in range(3)])
+      [case._tokens(step) for step in range(3)], block=48)
   case._assert_same_step(got, expected, exact_params=False)
 
 
-def test_clipped_tied_table_where_two_phases_would_run(monkeypatch):
-  from taco_optax._src.layerwise import weight_update as _leaf_update  # pylint: disable=g-import-not-at-top
+def test_clipped_tied_table_where_two_phases_would_run():
   from tests import test_token_table as tables  # pylint: disable=g-import-not-at-top
-  monkeypatch.setattr(_leaf_update, 'COLUMN_BLOCK_ELEMENTS', 256 * 4)
   tokens = [jax.random.randint(jax.random.key(100 + s), (4, 8), 20 * s,
                                20 * s + 40) for s in range(3)]
   got, expected = _clipped_table_runs(tables.TIED,
                                       tables._big_vocab_params(256), 0.05,
-                                      tokens)
+                                      tokens, block=256 * 4)
   case._assert_same_step(got, expected, exact_params=False)
 
 

@@ -8,7 +8,6 @@ import pytest
 
 import taco_optax
 from taco_optax._src.transform import parts as _alias
-from taco_optax._src.layerwise import weight_update as _leaf_update
 from taco_optax._src.transform import rounding as _rounding
 from tests import layerwise_case
 from tests import test_train_step as plain_case
@@ -218,17 +217,16 @@ def test_resumed_run_equals_an_uninterrupted_one():
 
 @pytest.mark.parametrize('scan_layers', [True, False])
 @pytest.mark.parametrize('chunked', [False, True])
-def test_layerwise_step_rounds_as_the_optax_path(monkeypatch, scan_layers,
-                                                 chunked):
+def test_layerwise_step_rounds_as_the_optax_path(scan_layers, chunked):
   # The paper's rate on weights of ~1/sqrt(width): most winners' steps are
   # below half an ulp, so the bits decide the result.
-  if chunked:  # every 2-D matrix through the column-block scan
-    monkeypatch.setattr(_leaf_update, 'COLUMN_BLOCK_ELEMENTS', 48)
   loss = taco_optax.layerwise.LayeredLoss(
       plain_case._embed, plain_case._layer, plain_case._untied_head,
       scan_layers=scan_layers)
+  # chunked: every 2-D matrix through the column-block scan.
   train = layerwise_case.train(loss, 3e-4, mu=0.9, k=4,
-                               weight_dimension_numbers=plain_case._matrix_dims)
+                               weight_dimension_numbers=plain_case._matrix_dims,
+                               column_block_elements=48 if chunked else None)
   params = plain_case._params(scan_layers, jnp.bfloat16)
   params = (dict(params[0], w_head=(
       jax.random.normal(jax.random.key(9), (plain_case.WIDTH,

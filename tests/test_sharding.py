@@ -22,7 +22,9 @@ import taco_optax
 from taco_optax._src.transform import parts as _alias
 from taco_optax._src.transform import plan as _leaf
 from taco_optax._src.kernels import mesh as _mesh
+from taco_optax._src import kernels
 from taco_optax._src.layerwise import weight_update as _leaf_update
+from taco_optax._src.layerwise import winners as _winners
 from taco_optax import TacoDimensionNumbers as Dims
 from taco_optax._src.transform.dimension_numbers import normalize_axes
 from tests import multidevice
@@ -527,13 +529,12 @@ def _place_layered(params, mesh, layout):
     (True, 1, False, tuple(LAYERWISE_LAYOUTS), jnp.bfloat16),
     (False, 1, True, ('both',), jnp.bfloat16)])
 def test_layerwise_step_on_mesh_equals_single_device(
-    monkeypatch, scan_layers, update_topk, chunked, layouts, dtype):
-  if chunked:  # every unrolled matrix through the column-block scan
-    monkeypatch.setattr(_leaf_update, 'COLUMN_BLOCK_ELEMENTS', 64)
+    scan_layers, update_topk, chunked, layouts, dtype):
+  # chunked: every unrolled matrix through the column-block scan.
   train = layerwise_case.train(
       _layered_loss(scan_layers), learning_rate=1e-2, k=4, mu=0.9,
       update_topk=update_topk, weight_dimension_numbers=_layered_dims,
-      adam_learning_rate=1e-3)
+      adam_learning_rate=1e-3, column_block_elements=64 if chunked else None)
   inputs = [jax.random.normal(jax.random.key(10 + i), (8, 16))
             for i in range(3)]
 
@@ -596,7 +597,9 @@ def test_layerwise_leaf_update_gathers_candidates_not_the_gradient():
   (plan,) = _leaf.leaf_plans({'w': jnp.zeros((n, m))}, dims, None, 1)
   lr_tx = optax.scale_by_learning_rate(1e-3)
   update = lambda p, g, state, lr: _leaf_update.taco_leaf_update(
-      p, g, *state, plan=plan, mu=0.95, lr_tx=lr_tx, lr_state=lr)
+      p, g, kernels.History(*state), _winners.WinnerWrite(
+          plan=plan, mu=0.95, learning_rate=lr_tx, learning_rate_state=lr,
+          block_elements=2**20))
   with jax.set_mesh(mesh):
     weight = jax.ShapeDtypeStruct((n, m), jnp.float32,
                                   sharding=NamedSharding(mesh,

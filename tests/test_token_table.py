@@ -20,7 +20,9 @@ import taco_optax
 from taco_optax._src.transform import parts as _alias
 from taco_optax._src.kernels import reference as _column_step
 from taco_optax._src.transform import plan as _leaf
+from taco_optax._src import kernels
 from taco_optax._src.layerwise import weight_update as _leaf_update
+from taco_optax._src.layerwise import winners as _winners
 from taco_optax._src.layerwise import tied_table as _table_update
 from taco_optax._src.layerwise import token_table as _token_table
 from tests import test_train_step as plain_case
@@ -66,12 +68,13 @@ def _embedding_rows_are_tokens(params):
   return outer_dims, layer_dims
 
 
-def _run(head, params, scan_layers, steps=3, batches=None):
+def _run(head, params, scan_layers, steps=3, batches=None, block=None):
   loss = taco_optax.layerwise.LayeredLoss(EMBED, plain_case._layer, head,
                                 scan_layers=scan_layers)
   train = layerwise_case.train(
       loss, 1e-2, mu=0.9, k=3, update_topk=2, adam_learning_rate=1e-3,
-      weight_dimension_numbers=_embedding_rows_are_tokens)
+      weight_dimension_numbers=_embedding_rows_are_tokens,
+      column_block_elements=block)
   plain = jax.jit(plain_case._plain_step(loss, train.optimizer))
   fused = jax.jit(train.step)
   expected = got = (params, train.optimizer.init(params))
@@ -114,13 +117,13 @@ def test_equals_plain_optax_path_in_one_pass(scan_layers, tied):
 def test_column_blocks_equal_plain_optax_path(monkeypatch, tied):
   # 2- to 8-column blocks: every table is formed one block at a time, never
   # whole (dense() would be the fallback; it must not be called).
-  monkeypatch.setattr(_leaf_update, 'COLUMN_BLOCK_ELEMENTS', 48)
   def no_dense(self):
     raise AssertionError('a blockwise table gradient was formed whole')
   monkeypatch.setattr(_token_table.TableGradient, 'dense', no_dense)
   params = (plain_case._params(False, jnp.float32) if tied
             else _untied_params(False))
-  got, expected = _run(TIED if tied else UNTIED, params, scan_layers=False)
+  got, expected = _run(TIED if tied else UNTIED, params, scan_layers=False,
+                       block=48)
   # Same winners and history; a moved weight may differ in its last bit
   # (whether XLA fuses ``p + (-lr) * s``).
   plain_case._assert_same_step(got, expected, exact_params=False)
@@ -128,13 +131,11 @@ def test_column_blocks_equal_plain_optax_path(monkeypatch, tied):
 
 
 @pytest.mark.parametrize('chunk', [None, 48])
-def test_non_finite_gradient_keeps_the_history_as_the_optax_path(
-    monkeypatch, chunk):
-  if chunk:
-    monkeypatch.setattr(_leaf_update, 'COLUMN_BLOCK_ELEMENTS', chunk)
+def test_non_finite_gradient_keeps_the_history_as_the_optax_path(chunk):
   params = plain_case._params(False, jnp.float32)
   batches = [plain_case._tokens(0), plain_case._tokens(1)]
-  got, expected = _run(TIED, params, False, batches=batches)
+  got, expected = _run(TIED, params, False, batches=batches,
+                       block=chunk or None)
   # A step whose head gradient overflows: an infinite final scale.
   bad = (dict(got[0][0], final_scale=got[0][0]['final_scale'].at[0].set(
       jnp.inf)), got[0][1])
@@ -162,10 +163,9 @@ def test_unknown_table_path_is_refused():
     _run(wrong, plain_case._params(False, jnp.float32), False, steps=1)
 
 
-def test_no_dense_table_gradient_in_the_compiled_step(monkeypatch):
+def test_no_dense_table_gradient_in_the_compiled_step():
   # A 4096 x 64 tied table (1 MiB) in 16-column blocks: the plain functions'
   # step holds its dense gradient through the layers, the table API's not.
-  monkeypatch.setattr(_leaf_update, 'COLUMN_BLOCK_ELEMENTS', 4096 * 16)
   vocab, width = 4096, 64
   keys = jax.random.split(jax.random.key(0), 3)
   outer = {'embedding': jax.random.normal(keys[0], (vocab, width)) / 8,
@@ -181,7 +181,8 @@ def test_no_dense_table_gradient_in_the_compiled_step(monkeypatch):
   def peak(embed, head):
     loss = taco_optax.layerwise.LayeredLoss(embed, plain_case._layer, head)
     train = layerwise_case.train(
-        loss, 1e-2, weight_dimension_numbers=_embedding_rows_are_tokens)
+        loss, 1e-2, weight_dimension_numbers=_embedding_rows_are_tokens,
+        column_block_elements=4096 * 16)
     state = train.optimizer.init(params)
     return plain_case._peak_bytes(train.step, params, state, tokens,
                                   donate=(0, 1))
@@ -195,17 +196,15 @@ def test_no_dense_table_gradient_in_the_compiled_step(monkeypatch):
 
 
 @pytest.mark.parametrize('bad_column', [0, WIDTH - 1])
-def test_one_non_finite_block_keeps_the_whole_history(monkeypatch,
-                                                      bad_column):
+def test_one_non_finite_block_keeps_the_whole_history(bad_column):
   # Only one block of the formed gradient is not finite; it is met before
   # (column 0) or after (the last column) the finite blocks have been
   # written, and the result must equal the dense gradient's: every weight
   # NaN, the history of every column kept.
-  monkeypatch.setattr(_leaf_update, 'COLUMN_BLOCK_ELEMENTS', 48)
   table = jax.random.normal(jax.random.key(0), (VOCAB, WIDTH))
   dims = taco_optax.TacoDimensionNumbers(1, 0)
   (plan,) = _leaf.leaf_plans(table, dims, None, 1)
-  assert _leaf_update.column_chunk(plan.layout) is not None
+  assert _winners.column_chunk(plan.layout, 48) is not None
   parts = _alias.parts_of(
       taco_optax.taco(1e-2, k=3, weight_dimension_numbers=dims))
   tx = taco_optax.taco(1e-2, k=3, weight_dimension_numbers=dims)
@@ -217,10 +216,12 @@ def test_one_non_finite_block_keeps_the_whole_history(monkeypatch,
   def update(d_rows, state, dense):
     grad = _token_table.lookup_gradient(EMBED, table, ids, d_rows)
     return _leaf_update.taco_leaf_update(
-        table, grad.dense() if dense else grad, state.values, state.indices,
-        state.exponents, plan=plan, mu=0.9, lr_tx=parts.learning_rate,
-        lr_state=parts.learning_rate.init(table))
-  _, *state = update(d_rows, history, False)
+        table, grad.dense() if dense else grad, kernels.History(*state),
+        _winners.WinnerWrite(
+            plan=plan, mu=0.9, learning_rate=parts.learning_rate,
+            learning_rate_state=parts.learning_rate.init(table),
+            block_elements=48))
+  _, state = update(d_rows, history, False)
   history = history._replace(values=state[0], indices=state[1],
                              exponents=state[2])
   bad = d_rows.at[0, 0, bad_column].set(jnp.inf)
@@ -228,8 +229,8 @@ def test_one_non_finite_block_keeps_the_whole_history(monkeypatch,
   dense = update(bad, history, True)
   assert np.isnan(formed[0]).all()
   assert_bitwise_equal(formed, dense)
-  assert_bitwise_equal(formed[1:], (history.values, history.indices,
-                                    history.exponents))
+  assert_bitwise_equal(tuple(formed[1]), (history.values, history.indices,
+                                          history.exponents))
 
 
 def _big_vocab_params(vocab):
@@ -246,7 +247,6 @@ def test_tied_table_in_two_phases_equals_plain_optax_path(monkeypatch,
   # blocks: the rows outside the batch are selected at the head and merged
   # with the batch's rows after the layers (_table_update).
   vocab = 256
-  monkeypatch.setattr(_leaf_update, 'COLUMN_BLOCK_ELEMENTS', vocab * 4)
   calls = []
   select = _table_update.select_outside
   monkeypatch.setattr(_table_update, 'select_outside',
@@ -262,7 +262,8 @@ def test_tied_table_in_two_phases_equals_plain_optax_path(monkeypatch,
   train = layerwise_case.train(
       loss, 1e-2, mu=0.9, k=3, update_topk=update_topk,
       adam_learning_rate=1e-3,
-      weight_dimension_numbers=_embedding_rows_are_tokens)
+      weight_dimension_numbers=_embedding_rows_are_tokens,
+      column_block_elements=vocab * 4)
   plain = jax.jit(plain_case._plain_step(loss, train.optimizer))
   fused = jax.jit(train.step)
   expected = got = (params, train.optimizer.init(params))
@@ -300,12 +301,12 @@ def test_two_phases_equal_the_column_step_on_ties_and_zero_columns(seed):
   tx = taco_optax.taco(1e-2, k=k, update_topk=r,
                        weight_dimension_numbers=dims)
   history = _alias.taco_states(tx.init(table)).direction
-  state = (history.values, history.indices, history.exponents)
+  state = kernels.History(history.values, history.indices, history.exponents)
   if seed % 2:  # a history to merge with
     dense = lookup.plus(projection).dense()
     step = _column_step.reference_column_step(
         dense.T * 3, state[0].T, state[1].T, state[2], 0.9, r)
-    state = (step.values.T, step.indices.T, step.exponents)
+    state = kernels.History(step.values.T, step.indices.T, step.exponents)
   expected = _column_step.reference_column_step(
       lookup.plus(projection).dense().T, state[0].T, state[1].T, state[2],
       0.9, r)

@@ -9,8 +9,10 @@ import pytest
 
 import taco_optax
 from taco_optax._src.transform import parts as _alias
-from taco_optax._src.layerwise import weight_update as _leaf_update
+from taco_optax._src.layerwise import winners as _winners
+from taco_optax._src.layerwise import backward as _backward
 from taco_optax._src.layerwise import outer as _outer_step
+from taco_optax._src.layerwise.leaves import name_of
 from taco_optax._src.transform.dimension_numbers import leaf_dimension_numbers
 from taco_optax._src.transform.dimension_numbers import matrix_layout
 from taco_optax._src.transform.dimension_numbers import TacoDimensionNumbers
@@ -235,18 +237,18 @@ def _transposed_embedding_dims(params):
 
 
 @pytest.mark.parametrize('dims', [_matrix_dims, _transposed_embedding_dims])
-def test_column_chunked_update_equals_plain_optax_path(monkeypatch, dims):
+def test_column_chunked_update_equals_plain_optax_path(dims):
   # Force every matrix through the column-block scan (2-, 4- or 8-column
   # blocks here); non-finite handling stays per leaf.
-  monkeypatch.setattr(_leaf_update, 'COLUMN_BLOCK_ELEMENTS', 48)
   loss = LayeredLoss(_embed, _layer, _head, scan_layers=False)
   train = layerwise_train_step(loss, 1e-2, mu=0.9, k=3,
                                weight_dimension_numbers=dims,
-                               update_topk=2, adam_learning_rate=1e-3)
+                               update_topk=2, adam_learning_rate=1e-3,
+                               column_block_elements=48)
   params = _params(False, jnp.float32)
   for layout in [matrix_layout(x.shape, d) for x, d in zip(
       jax.tree.leaves(params), leaf_dimension_numbers(dims, params)) if d]:
-    assert _leaf_update.column_chunk(layout) is not None, layout
+    assert _winners.column_chunk(layout, 48) is not None, layout
   plain = jax.jit(_plain_step(loss, train.optimizer))
   fused = jax.jit(train.step)
   expected, got = (params, train.optimizer.init(params)), None
@@ -273,10 +275,10 @@ def test_untied_head_is_updated_before_the_layers_and_equals_plain(
   outer = dict(outer, w_head=jax.random.normal(jax.random.key(7),
                                                (WIDTH, VOCAB)) / 4)
   params = (outer, layers)
-  embed_reads = _outer_step.used_inputs(lambda o: _embed(o, _tokens(0)),
-                                         outer)
-  # Leaves in key order: embedding, final_scale, w_head.
-  assert embed_reads == [True, False, False]
+  embed_reads = _outer_step.read_keys(lambda o: _embed(o, _tokens(0)),
+                                      outer)
+  # The embedding reads its table only, not final_scale or w_head.
+  assert sorted(map(name_of, embed_reads)) == ['outer/embedding']
   loss = LayeredLoss(_embed, _layer, _untied_head, scan_layers=scan_layers)
   train = layerwise_train_step(loss, 1e-2, mu=0.9, k=4,
                                weight_dimension_numbers=_matrix_dims)
@@ -288,3 +290,35 @@ def test_untied_head_is_updated_before_the_layers_and_equals_plain(
     got = fused(*got[:2], _tokens(step))
   _assert_same_step(got, expected)
   assert not np.array_equal(got[0][0]['w_head'], outer['w_head'])
+
+
+def test_a_misplaced_layer_leaf_is_caught_by_name(monkeypatch):
+  # Plant the off-by-one that leaves keyed by path exist to prevent: each
+  # layer's gradients updated with (and returned under) the next layer's
+  # records. Every layer has the same shapes, so only the names tell.
+  real = _backward.layer_leaves
+  monkeypatch.setattr(_backward, 'layer_leaves', lambda step, layers, l: real(
+      step, layers, min(l + 1, len(layers) - 1)))
+  loss = LayeredLoss(_embed, _layer, _head, scan_layers=False)
+  train = layerwise_train_step(loss, 1e-2, k=3,
+                               weight_dimension_numbers=_matrix_dims)
+  params = _params(False, jnp.float32)
+  with pytest.raises(ValueError, match=r'two results for layers/\d+/'):
+    jax.eval_shape(train.step, params, train.optimizer.init(params),
+                   _tokens(0))
+
+
+def test_a_lost_outer_update_is_caught_by_name(monkeypatch):
+  # Plant a dropped update: the untied head's early update never returned.
+  monkeypatch.setattr(
+      _outer_step, 'update_early',
+      lambda step, outer, early, grad_of, d_hidden: ({}, d_hidden))
+  outer, layers = _params(True, jnp.float32)
+  params = (dict(outer, w_head=jnp.ones((WIDTH, VOCAB)) / 4), layers)
+  loss = LayeredLoss(_embed, _layer, _untied_head, scan_layers=True)
+  train = layerwise_train_step(loss, 1e-2, k=3,
+                               weight_dimension_numbers=_matrix_dims)
+  with pytest.raises(ValueError,
+                     match='outer/w_head: a TACO leaf was not updated'):
+    jax.eval_shape(train.step, params, train.optimizer.init(params),
+                   _tokens(0))

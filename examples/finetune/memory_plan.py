@@ -43,6 +43,10 @@ import jax.numpy as jnp
 from examples.finetune.model import config as config_lib
 import taco_optax
 
+# The layer-wise step's column blocks (float32 elements): the trainer passes
+# it to taco_optax.layerwise.train_step, and the plan counts it.
+COLUMN_BLOCK_ELEMENTS = 2**20
+
 GB = 1e9
 
 
@@ -111,7 +115,7 @@ def terms(config: config_lib.ModelConfig, params, *, batch: int, seq: int,
       head_phase=batch * seq * config.vocab_size * 4,
       # A large matrix is updated a block of columns at a time; the column
       # step holds ~4 float32 arrays of a block.
-      table_blocks=4 * taco_optax.layerwise.COLUMN_BLOCK_ELEMENTS * 4,
+      table_blocks=4 * COLUMN_BLOCK_ELEMENTS * 4,
       layer_activations=layer_activations,
       slice_copy=slice_copy,
       layer_phase=layer_bytes + layer_activations + slice_copy,

@@ -155,11 +155,14 @@ class LayerwiseTacoTrainer:
     self.opt_state = tx.init(self.params)
     self.count = 0
     self.measurement = measurement
+    blocks = memory_plan.COLUMN_BLOCK_ELEMENTS
     if accumulation_steps == 1:
-      step = taco_optax.layerwise.train_step(self._layered.loss, tx)
+      step = taco_optax.layerwise.train_step(
+          self._layered.loss, tx, column_block_elements=blocks)
     else:
       accumulated = taco_optax.layerwise.train_step(
-          self._layered.loss, tx, accumulation_steps=accumulation_steps)
+          self._layered.loss, tx, accumulation_steps=accumulation_steps,
+          column_block_elements=blocks)
       step = lambda params, opt_state, batch: accumulated(
           params, opt_state,
           data_lib.micro_batches(batch, accumulation_steps))

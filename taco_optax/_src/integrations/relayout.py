@@ -13,15 +13,12 @@ import dataclasses
 from typing import Any, Callable
 
 import jax
-import optax
 
-
-def _is_masked(x: Any) -> bool:
-  return isinstance(x, optax.MaskedNode)
+from taco_optax._src import transform
 
 
 def _structure(tree: Any) -> Any:
-  return jax.tree.structure(tree, is_leaf=_is_masked)
+  return jax.tree.structure(tree, is_leaf=transform.is_masked)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,12 +51,12 @@ class Relayout:
 
   def forward(self, tree: Any) -> Any:
     """``tree`` (source layout) in the target layout."""
-    leaves = jax.tree.leaves(tree, is_leaf=_is_masked)
+    leaves = jax.tree.leaves(tree, is_leaf=transform.is_masked)
     return self.target.unflatten([leaves[i] for i in self.order])
 
   def backward(self, tree: Any) -> Any:
     """``tree`` (target layout) back in the source layout."""
-    leaves = jax.tree.leaves(tree, is_leaf=_is_masked)
+    leaves = jax.tree.leaves(tree, is_leaf=transform.is_masked)
     out = [None] * len(leaves)
     for j, i in enumerate(self.order):
       out[i] = leaves[j]
@@ -76,10 +73,10 @@ class Relayout:
   @staticmethod
   def _move(state, structure, move):
     def shaped(x):
-      return _is_masked(x) or (
+      return transform.is_masked(x) or (
           not _is_leaf_value(x) and _structure(x) == structure)
     return jax.tree.map(
-        lambda x: x if _is_masked(x) or _is_leaf_value(x) else move(x),
+        lambda x: x if transform.is_masked(x) or _is_leaf_value(x) else move(x),
         state, is_leaf=shaped)
 
 

@@ -17,6 +17,7 @@ them here. What its siblings use:
 """
 
 from taco_optax._src.kernels.codec import EXPONENT_DTYPE
+from taco_optax._src.kernels.codec import History
 from taco_optax._src.kernels.codec import decode_history
 from taco_optax._src.kernels.dispatch import ENV
 from taco_optax._src.kernels.dispatch import IMPLEMENTATIONS
@@ -46,6 +47,7 @@ __all__ = (
     'EXPONENT_DTYPE',
     'IMPLEMENTATIONS',
     'ColumnStep',
+    'History',
     'LeafAxes',
     'LeafSharding',
     'MeshAxes',

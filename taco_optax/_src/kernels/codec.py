@@ -23,6 +23,20 @@ _MAX_EXPONENT = 119
 EXPONENT_DTYPE = jnp.int8
 
 
+class History(NamedTuple):
+  """One leaf's stored TACO history, in its ``batch + (k, n)`` layout.
+
+  Attributes:
+    values: ``batch + (k, n)`` values in the storage dtype, in units of
+      ``2**exponents``.
+    indices: ``batch + (k, n)`` their row indices.
+    exponents: ``batch + (n,)`` ``int8`` power-of-two scale of each column.
+  """
+  values: jax.Array
+  indices: jax.Array
+  exponents: jax.Array
+
+
 class EncodedRows(NamedTuple):
   values: jax.Array     # (N, k), storage dtype (float8_e4m3fn by default)
   exponents: jax.Array  # (N,), int8: value = stored * 2**exponent

@@ -41,6 +41,7 @@ import jax
 import jax.numpy as jnp
 
 from taco_optax._src.kernels import auto_partition
+from taco_optax._src.kernels import codec
 from taco_optax._src.kernels import reference
 from taco_optax._src.kernels import cpu_kernel
 from taco_optax._src.kernels import mesh
@@ -236,34 +237,30 @@ def _empty_step(grad_rows: jax.Array, values: jax.Array, indices: jax.Array,
       finite=jnp.array(True))
 
 
-def history_step(grad_rows: jax.Array, values: jax.Array, indices: jax.Array,
-                 exponents: jax.Array, *, update_topk: int,
+def history_step(grad_rows: jax.Array, history: codec.History, *, update_topk: int,
                  mu: Union[float, jax.Array], implementation: str,
                  shards: Optional[mesh.LeafSharding] = None
-                 ) -> tuple[reference.ColumnStep, tuple[jax.Array, ...]]:
-  """The column step on rows, with the state in its stored layout.
+                 ) -> tuple[reference.ColumnStep, codec.History]:
+  """The column step on rows, with the history in its stored layout.
 
   Args:
     grad_rows: ``(N, m)`` rows of the gradient (or of a block of columns).
-    values: ``batch + (k, n)`` history values for the same columns.
-    indices: ``batch + (k, n)`` their row indices.
-    exponents: ``batch + (n,)`` their scales.
+    history: the :class:`codec.History` of the same columns.
     update_topk: winners per row.
     mu: EMA decay.
     implementation: a resolved name (:func:`resolve`).
     shards: set inside ``shard_map``: the rows are this device's slices.
 
   Returns:
-    ``(step, (values, indices, exponents))``: the :class:`ColumnStep` on rows
-    and the new state in the stored layout.
+    ``(step, history)``: the :class:`ColumnStep` on rows and the new history.
   """
+  values, indices, exponents = history
   if grad_rows.size == 0:
     step = _empty_step(grad_rows, values, indices, exponents, update_topk)
   else:
     step = column_step(grad_rows, history_rows(values), history_rows(indices),
                        exponents.reshape(-1), mu, update_topk, implementation,
                        shards)
-  return step, (stored_history(step.values, values.shape),
-                stored_history(step.indices, indices.shape),
-                step.exponents.reshape(exponents.shape))
-
+  return step, codec.History(stored_history(step.values, values.shape),
+                       stored_history(step.indices, indices.shape),
+                       step.exponents.reshape(exponents.shape))

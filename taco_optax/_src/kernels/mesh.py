@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec
 
+from taco_optax._src.kernels import codec
 from taco_optax._src.kernels import reference
 
 MeshAxes = tuple[str, ...]
@@ -270,25 +271,26 @@ def selection(shards: LeafSharding) -> reference.Selection:
 # Optimizer-state shardings.
 
 
-def with_state_sharding(state_leaves: Sequence[jax.Array], mesh: Any,
-                        shards: LeafSharding) -> tuple[jax.Array, ...]:
-  """Places ``(values, indices, exponents)`` on their TACO shardings."""
-  values, indices, exponents = state_leaves
+def with_state_sharding(history: codec.History, mesh: Any,
+                        shards: LeafSharding) -> codec.History:
+  """``history`` placed on its TACO shardings."""
   place = lambda x, spec: jax.sharding.reshard(x, NamedSharding(mesh, spec))
-  return (place(values, shards.values_spec), place(indices, shards.values_spec),
-          place(exponents, shards.exponents_spec))
+  return codec.History(place(history.values, shards.values_spec),
+                       place(history.indices, shards.values_spec),
+                       place(history.exponents, shards.exponents_spec))
 
 
 def map_over_shards(local_update: Any, mesh: Any, shards: LeafSharding,
-                    *arrays: jax.Array, **hyperparams: Any
-                    ) -> tuple[jax.Array, ...]:
-  """Runs ``local_update(*arrays, shards=shards, **hyperparams)`` per device.
+                    arrays: tuple[jax.Array, ...], history: codec.History,
+                    **hyperparams: Any) -> tuple[jax.Array, codec.History]:
+  """Runs ``local_update(*arrays, history, shards=shards, **hyperparams)``
+  per device.
 
   ``arrays`` are one or more parameter-shaped arrays (e.g. the gradient, or
-  the parameter and its gradient) followed by the leaf's ``(values, indices,
-  exponents)``; ``local_update`` returns one parameter-shaped array and the new
-  state. Every array stays where it is: the parameter-shaped result comes out
-  sharded like the parameter and the new state like the old one; the only
+  the parameter and its gradient) and ``history`` the leaf's TACO history;
+  ``local_update`` returns one parameter-shaped array and the new history.
+  Every array stays where it is: the parameter-shaped result comes out
+  sharded like the parameter and the new history like the old one; the only
   communication is the candidate all-gather of :func:`merged_column_topk` and
   the finiteness reduction. Array leaves of the hyper-parameters (from
   :func:`optax.inject_hyperparams`, a schedule's step count, a plan's scale)
@@ -298,14 +300,16 @@ def map_over_shards(local_update: Any, mesh: Any, shards: LeafSharding,
   leaves, treedef = jax.tree.flatten(hyperparams)
   is_array = [isinstance(x, jax.Array) for x in leaves]
   replicated_args = [x for x, a in zip(leaves, is_array) if a]
-  state_specs = (shards.values_spec, shards.values_spec, shards.exponents_spec)
-  in_specs = (shards.param_spec,) * (len(arrays) - 3) + state_specs
-  out_specs = (shards.param_spec,) + state_specs
+  history_specs = codec.History(shards.values_spec, shards.values_spec,
+                                shards.exponents_spec)
+  in_specs = ((shards.param_spec,) * len(arrays), history_specs)
+  out_specs = (shards.param_spec, history_specs)
 
   def per_device(blocks, replicated):
     replicated = iter(replicated)
     values = [next(replicated) if a else x for x, a in zip(leaves, is_array)]
-    return local_update(*blocks, shards=shards, **treedef.unflatten(values))
+    return local_update(*blocks[0], blocks[1], shards=shards,
+                        **treedef.unflatten(values))
 
   run = jax.shard_map(
       per_device, mesh=mesh,
@@ -313,7 +317,7 @@ def map_over_shards(local_update: Any, mesh: Any, shards: LeafSharding,
       out_specs=out_specs,
       # Results merged by all_gather are equal on every device by construction.
       check_vma=False)
-  return run(arrays, replicated_args)
+  return run((tuple(arrays), history), replicated_args)
 
 
 def first_element(x: jax.Array) -> jax.Array:

@@ -14,10 +14,10 @@ from taco_optax._src.layerwise.token_table import TableProjection
 from taco_optax._src.layerwise.train_step import TrainStep
 from taco_optax._src.layerwise.train_step import step_from_parts
 from taco_optax._src.layerwise.train_step import train_step
-from taco_optax._src.layerwise.weight_update import COLUMN_BLOCK_ELEMENTS
+from taco_optax._src.layerwise.winners import DEFAULT_COLUMN_BLOCK_ELEMENTS
 
 __all__ = (
-    'COLUMN_BLOCK_ELEMENTS',
+    'DEFAULT_COLUMN_BLOCK_ELEMENTS',
     'LayeredLoss',
     'TableLookup',
     'TableProjection',

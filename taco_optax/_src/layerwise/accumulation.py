@@ -14,13 +14,16 @@ mean(embedding shares)``: the same mean summed in another order (see
 ``docs/accumulation.md``).
 """
 
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from taco_optax._src.layerwise import outer as outer_lib
+from taco_optax._src.layerwise import leaves as leaves_lib
 from taco_optax._src.layerwise import token_table
+from taco_optax._src.layerwise.outer import refuse_table_reads
+
+Key = leaves_lib.Key
 
 Params = Any
 Batch = Any
@@ -96,74 +99,82 @@ def layer_backward(layer: Callable[[Params, Any, Batch], Any],
   return backward
 
 
-def _restricted(fn: Callable[..., Any], leaves: list[Any], treedef,
-                reads: list[bool]) -> Callable[..., Any]:
-  """``fn(outer, *args)`` as a function of the leaves ``reads`` marks."""
-  def restricted(read_leaves, *args):
-    it = iter(read_leaves)
-    return fn(treedef.unflatten([next(it) if r else x
-                                 for x, r in zip(leaves, reads)]), *args)
-  return restricted
+class _Reads(NamedTuple):
+  """The outer leaves a function reads, as a function of those alone."""
+  keys: list[Key]  # the read leaves' keys, in leaf order
+  values: list[jax.Array]
+  restricted: Callable[..., Any]  # (read values, *args) -> fn(outer, *args)
 
 
-def _spread(read_values: list[Any], reads: list[bool]) -> list[Any]:
-  it = iter(read_values)
-  return [next(it) if r else None for r in reads]
+def _reads(fn: Callable[..., Any], outer: Params,
+           reads: frozenset[Key]) -> _Reads:
+  keyed = list(leaves_lib.keyed(outer, leaves_lib.OUTER))
+  treedef = jax.tree.structure(outer)
+
+  def restricted(read_values, *args):
+    it = iter(read_values)
+    return fn(treedef.unflatten([next(it) if key in reads else x
+                                 for key, x in keyed]), *args)
+  return _Reads([key for key, _ in keyed if key in reads],
+                [x for key, x in keyed if key in reads], restricted)
 
 
-def head_backward(head: Callable[[Params, Any, Batch], jax.Array],
-                  outer: Params, hidden: Any, batches: Batch,
-                  reads: list[bool]):
+def head_means(head: Callable[[Params, Any, Batch], jax.Array],
+               outer: Params, hidden: Any, batches: Batch,
+               reads: frozenset[Key], block_elements: int
+               ) -> tuple[jax.Array, dict[Key, jax.Array], Any]:
   """``(mean loss, mean gradients, stacked d_hidden)`` of the head.
 
-  The head's mean gradient (float32) of each outer leaf it ``reads``
-  (``None`` at the others), a micro-batch at a time. A
-  :class:`TableProjection`'s table is accumulated a block of columns at a
-  time from each micro-batch's factors (:func:`_table_running_mean`), so only
-  the float32 accumulator is table-sized.
+  The head's mean gradient (float32) of each outer leaf it ``reads``, by
+  key, a micro-batch at a time. A :class:`TableProjection`'s table is
+  accumulated a block of columns at a time (``block_elements`` float32
+  elements) from each micro-batch's factors (:func:`_table_running_mean`),
+  so only the float32 accumulator is table-sized.
   """
-  leaves, treedef = jax.tree.flatten(outer)
-  table = (token_table.leaf_index(outer, head.table)
-           if isinstance(head, token_table.TableProjection) else None)
-  dense_reads = [r and i != table for i, r in enumerate(reads)]
-  read = [x for x, r in zip(leaves, dense_reads) if r]
-  restricted = _restricted(head, leaves, treedef, dense_reads)
+  table = None
+  if isinstance(head, token_table.TableProjection):
+    table = leaves_lib.OUTER + token_table.table_path(outer, head.table)
+  dense = _reads(head, outer, frozenset(reads - {table}))
 
   def body(carry, xs):
     acc, table_acc = carry
     index, h, batch = xs
     if table is None:
-      value, head_vjp = jax.vjp(lambda o, x: restricted(o, x, batch), read,
-                                h)
+      value, head_vjp = jax.vjp(
+          lambda o, x: dense.restricted(o, x, batch), dense.values, h)
       grads, d_hidden = head_vjp(jnp.ones_like(value))
     else:
-      outer_lib.refuse_table_reads(
-          lambda o: head.features(o, h, batch), outer, head.table,
-          'TableProjection.features')
-      value, all_grads, d_hidden, _, gradient = token_table.head_backward(
-          head, outer, h, batch)
-      grads = [g for g, r in zip(all_grads, dense_reads) if r]
-      table_acc = _table_running_mean(table_acc, gradient, index)
+      refuse_table_reads(lambda o: head.features(o, h, batch), outer,
+                         head.table, 'TableProjection.features')
+      result = token_table.projection_backward(head, outer, h, batch)
+      by_key = {leaves_lib.OUTER + path: g
+                for path, g in result.grads.items()}
+      grads, d_hidden = [by_key[key] for key in dense.keys], result.d_hidden
+      table_acc = _table_running_mean(table_acc, result.gradient, index,
+                                      block_elements)
+      value = result.value
     return (running_mean(acc, grads, index), table_acc), (value, d_hidden)
   count = micro_batch_count(batches)
-  table_acc = (None if table is None
-               else jnp.zeros(leaves[table].shape, jnp.float32))
+  table_acc = None
+  if table is not None:
+    table_acc = jnp.zeros(dict(leaves_lib.keyed(
+        outer, leaves_lib.OUTER))[table].shape, jnp.float32)
   (acc, table_acc), (values, d_hidden) = jax.lax.scan(
-      body, (zeros_like_float32(read), table_acc),
+      body, (zeros_like_float32(dense.values), table_acc),
       (jnp.arange(count, dtype=jnp.int32), hidden, batches))
-  means = _spread(acc, dense_reads)
+  means = dict(zip(dense.keys, acc))
   if table is not None:
     means[table] = table_acc
   return jnp.mean(values.astype(jnp.float32)), means, d_hidden
 
 
-def _table_running_mean(acc: jax.Array, gradient, index: jax.Array
-                        ) -> jax.Array:
+def _table_running_mean(acc: jax.Array, gradient, index: jax.Array,
+                        block_elements: int) -> jax.Array:
   """:func:`running_mean` of a ``TableGradient``, a block of columns at a
   time (the same elementwise arithmetic; no dense share is formed)."""
   axis = gradient.axis
   n, m = acc.shape[axis], acc.shape[1 - axis]
-  target = max(1, _BLOCK_ELEMENTS // m)
+  target = max(1, block_elements // m)
   chunk = max(c for c in range(1, min(target, n) + 1) if n % c == 0)
 
   def body(acc, start):
@@ -177,39 +188,34 @@ def _table_running_mean(acc: jax.Array, gradient, index: jax.Array
   return acc
 
 
-# Columns per block of a table's accumulation: as the column-block update's.
-_BLOCK_ELEMENTS = 2**20
-
-
-def embed_backward(embed: Callable[[Params, Batch], Any], outer: Params,
-                   d_hidden: Any, batches: Batch, reads: list[bool],
-                   head_means: list[Any]) -> list[Any]:
-  """Each outer leaf's whole mean gradient (float32; ``None``: unread).
+def embed_means(embed: Callable[[Params, Batch], Any], outer: Params,
+                d_hidden: Any, batches: Batch, reads: frozenset[Key],
+                head_means: dict[Key, jax.Array]) -> dict[Key, jax.Array]:
+  """Each outer leaf's whole mean gradient (float32), by key; a leaf
+  nothing reads has none.
 
   The embedding's mean gradient of each leaf it ``reads``, added to the
   head's (``head_means``). A leaf only the embedding reads gets MultiSteps'
   running mean; one both read (a tied table) continues in the head's
   accumulator, ``acc + g_a / A``, so no second table-sized buffer exists.
   """
-  leaves, treedef = jax.tree.flatten(outer)
-  read = [x for x, r in zip(leaves, reads) if r]
-  restricted = _restricted(embed, leaves, treedef, reads)
-  shared = [h is not None for h, r in zip(head_means, reads) if r]
-  start = [h if h is not None else jnp.zeros(x.shape, jnp.float32)
-           for h, x, r in zip(head_means, leaves, reads) if r]
+  read = _reads(embed, outer, reads)
+  shared = [key in head_means for key in read.keys]
+  start = [head_means[key] if key in head_means
+           else jnp.zeros(x.shape, jnp.float32)
+           for key, x in zip(read.keys, read.values)]
   count = micro_batch_count(batches)
 
   def body(acc, xs):
     index, d, batch = xs
-    _, embed_vjp = jax.vjp(lambda o: restricted(o, batch), read)
+    _, embed_vjp = jax.vjp(lambda o: read.restricted(o, batch), read.values)
     (grads,) = embed_vjp(d)
     return [a + g / count if both else a + (g - a) / (index + 1)
             for a, g, both in zip(acc, grads, shared)], None
   acc, _ = jax.lax.scan(body, start,
                         (jnp.arange(count, dtype=jnp.int32), d_hidden,
                          batches))
-  return [e if r else h for e, h, r in zip(_spread(acc, reads), head_means,
-                                           reads)]
+  return {**head_means, **dict(zip(read.keys, acc))}
 
 
 def embed_forward(embed: Callable[[Params, Batch], Any], outer: Params,

@@ -2,27 +2,26 @@
 
 Both backward passes take each layer's ``jax.vjp`` on its saved input (the
 layer is recomputed, as with ``jax.checkpoint``) and hand every TACO weight's
-gradient to ``update`` at once, so the gradient dies inside the loop. They
-return new values; nothing is written into arguments.
+gradient to its update at once, so the gradient dies inside the loop. They
+return what they made, keyed by leaf: ``{key: Updated}`` for the TACO
+leaves, ``{key: gradient}`` for the Adam leaves.
 """
 
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 
-from taco_optax._src import transform
-from taco_optax._src.layerwise import weight_update
+from taco_optax._src import kernels
+from taco_optax._src.layerwise import leaves as leaves_lib
+from taco_optax._src.layerwise import ordering
+from taco_optax._src.layerwise import winners
 
-# update(leaf, param, grad, state, plan, after=None, layer=None)
-#   -> (param, *state); ``leaf`` indexes the leaves of ``layers``, ``layer`` is
-#   the slice of a stacked leaf.
-LeafUpdate = Callable[..., tuple[jax.Array, ...]]
-Plans = list[Optional[transform.LeafPlan]]
 # layer_backward(layer_params, layer_input, d_output) -> (grads, d_input): one
 #   layer's weight gradients and input cotangent (``vjp_backward`` for one
-#   batch; ``_accumulation.layer_backward`` for micro-batches).
+#   batch; ``accumulation.layer_backward`` for micro-batches).
 LayerBackward = Callable[[Any, Any, Any], tuple[Any, Any]]
+Key = leaves_lib.Key
 
 
 def vjp_backward(run_layer: Callable[[Any, Any], Any]) -> LayerBackward:
@@ -45,112 +44,116 @@ def forward(run_layer: Callable[[Any, Any], Any], hidden: Any, layers: Any,
   return hidden, layer_inputs
 
 
-def unrolled(layer_backward: LayerBackward, layers: list[Any], plans: Plans,
-             layer_inputs, d_hidden, states: list[Any], update: LeafUpdate):
+def layer_leaves(step: leaves_lib.StepLeaves, layers: list[Any],
+                 layer: int) -> list[leaves_lib.Leaf]:
+  """The records of unrolled layer ``layer``'s leaves."""
+  return step.of(layers[layer],
+                 leaves_lib.LAYERS + (jax.tree_util.SequenceKey(layer),))
+
+
+def unrolled(layer_backward: LayerBackward, layers: list[Any],
+             step: leaves_lib.StepLeaves, layer_inputs: list[Any],
+             d_hidden: Any):
   """Backward over a list of layers; each layer's update is forced in order.
 
   Args:
     layer_backward: one layer's backward pass (:data:`LayerBackward`).
     layers: the per-layer parameter trees.
-    plans: one plan per leaf of ``layers`` (``None``: not a TACO leaf).
+    step: the step's leaf records.
     layer_inputs: each layer's saved input.
     d_hidden: the cotangent of the last layer's output.
-    states: each leaf's ``(values, indices, exponents)``.
-    update: the per-leaf TACO update.
 
   Returns:
-    ``(d_hidden, leaves, states, grads)``: the cotangent of the first layer's
-    input, the new leaves and states of ``layers`` (flattened) and the
-    gradients of the non-TACO leaves (``None`` for TACO leaves).
+    ``(d_hidden, updated, grads)``: the cotangent of the first layer's
+    input, ``{key: Updated}`` of the layers' TACO leaves and ``{key:
+    gradient}`` of their Adam leaves.
   """
-  leaves = jax.tree.leaves(layers)
-  new_leaves, new_states = list(leaves), list(states)
-  grads_out = [None] * len(leaves)
-  offsets = [0]
-  for layer_params in layers:
-    offsets.append(offsets[-1] + len(jax.tree.leaves(layer_params)))
+  updated, grads = {}, {}
   # The cotangent of the output of the layer after this one: see below.
   previous_d_hidden = d_hidden
   for l in reversed(range(len(layers))):
     # Recompute this layer from inputs that depend on a cotangent: XLA
     # turns optimization barriers into control edges and then CSEs the
     # recomputation with the forward pass, which would keep every layer's
-    # activations alive (measured: +1 layer of weights' worth per layer).
-    # The cotangent is the one entering the layer above, not this layer's
-    # own, so this layer's recomputation can run while the layer above runs
-    # its backward pass (XLA:CPU runs independent kernels side by side):
-    # one layer's recomputation more alive (the example's default run:
-    # 606.8 -> 617.7 MiB compiled, 91.7 -> 95.9 tokens/s; README).
-    layer_input = jax.tree.map(
-        lambda x, after=previous_d_hidden: weight_update.data_dependency(
-            x, after), layer_inputs[l])
+    # activations alive. The cotangent is the one entering the layer above,
+    # not this layer's own, so this layer's recomputation can run while the
+    # layer above runs its backward pass (XLA:CPU runs independent kernels
+    # side by side), at the cost of one layer's recomputation more alive
+    # (docs/performance.md).
+    layer_input = ordering.ordered_after(layer_inputs[l], previous_d_hidden)
     previous_d_hidden = d_hidden
-    grads, d_hidden = layer_backward(layers[l], layer_input, d_hidden)
-    updated = None
-    for i, grad in enumerate(jax.tree.leaves(grads), start=offsets[l]):
-      if plans[i] is None:
-        grads_out[i] = grad
+    layer_grads, d_hidden = layer_backward(layers[l], layer_input, d_hidden)
+    first = None
+    for leaf, param, grad in zip(layer_leaves(step, layers, l),
+                                 jax.tree.leaves(layers[l]),
+                                 jax.tree.leaves(layer_grads)):
+      if leaf.plan is None:
+        grads = leaves_lib.merged(grads, {leaf.key: grad})
         continue
-      new_leaves[i], *state = update(i, leaves[i], grad, states[i], plans[i],
-                                     after=d_hidden)
-      new_states[i] = tuple(state)
-      updated = new_leaves[i] if updated is None else updated
+      result = step.update(leaf, param, grad, after=d_hidden)
+      updated = leaves_lib.merged(updated, {leaf.key: result})
+      first = result.param if first is None else first
     # The next layer's backward waits for this layer's update, so XLA cannot
     # postpone the updates (keeping every gradient alive) to the end.
-    if updated is not None:
-      d_hidden = jax.tree.map(
-          lambda x, u=updated: weight_update.data_dependency(x, u), d_hidden)
-  return d_hidden, new_leaves, new_states, grads_out
+    if first is not None:
+      d_hidden = ordering.ordered_after(d_hidden, first)
+  return d_hidden, updated, grads
 
 
-def scanned(layer_backward: LayerBackward, layers: Any, plans: Plans,
-            layer_inputs, d_hidden, states: list[Any], update: LeafUpdate):
+def _layer_slice(leaf: leaves_lib.Leaf, layer: jax.Array,
+                 shape: tuple[int, ...]) -> leaves_lib.Leaf:
+  """The record of slice ``x[layer]`` of a stacked TACO leaf."""
+  take = lambda x: jax.lax.dynamic_index_in_dim(x, layer, keepdims=False)
+  rounding = (None if leaf.rounding is None
+              else leaf.rounding._replace(layer=layer))
+  return leaf._replace(plan=winners.drop_leading_axis(leaf.plan, shape),
+                       history=kernels.History(*map(take, leaf.history)),
+                       rounding=rounding)
+
+
+def scanned(layer_backward: LayerBackward, layers: Any,
+            step: leaves_lib.StepLeaves, layer_inputs: Any, d_hidden: Any):
   """Backward ``lax.scan`` over stacked layers; weights updated in the carry.
 
   Same arguments and results as :func:`unrolled`, for ``layers`` whose leaves
-  have a leading layer axis (and so do ``layer_inputs`` and the states).
+  have a leading layer axis (and so do ``layer_inputs`` and the histories).
   """
-  leaves, layer_def = jax.tree.flatten(layers)
-  slice_plans = [weight_update.drop_leading_axis(p, x.shape)
-                 for p, x in zip(plans, leaves)]
-  taco_ids = [i for i, p in enumerate(plans) if p is not None]
-  adam_ids = [i for i, p in enumerate(plans) if p is None]
-  num_layers = leaves[0].shape[0] if leaves else 0
+  records = step.of(layers, leaves_lib.LAYERS)
+  params, layer_def = jax.tree.flatten(layers)
+  taco = [(leaf, p) for leaf, p in zip(records, params)
+          if leaf.plan is not None]
+  adam = [(leaf, p) for leaf, p in zip(records, params) if leaf.plan is None]
+  num_layers = params[0].shape[0] if params else 0
   take = lambda x, l: jax.lax.dynamic_index_in_dim(x, l, keepdims=False)
   put = lambda x, v, l: jax.lax.dynamic_update_index_in_dim(x, v, l, 0)
 
   def body(carry, xs):
-    d_hidden, weights, weight_states = carry
+    d_hidden, weights, histories = carry
     l, layer_input, adam_params = xs
-    layer_leaves = [None] * len(leaves)
-    for i, w in zip(taco_ids, weights):
-      layer_leaves[i] = take(w, l)
-    for i, p in zip(adam_ids, adam_params):
-      layer_leaves[i] = p
-    grads, d_hidden = layer_backward(layer_def.unflatten(layer_leaves),
-                                     layer_input, d_hidden)
-    grads = jax.tree.leaves(grads)
-    new_weights, new_weight_states = [], []
-    for i, weight, state in zip(taco_ids, weights, weight_states):
-      new_slice, *new_state = update(
-          i, layer_leaves[i], grads[i], tuple(take(s, l) for s in state),
-          slice_plans[i], layer=l)
-      new_weights.append(put(weight, new_slice, l))
-      new_weight_states.append(tuple(put(s, u, l)
-                                     for s, u in zip(state, new_state)))
-    return ((d_hidden, new_weights, new_weight_states),
-            [grads[i] for i in adam_ids])
+    layer_params = {leaf.key: take(w, l) for (leaf, _), w in zip(taco,
+                                                                   weights)}
+    layer_params.update((leaf.key, p) for (leaf, _), p in zip(adam,
+                                                              adam_params))
+    layer_grads, d_hidden = layer_backward(
+        layer_def.unflatten([layer_params[leaf.key] for leaf in records]),
+        layer_input, d_hidden)
+    grad_of = dict(zip((leaf.key for leaf in records),
+                       jax.tree.leaves(layer_grads)))
+    new_weights, new_histories = [], []
+    for (leaf, whole), weight, history in zip(taco, weights, histories):
+      sliced = _layer_slice(leaf._replace(history=history), l, whole.shape)
+      result = step.update(sliced, layer_params[leaf.key], grad_of[leaf.key])
+      new_weights.append(put(weight, result.param, l))
+      new_histories.append(kernels.History(*(
+          put(s, u, l) for s, u in zip(history, result.history))))
+    return ((d_hidden, new_weights, new_histories),
+            [grad_of[leaf.key] for leaf, _ in adam])
 
-  carry = (d_hidden, [leaves[i] for i in taco_ids],
-           [states[i] for i in taco_ids])
-  (d_hidden, weights, weight_states), adam_grads = jax.lax.scan(
-      body, carry,
-      (jnp.arange(num_layers), layer_inputs, [leaves[i] for i in adam_ids]),
-      reverse=True)
-  new_leaves, new_states = list(leaves), list(states)
-  grads_out = [None] * len(leaves)
-  for i, weight, state in zip(taco_ids, weights, weight_states):
-    new_leaves[i], new_states[i] = weight, state
-  for i, grad in zip(adam_ids, adam_grads):
-    grads_out[i] = grad
-  return d_hidden, new_leaves, new_states, grads_out
+  carry = (d_hidden, [p for _, p in taco], [leaf.history for leaf, _ in taco])
+  (d_hidden, weights, histories), adam_grads = jax.lax.scan(
+      body, carry, (jnp.arange(num_layers), layer_inputs,
+                    [p for _, p in adam]), reverse=True)
+  updated = {leaf.key: leaves_lib.Updated(w, h)
+             for (leaf, _), w, h in zip(taco, weights, histories)}
+  grads = {leaf.key: g for (leaf, _), g in zip(adam, adam_grads)}
+  return d_hidden, updated, grads

@@ -17,15 +17,18 @@ import jax.numpy as jnp
 
 from taco_optax._src.layerwise import accumulation
 from taco_optax._src.layerwise import backward
+from taco_optax._src.layerwise import leaves as leaves_lib
+
+Key = leaves_lib.Key
 
 
 def _square_sum(x: jax.Array) -> jax.Array:
   return jnp.sum(jnp.square(x))
 
 
-def squared_norms(loss, params, batch) -> list[jax.Array]:
-  """``sum(g**2)`` of each leaf of ``params`` (flattened), ``g`` the loss's
-  gradient: the head's and the embedding's shares summed first, as
+def squared_norms(loss, params, batch) -> dict[Key, jax.Array]:
+  """``sum(g**2)`` of each leaf of ``params`` (the pair), by key, ``g`` the
+  loss's gradient: the head's and the embedding's shares summed first, as
   ``jax.grad`` sums them; a stacked leaf's layers summed in layer order."""
   outer, layers = params
   run_layer = lambda p, h: loss.layer(p, h, batch)
@@ -39,27 +42,31 @@ def squared_norms(loss, params, batch) -> list[jax.Array]:
       loss.scan_layers)
   _, embed_vjp = jax.vjp(lambda o: loss.embed(o, batch), outer)
   (embed_grads,) = embed_vjp(d_hidden)
-  outer_sums = [_square_sum(h + e) for h, e in zip(
-      jax.tree.leaves(head_grads), jax.tree.leaves(embed_grads))]
-  return outer_sums + layer_sums
+  summed = jax.tree.map(lambda h, e: _square_sum(h + e), head_grads,
+                        embed_grads)
+  return {**dict(leaves_lib.keyed(summed, leaves_lib.OUTER)), **layer_sums}
 
 
 def layer_squares(layer_backward, layers, layer_inputs, d_hidden,
-                  scan_layers: bool) -> tuple[Any, list[jax.Array]]:
+                  scan_layers: bool) -> tuple[Any, dict[Key, jax.Array]]:
   """``(d_hidden, sums)``: the backward pass over the layers (no update),
-  keeping each leaf's ``sum(g**2)`` of ``layer_backward``'s gradient."""
+  keeping each leaf's ``sum(g**2)`` of ``layer_backward``'s gradient, by
+  key."""
   if scan_layers:
     def body(d_hidden, xs):
       layer_params, layer_input = xs
       grads, d_hidden = layer_backward(layer_params, layer_input, d_hidden)
-      return d_hidden, [_square_sum(g) for g in jax.tree.leaves(grads)]
+      return d_hidden, jax.tree.map(_square_sum, grads)
     d_hidden, per_layer = jax.lax.scan(body, d_hidden, (layers, layer_inputs),
                                        reverse=True)
-    return d_hidden, [_ordered_sum(list(s)) for s in per_layer]
-  sums = []
+    summed = jax.tree.map(lambda s: _ordered_sum(list(s)), per_layer)
+    return d_hidden, dict(leaves_lib.keyed(summed, leaves_lib.LAYERS))
+  sums = {}
   for l in reversed(range(len(layers))):
     grads, d_hidden = layer_backward(layers[l], layer_inputs[l], d_hidden)
-    sums = [_square_sum(g) for g in jax.tree.leaves(grads)] + sums
+    sums.update(leaves_lib.keyed(
+        jax.tree.map(_square_sum, grads),
+        leaves_lib.LAYERS + (jax.tree_util.SequenceKey(l),)))
   return d_hidden, sums
 
 
@@ -75,12 +82,12 @@ def _ordered_sum(values) -> jax.Array:
   return total
 
 
-def global_norm(squares: list[jax.Array]) -> jax.Array:
-  """``optax.tree.norm``'s norm from the leaves' ``sum(g**2)``, in its order
-  (``0 + s_0 + s_1 + ...``)."""
+def global_norm(params: Any, squares: dict[Key, jax.Array]) -> jax.Array:
+  """``optax.tree.norm``'s norm from each leaf's ``sum(g**2)``, summed in
+  the pair's leaf order, as optax sums them (``0 + s_0 + s_1 + ...``)."""
   total = 0
-  for s in squares:
-    total = total + s
+  for key, _ in leaves_lib.keyed(params, ()):
+    total = total + squares[key]
   return jnp.sqrt(jnp.asarray(total))
 
 
@@ -94,15 +101,17 @@ def clipper(norm: jax.Array, max_norm: float) -> Callable[[Any], Any]:
   return clip
 
 
-def accumulated_norm(loss, outer, layers, layer_inputs, d_hidden, batches,
-                      embed_reads, head_grads):
+def accumulated_norm(loss, params, layer_inputs, d_hidden, batches,
+                     embed_reads, head_means) -> jax.Array:
   """The global norm of the mean gradient (cast as ``MultiSteps`` casts it),
   from a backward pass over the layers that updates nothing."""
+  outer, layers = params
   d_first, layer_sums = layer_squares(
       accumulation.layer_backward(loss.layer, batches), layers,
       layer_inputs, d_hidden, loss.scan_layers)
-  means = accumulation.embed_backward(loss.embed, outer, d_first, batches,
-                                       embed_reads, head_grads)
-  outer_sums = [square_sum(None if g is None else g.astype(x.dtype))
-                for g, x in zip(means, jax.tree.leaves(outer))]
-  return global_norm(outer_sums + layer_sums)
+  means = accumulation.embed_means(loss.embed, outer, d_first, batches,
+                                   embed_reads, dict(head_means))
+  outer_sums = {key: square_sum(None if key not in means
+                                else means[key].astype(x.dtype))
+                for key, x in leaves_lib.keyed(outer, leaves_lib.OUTER)}
+  return global_norm(params, {**outer_sums, **layer_sums})

@@ -1,119 +1,165 @@
-"""What every leaf's update reads in one layer-wise step, and the step's end.
+"""Every parameter leaf of one layer-wise step: one record, keyed by path.
 
-:func:`leaves` gathers, once per step, each leaf's plan, TACO state and
-rounding and the per-leaf update (:class:`Leaves`); :func:`finish` runs Adam
-on the non-TACO leaves, as ``optax.partition`` would, and packs the new
-:func:`taco` state.
+The step's params are a pair ``(outer, layers)``. Each leaf of it travels
+through the step as a :class:`Leaf`, found by its :data:`Key` (its key path
+in the pair, as ``jax.tree_util.tree_flatten_with_path`` gives it), never by
+its position: the backward pass finds a layer's records from that layer's own
+tree (:meth:`StepLeaves.of`), every piece of the step returns what it made
+keyed the same way (``{key: Updated}`` for TACO leaves, ``{key: gradient}``
+for Adam leaves), and ``finish`` checks that each leaf got exactly one result
+of the right kind and shape, naming any that did not.
 """
 
 import dataclasses
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, Iterator, NamedTuple, Optional
 
 import jax
 import optax
 
+from taco_optax._src import kernels
 from taco_optax._src import transform
-from taco_optax._src.layerwise import weight_update
 from taco_optax._src.layerwise import token_table
+from taco_optax._src.layerwise import weight_update
+from taco_optax._src.layerwise import winners
+
+Key = tuple[Any, ...]  # a key path in the params pair (outer, layers)
+OUTER: Key = (jax.tree_util.SequenceKey(0),)
+LAYERS: Key = (jax.tree_util.SequenceKey(1),)
 
 
-def _is_masked(x: Any) -> bool:
-  return isinstance(x, optax.MaskedNode)
+def name_of(key: Key) -> str:
+  """``'layers/3/attn/q_proj/kernel'`` for a key in the pair."""
+  part = 'outer' if key[:1] == OUTER else 'layers'
+  rest = transform.path_name(key[1:])
+  return f'{part}/{rest}' if rest else part
 
 
-def _flatten(tree: Any) -> list[Any]:
-  return jax.tree.leaves(tree, is_leaf=_is_masked)
+def keyed(tree: Any, prefix: Key) -> Iterator[tuple[Key, Any]]:
+  """``(key, leaf)`` of every leaf of ``tree``, a subtree at ``prefix``."""
+  for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    yield prefix + tuple(path), leaf
 
 
-class Leaves(NamedTuple):
-  """What every leaf's update reads in one step."""
-  num_outer: int
-  plans: list[Any]
+class Leaf(NamedTuple):
+  """One parameter leaf as the layer-wise step updates it.
+
+  Attributes:
+    key: its key path in the params pair.
+    index: its position among the pair's leaves: the optax path's order,
+      in which the global norm sums and rounding keys are folded.
+    plan: its :class:`LeafPlan`; ``None`` for an Adam leaf.
+    history: its TACO history (entries ``optax.MaskedNode`` for an Adam
+      leaf).
+    rounding: its stochastic rounding when it is a 16-bit leaf and ``taco``
+      rounds stochastically, else ``None``.
+  """
+  key: Key
+  index: int
+  plan: Optional[transform.LeafPlan]
+  history: kernels.History
+  rounding: Optional[winners.LeafRounding]
+
+  @property
+  def name(self) -> str:
+    return name_of(self.key)
+
+
+class Updated(NamedTuple):
+  """A TACO leaf's new value and history."""
+  param: jax.Array
+  history: kernels.History
+
+
+@dataclasses.dataclass(frozen=True)
+class StepLeaves:
+  """Every leaf's record in one step, and how a TACO leaf is updated.
+
+  Attributes:
+    leaves: every :class:`Leaf`, by key, in the pair's leaf order.
+    parts: the optimizer's :class:`TacoParts`.
+    states: its pieces' states at the start of the step.
+    clip: an elementwise transform of every gradient (clipping), or None.
+    column_block_elements: ``train_step``'s argument.
+  """
+  leaves: dict[Key, Leaf]
+  parts: transform.TacoParts
   states: transform.TacoStates
-  leaf_states: list[Any]  # (values, indices, exponents); MaskedNode: Adam
-  rounding: Callable[..., Any]
-  update: Callable[..., tuple[jax.Array, ...]]
+  clip: Optional[Callable[[jax.Array], jax.Array]]
+  column_block_elements: int
+
+  def of(self, tree: Any, prefix: Key) -> list[Leaf]:
+    """The records of ``tree``'s leaves, ``tree`` being the subtree of the
+    pair at ``prefix`` (the outer params, one layer, the stacked layers)."""
+    found = []
+    for key, _ in keyed(tree, prefix):
+      if key not in self.leaves:
+        raise ValueError(f'the layer-wise step has no leaf {name_of(key)}; '
+                         'the params pair changed structure within the step.')
+      found.append(self.leaves[key])
+    return found
+
+  def update(self, leaf: Leaf, param: jax.Array, grad: Any,
+             after: Any = None) -> Updated:
+    """``leaf``'s TACO update on its (whole) gradient ``grad``.
+
+    ``param`` and ``grad`` are the leaf's (or, with a sliced ``leaf``, one
+    layer slice's); ``after``: what its winners are ordered after.
+    """
+    if self.clip is not None:
+      grad = (dataclasses.replace(grad, transform=self.clip)
+              if isinstance(grad, token_table.TableGradient)
+              else self.clip(grad))
+    param, history = weight_update.taco_leaf_update(
+        param, grad, leaf.history, winners.WinnerWrite(
+            plan=leaf.plan, mu=self.parts.mu,
+            learning_rate=self.parts.learning_rate,
+            learning_rate_state=self.states.learning_rate,
+            block_elements=self.column_block_elements, after=after,
+            rounding=leaf.rounding))
+    return Updated(param, history)
 
 
-def leaves(parts, params, opt_state, clip=None) -> Leaves:
-  """The step's :class:`Leaves` of ``params`` and ``opt_state``.
-
-  ``clip``: an elementwise transform of every gradient (clipping), or None.
-  """
-  plans = parts.plans(params)
+def step_leaves(parts: transform.TacoParts, params: Any, opt_state: Any,
+                clip: Optional[Callable[[jax.Array], jax.Array]],
+                column_block_elements: int) -> StepLeaves:
+  """The :class:`StepLeaves` of ``params`` (the pair) and ``opt_state``."""
   states = transform.taco_states(opt_state)
-  leaf_states = list(zip(*(_flatten(s) for s in states.direction)))
-  rounding = _leaf_rounding(parts, states, params)
-
-  def update(i, param, grad, state, plan, after=None, layer=None):
-    if clip is not None:
-      grad = (dataclasses.replace(grad, transform=clip)
-              if isinstance(grad, token_table.TableGradient) else clip(grad))
-    return weight_update.taco_leaf_update(
-        param, grad, *state, plan=plan, mu=parts.mu,
-        lr_tx=parts.learning_rate, lr_state=states.learning_rate,
-        after=after, rounding=rounding(i, layer))
-
-  return Leaves(len(jax.tree.leaves(params[0])), plans, states, leaf_states,
-                rounding, update)
+  flat = list(keyed(params, ()))
+  masked = jax.tree.structure(params, is_leaf=transform.is_masked)
+  histories = transform.leaf_histories(states.direction, masked)
+  keys = _rounding_keys(parts, states, [x for _, x in flat])
+  leaves = {}
+  for index, ((key, param), plan, history) in enumerate(
+      zip(flat, parts.plans(params), histories)):
+    rounding = None
+    if keys is not None and transform.is_low_precision(param.dtype):
+      rounding = winners.LeafRounding(keys[index], param.shape)
+    leaves[key] = Leaf(key, index, plan, history, rounding)
+  return StepLeaves(leaves, parts, states, clip, column_block_elements)
 
 
-def finish(parts, params, opt_state, ctx, clip, leaves, grads, leaf_states,
-           value):
-  """Adam on the (clipped) non-TACO gradients, then the new params and state.
+def _rounding_keys(parts: transform.TacoParts, states: transform.TacoStates,
+                   params: list[jax.Array]) -> Optional[jax.Array]:
+  """Every leaf's stochastic-rounding key (``(leaves, 2)``), or None.
 
-  ``leaves`` and ``leaf_states`` are every leaf's new value and TACO state
-  (``grads``: the gradients of the Adam leaves, ``None`` at TACO leaves);
-  returns the step's ``(params, opt_state, value)``.
+  The keys the optax path's ``stochastic_rounding`` folds for the same
+  leaves, drawn only when some leaf is 16-bit and ``taco`` rounds
+  stochastically.
   """
-  if clip is not None:
-    grads = [None if g is None else clip(g) for g in grads]
-  new_leaves, adam_state = _adam(parts, params, ctx.plans, leaves, grads,
-                                 ctx.states.adam)
-  return (jax.tree.structure(params).unflatten(new_leaves),
-          _pack(parts, opt_state, ctx.states, leaf_states, adam_state), value)
+  if states.rounding is None or not any(
+      transform.is_low_precision(x.dtype) for x in params):
+    return None
+  return transform.leaf_keys(parts.rounding_seed, states.rounding.count,
+                             len(params))
 
 
-def _adam(parts, params, plans, leaves, grads, adam_state):
-  """Adam on the non-TACO leaves, as ``optax.partition`` would run it."""
-  is_adam = [plan is None for plan in plans]
-  mask = lambda xs: jax.tree.structure(params).unflatten(
-      [x if a else optax.MaskedNode() for x, a in zip(xs, is_adam)])
-  updates, adam_state = parts.adam.update(mask(grads), adam_state,
-                                          mask(leaves))
-  updated = _flatten(optax.apply_updates(mask(leaves), updates))
-  return ([u if a else p for p, u, a in zip(leaves, updated, is_adam)],
-          adam_state)
-
-
-def _leaf_rounding(parts, states, params):
-  """``rounding(leaf, layer=None)``: the leaf's ``LeafRounding``, or None.
-
-  Set for the 16-bit leaves when ``taco`` rounds stochastically; the key is
-  the one the optax path's ``stochastic_rounding`` folds for the leaf.
-  """
-  leaves = jax.tree.leaves(params)
-  keys = None
-  if states.rounding is not None and any(
-      transform.is_low_precision(x.dtype) for x in leaves):
-    keys = transform.leaf_keys(parts.rounding_seed, states.rounding.count,
-                               len(leaves))
-
-  def rounding(i, layer=None):
-    if keys is None or not transform.is_low_precision(leaves[i].dtype):
-      return None
-    return weight_update.LeafRounding(keys[i], leaves[i].shape, layer)
-
-  return rounding
-
-
-def _pack(parts, opt_state, states, leaf_states, adam_state):
-  """The new :func:`taco` state from the per-leaf TACO states."""
-  _, lr_state = parts.learning_rate.update(None, states.learning_rate)
-  masked_def = jax.tree.structure(states.direction.values, is_leaf=_is_masked)
-  direction = transform.TacoState(
-      *(masked_def.unflatten(field) for field in zip(*leaf_states)))
-  rounding = (None if states.rounding is None
-              else transform.advanced(states.rounding))
-  return transform.with_taco_states(
-      opt_state, transform.TacoStates(direction, lr_state, adam_state, rounding))
+def merged(*results: dict[Key, Any]) -> dict[Key, Any]:
+  """The union of the pieces' results; a key in two of them is an error."""
+  out = {}
+  for result in results:
+    twice = out.keys() & result.keys()
+    if twice:
+      raise ValueError('the layer-wise step produced two results for '
+                       + ', '.join(sorted(map(name_of, twice))))
+    out.update(result)
+  return out

@@ -4,8 +4,8 @@ The tied table's gradient is the projection's share (``d_logits^T features``,
 formed a block of columns at a time from the logits' cotangent) plus the
 lookup's share, which backprop reaches only after every layer. Keeping the
 logits' cotangent until then costs ``positions x vocab`` floats through the
-whole backward pass (0.09 x the weights of SmolLM2-135M in float32). But the lookup
-only touches the table's rows of the batch's tokens, so:
+whole backward pass (``docs/memory.md`` measures it). But the lookup only
+touches the table's rows of the batch's tokens, so:
 
 1. at the head (:func:`select_outside`): per column, the candidates of every
    row outside the batch's tokens are final; keep their top ``max(k, r)``
@@ -19,15 +19,15 @@ The arithmetic of every candidate is the reference column step's, so the
 result equals the one-pass step on the summed gradient (tested bit for bit).
 """
 
-from typing import Any, NamedTuple
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from taco_optax._src import kernels
 from taco_optax._src import transform
-from taco_optax._src.layerwise import weight_update
 from taco_optax._src.layerwise import token_table
+from taco_optax._src.layerwise import winners
 
 
 class HeadCandidates(NamedTuple):
@@ -57,11 +57,11 @@ def batch_tokens(ids: jax.Array, vocab: int) -> tuple[jax.Array, jax.Array]:
 
 
 def select_outside(gradient: token_table.TableGradient, tokens: jax.Array,
-                   state, plan: transform.LeafPlan, mu,
+                   history: kernels.History, plan: transform.LeafPlan, mu,
                    chunk: int) -> HeadCandidates:
   """Phase 1, a block of ``chunk`` columns at a time (``plan``'s columns lie
-  along ``gradient.axis``; ``state`` is ``(values, indices, exponents)``)."""
-  values, indices, exponents = state
+  along ``gradient.axis``)."""
+  values, indices, exponents = history
   vocab = gradient.shape[1 - gradient.axis]
   keep = max(values.shape[-2], plan.update_topk)
   excluded = jnp.zeros((vocab,), bool).at[tokens].set(True, mode='drop')
@@ -87,7 +87,8 @@ def select_outside(gradient: token_table.TableGradient, tokens: jax.Array,
 
 
 def merge_batch_tokens(outside: HeadCandidates, tokens: jax.Array,
-                       lookup_grads: jax.Array, state, plan: transform.LeafPlan,
+                       lookup_grads: jax.Array, history: kernels.History,
+                       plan: transform.LeafPlan,
                        mu) -> kernels.ColumnStep:
   """Phase 2: the batch's tokens' candidates, merged with ``outside``.
 
@@ -95,15 +96,16 @@ def merge_batch_tokens(outside: HeadCandidates, tokens: jax.Array,
     outside: phase 1's result.
     tokens: ``(U,)`` the batch's distinct tokens (:func:`batch_tokens`).
     lookup_grads: ``(n, U)`` the lookup's gradient at those tokens.
-    state: ``(values, indices, exponents)`` in the stored layout.
+    history: the table's history.
     plan: the table's plan.
     mu: EMA decay.
 
   Returns:
     The :class:`ColumnStep` on the table's ``n`` columns.
   """
-  values, indices, exponents = (kernels.history_rows(state[0]),
-                                kernels.history_rows(state[1]), state[2])
+  values, indices, exponents = (kernels.history_rows(history.values),
+                                kernels.history_rows(history.indices),
+                                history.exponents)
   k = values.shape[-1]
   vocab = plan.layout.m
   grads = (lookup_grads + outside.inside).astype(jnp.float32)
@@ -120,7 +122,7 @@ def merge_batch_tokens(outside: HeadCandidates, tokens: jax.Array,
                           min(k, tokens.size))
   # Each list holds the top of its rows in the same order, so the top k of
   # their union is the top k of all: a sort of k + max(k, r) per column,
-  # not of every batch token (a full sort cost 22 ms a step on SmolLM2).
+  # not of every batch token (docs/performance.md, "Whole train steps").
   all_values = jnp.concatenate(
       [outside.values, jnp.take_along_axis(candidates, best, -1)], -1)
   all_tokens = jnp.concatenate([outside.indices, tokens[best]], -1)
@@ -134,63 +136,78 @@ def merge_batch_tokens(outside: HeadCandidates, tokens: jax.Array,
       exponents, plan.update_topk)
 
 
-def applies(param, gradient: token_table.TableGradient, plan, ids,
-            k: int) -> bool:
+def applies(param: jax.Array, gradient: token_table.TableGradient,
+            plan: transform.LeafPlan, ids: jax.Array, k: int,
+            block_elements: int) -> bool:
   """Whether the two phases can run for this table (``k`` history entries
   per column) on this device."""
   if kernels.leaf_sharding_of(param, plan.axes(param.shape)) is not None:
     return False
   layout = plan.local_layout(param.shape)
   # Phase 1 must find max(k, r) tokens outside the batch's.
-  return (weight_update.column_chunk(layout) is not None and param.ndim == 2
-          and gradient.axis == weight_update.column_axis(layout)
+  return (winners.column_chunk(layout, block_elements) is not None
+          and param.ndim == 2
+          and gradient.axis == winners.column_axis(layout)
           and layout.m >= ids.size + max(k, plan.update_topk))
 
 
-def head_phase(gradient, ids, param, state, plan, mu) -> tuple[Any, ...]:
-  """Phase 1 for a table: ``(tokens, inverse, outside)`` to keep for phase 2."""
-  tokens, inverse = batch_tokens(ids, plan.layout.m)
-  chunk = weight_update.column_chunk(plan.local_layout(param.shape))
-  return tokens, inverse, select_outside(gradient, tokens, state, plan, mu,
-                                         chunk)
+class HeadPhase(NamedTuple):
+  """Phase 1's result, kept for phase 2 (:func:`head_phase`).
+
+  Attributes:
+    tokens: ``(U,)`` the batch's distinct tokens (:func:`batch_tokens`).
+    inverse: each looked-up id's position among them.
+    outside: :func:`select_outside`'s candidates.
+  """
+  tokens: jax.Array
+  inverse: jax.Array
+  outside: HeadCandidates
 
 
-def update(param, kept, gather, d_rows, state, plan, mu, lr_tx, lr_state,
-           rounding=None):
-  """Phase 2 and the winners written into ``param``.
+def head_phase(gradient: token_table.TableGradient, ids: jax.Array,
+               param: jax.Array, history: kernels.History,
+               write: winners.WinnerWrite) -> HeadPhase:
+  """Phase 1 for a table: what phase 2 needs of the projection's share."""
+  tokens, inverse = batch_tokens(ids, write.plan.layout.m)
+  chunk = winners.column_chunk(write.plan.local_layout(param.shape),
+                               write.block_elements)
+  return HeadPhase(tokens, inverse, select_outside(
+      gradient, tokens, history, write.plan, write.mu, chunk))
+
+
+def update(param: jax.Array, phase: HeadPhase,
+           gather: Callable[[jax.Array, jax.Array], jax.Array],
+           d_rows: jax.Array, history: kernels.History,
+           write: winners.WinnerWrite) -> tuple[jax.Array, kernels.History]:
+  """Phase 2 and the winners written into ``param`` (the table).
 
   Args:
     param: the table.
-    kept: :func:`head_phase`'s result.
+    phase: :func:`head_phase`'s result.
     gather: the lookup's ``gather(table, ids)``.
     d_rows: the cotangent of the looked-up tokens.
-    state: ``(values, indices, exponents)``.
-    plan: the table's plan.
-    mu: EMA decay.
-    lr_tx: the learning-rate transformation; ``lr_state`` its state.
-    rounding: the table's ``LeafRounding`` when it is rounded
-      stochastically.
+    history: the table's history.
+    write: how its winners are written (``write.after`` is not used).
 
   Returns:
-    ``(param, values, indices, exponents)``, updated.
+    ``(param, history)``, updated.
   """
-  tokens, inverse, outside = kept
-  axis = weight_update.column_axis(plan.layout)
-  compact = jnp.zeros((tokens.size, param.shape[axis]), param.dtype)
-  _, gather_vjp = jax.vjp(lambda table: gather(table, inverse), compact)
+  plan = write.plan
+  axis = winners.column_axis(plan.layout)
+  compact = jnp.zeros((phase.tokens.size, param.shape[axis]), param.dtype)
+  _, gather_vjp = jax.vjp(lambda table: gather(table, phase.inverse), compact)
   (lookup_grads,) = gather_vjp(d_rows)  # (U, n): the lookup's share
-  step = merge_batch_tokens(outside, tokens, lookup_grads.T, state, plan,
-                            mu)
-  delta = weight_update.winner_delta(step, plan.scale, param.dtype, lr_tx,
-                                    lr_state, None)
+  step = merge_batch_tokens(phase.outside, phase.tokens, lookup_grads.T,
+                            history, plan, write.mu)
+  delta = winners.winner_delta(step, param.dtype, write._replace(after=None))
   columns = jnp.arange(param.shape[axis], dtype=jnp.int32)[:, None]
   where = ((step.winner_indices, columns) if axis == 1
            else (columns, step.winner_indices))
-  bits = None if rounding is None else transform.element_bits(
-      rounding.key, transform.flat_index(param.shape, list(where)))
-  param = weight_update.scatter_add(param, where, delta, dropping=False,
-                                   bits=bits)
+  bits = None if write.rounding is None else transform.element_bits(
+      write.rounding.key, transform.flat_index(param.shape, list(where)))
+  param = winners.scatter_add(param, where, delta, dropping=False, bits=bits)
   return (jnp.where(step.finite, param, jnp.nan),
-          kernels.stored_history(step.values, state[0].shape),
-          kernels.stored_history(step.indices, state[1].shape),
-          step.exponents)
+          kernels.History(
+              kernels.stored_history(step.values, history.values.shape),
+              kernels.stored_history(step.indices, history.indices.shape),
+              step.exponents))

@@ -4,7 +4,7 @@ A decoder reads its ``[vocab, d]`` token table twice: ``embed`` looks rows up,
 and the head projects the final states onto it (tied), or onto an untied
 ``[d, vocab]`` kernel. Left to ``jax.vjp`` both uses produce a dense
 vocabulary-sized gradient, which the layer-wise step would hold through the
-whole backward pass (0.21 x the weights of SmolLM2-135M). Written as
+whole backward pass (``docs/memory.md`` measures it). Written as
 :class:`TableLookup` and :class:`TableProjection`, the step instead keeps each
 use's small factors (the looked-up rows' cotangent; the features and the
 logits' cotangent) and forms the table's gradient a block of columns at a
@@ -15,7 +15,7 @@ Both are plain callables with the signatures of ``LayeredLoss.embed`` and
 """
 
 import dataclasses
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +23,7 @@ import jax.numpy as jnp
 Params = Any
 Batch = Any
 Path = tuple[Any, ...]
+KeyPath = tuple[Any, ...]  # a jax key path
 
 
 def table_at(outer: Params, path: Path) -> jax.Array:
@@ -35,14 +36,14 @@ def table_at(outer: Params, path: Path) -> jax.Array:
   return outer
 
 
-def leaf_index(outer: Params, path: Path) -> int:
-  """The position of ``path``'s leaf in ``jax.tree.leaves(outer)``."""
-  for i, (key_path, _) in enumerate(
-      jax.tree_util.tree_flatten_with_path(outer)[0]):
+def table_path(outer: Params, path: Path) -> KeyPath:
+  """The key path of ``path``'s leaf in ``outer`` (as
+  ``jax.tree_util.tree_flatten_with_path`` names it)."""
+  for key_path, _ in jax.tree_util.tree_flatten_with_path(outer)[0]:
     names = tuple(getattr(k, 'key', getattr(k, 'idx', getattr(k, 'name', k)))
                   for k in key_path)
     if names == tuple(path):
-      return i
+      return key_path
   raise ValueError(f'no leaf at {path} among the outer parameters.')
 
 
@@ -213,62 +214,101 @@ def projection_gradient(head: TableProjection, table, features,
   return TableGradient(table, head.table_axis, (use,))
 
 
-def _without(leaves, index):
-  return [None if i == index else x for i, x in enumerate(leaves)]
+class ProjectionBackward(NamedTuple):
+  """The head's backward pass (:func:`projection_backward`).
+
+  Attributes:
+    value: the loss.
+    grads: the gradient of every other leaf of ``outer``, by key path.
+    d_hidden: the cotangent of the head's ``hidden``.
+    table: the table's key path in ``outer``.
+    gradient: the table's :class:`TableGradient`.
+  """
+  value: jax.Array
+  grads: dict[KeyPath, Any]
+  d_hidden: Any
+  table: KeyPath
+  gradient: TableGradient
 
 
-def _with(leaves, index, value):
-  return [value if i == index else x for i, x in enumerate(leaves)]
+class LookupBackward(NamedTuple):
+  """The embedding's backward pass (:func:`lookup_backward`).
+
+  Attributes:
+    grads: the gradient of every other leaf of ``outer``, by key path.
+    table: the table's key path in ``outer``.
+    ids: the looked-up ids.
+    d_rows: the cotangent of the looked-up rows (:func:`lookup_gradient`
+      forms the table's gradient from it).
+  """
+  grads: dict[KeyPath, Any]
+  table: KeyPath
+  ids: jax.Array
+  d_rows: jax.Array
 
 
-def head_backward(head: TableProjection, outer: Params, hidden: Any,
-                  batch: Batch):
+class _Split(NamedTuple):
+  """``outer`` as its table and the other leaves (:func:`_split_table`)."""
+  table_key: KeyPath
+  table: jax.Array
+  keys: list[KeyPath]  # the other leaves' key paths, in leaf order
+  others: list[Any]
+  rebuild: Callable[[list[Any]], Params]  # others -> outer with the table
+
+  def keyed(self, grads: list[Any]) -> dict[KeyPath, Any]:
+    return dict(zip(self.keys, grads))
+
+
+def _split_table(outer: Params, path: Path) -> _Split:
+  leaves, treedef = jax.tree_util.tree_flatten_with_path(outer)
+  table_key = table_path(outer, path)
+  keys = [key for key, _ in leaves if key != table_key]
+  table = next(x for key, x in leaves if key == table_key)
+
+  def rebuild(rest):
+    rest = iter(rest)
+    return jax.tree.unflatten(treedef, [table if key == table_key
+                                        else next(rest) for key, _ in leaves])
+  return _Split(table_key, table, keys, [x for key, x in leaves
+                                         if key != table_key], rebuild)
+
+
+def projection_backward(head: TableProjection, outer: Params, hidden: Any,
+                        batch: Batch) -> ProjectionBackward:
   """The head's value and backward pass, without the table's dense gradient.
 
   ``head.features`` must not read the table (the layer-wise step checks).
-
-  Returns:
-    ``(value, outer_grads, d_hidden, table_index, gradient)``: the loss, the
-    gradient of every other leaf of ``outer`` (``None`` at the table), the
-    cotangent of ``hidden``, and the table's :class:`TableGradient`.
   """
-  leaves, treedef = jax.tree.flatten(outer)
-  index = leaf_index(outer, head.table)
-  table = leaves[index]
-  def features(rest, hidden):
-    return head.features(treedef.unflatten(_with(rest, index, table)), hidden,
-                         batch)
-  feats, features_vjp = jax.vjp(features, _without(leaves, index), hidden)
-  logits, project_vjp = jax.vjp(lambda f: head.project(f, table), feats)
+  split = _split_table(outer, head.table)
+  features = lambda rest, hidden: head.features(split.rebuild(rest), hidden,
+                                                batch)
+  feats, features_vjp = jax.vjp(features, split.others, hidden)
+  logits, project_vjp = jax.vjp(lambda f: head.project(f, split.table), feats)
   value, loss_vjp = jax.vjp(lambda x: head.loss(x, batch), logits)
   (d_logits,) = loss_vjp(jnp.ones_like(value))
   (d_features,) = project_vjp(d_logits)
-  outer_grads, d_hidden = features_vjp(d_features)
-  return (value, outer_grads, d_hidden, index,
-          projection_gradient(head, table, feats, d_logits))
+  grads, d_hidden = features_vjp(d_features)
+  return ProjectionBackward(
+      value=value, grads=split.keyed(grads), d_hidden=d_hidden,
+      table=split.table_key,
+      gradient=projection_gradient(head, split.table, feats, d_logits))
 
 
-def embed_backward(lookup: TableLookup, outer: Params, batch: Batch):
+def lookup_backward(lookup: TableLookup, outer: Params, batch: Batch
+                    ) -> Callable[[Any], LookupBackward]:
   """The embedding's backward pass, without the table's dense gradient.
 
   ``lookup.apply`` must not read the table (the layer-wise step checks).
 
   Returns:
-    ``backward(d_hidden) -> (outer_grads, table_index, ids, d_rows)``: as
-    :func:`head_backward`, with the looked-up ids and their rows' cotangent
-    in place of the gradient (:func:`lookup_gradient` forms it).
+    ``backward(d_hidden) -> LookupBackward``.
   """
-  leaves, treedef = jax.tree.flatten(outer)
-  index = leaf_index(outer, lookup.table)
-  table = leaves[index]
+  split = _split_table(outer, lookup.table)
   ids = lookup.ids(batch)
-  def apply(rest, rows):
-    return lookup.apply(treedef.unflatten(_with(rest, index, table)), rows,
-                        batch)
-  _, apply_vjp = jax.vjp(apply, _without(leaves, index),
-                         lookup.gather(table, ids))
+  apply = lambda rest, rows: lookup.apply(split.rebuild(rest), rows, batch)
+  _, apply_vjp = jax.vjp(apply, split.others, lookup.gather(split.table, ids))
 
   def backward(d_hidden):
-    outer_grads, d_rows = apply_vjp(d_hidden)
-    return outer_grads, index, ids, d_rows
+    grads, d_rows = apply_vjp(d_hidden)
+    return LookupBackward(split.keyed(grads), split.table_key, ids, d_rows)
   return backward

@@ -6,27 +6,31 @@ gradient alive until the optimizer runs (always so when layers are stacked in a
 matrix. Here the backward pass is written by hand, one layer at a time: each
 layer's weight gradient goes through the same history step as the optax path
 and the ``<= r`` winners of every column are written into the weight by a
-scatter (``_leaf_update``), so only one layer's gradients are alive at once and
-no dense update exists. The result equals the plain optax path with
+scatter (``weight_update``), so only one layer's gradients are alive at once
+and no dense update exists. The result equals the plain optax path with
 :func:`taco` (tested).
 
-The parameters outside the layers are updated in ``_outer_step`` (after the
-head, and after the embedding's backward pass).
+One batch reads forward -> head -> layers -> embedding -> Adam and pack: the
+parameters outside the layers are updated in ``outer`` (after the head, and
+after the embedding's backward pass), the layers in ``backward``, and
+``finish`` checks every leaf's result and packs the state. Micro-batches run
+the same pieces layer-major (``accumulated_step``).
 """
 
 from typing import Any, Callable, Optional
 
 import jax
-import jax.numpy as jnp
 import optax
 
-from taco_optax._src.layerwise import accumulation
 from taco_optax._src import transform
-from taco_optax._src.layerwise import backward as backward_lib
+from taco_optax._src.layerwise import accumulated_step
+from taco_optax._src.layerwise import backward
 from taco_optax._src.layerwise import clipping
-from taco_optax._src.layerwise import weight_update
+from taco_optax._src.layerwise import finish
+from taco_optax._src.layerwise import leaves as leaves_lib
+from taco_optax._src.layerwise import ordering
 from taco_optax._src.layerwise import outer as outer_lib
-from taco_optax._src.layerwise import leaves
+from taco_optax._src.layerwise import winners
 from taco_optax._src.layerwise.layered_loss import LayeredLoss
 
 Params = Any
@@ -39,7 +43,9 @@ TrainStep = Callable[[tuple[Params, Params], Any, Batch],
 def train_step(loss: LayeredLoss,
                optimizer: optax.GradientTransformation, *,
                accumulation_steps: Optional[int] = None,
-               clip_global_norm: Optional[float] = None) -> TrainStep:
+               clip_global_norm: Optional[float] = None,
+               column_block_elements: int = (
+                   winners.DEFAULT_COLUMN_BLOCK_ELEMENTS)) -> TrainStep:
   r"""A memory-lean train step for :func:`taco`: gradients die as they appear.
 
   The step runs the forward pass saving only each layer's input, then a
@@ -104,15 +110,21 @@ def train_step(loss: LayeredLoss,
       one-pass update (its head factors live through the layers). With
       ``accumulation_steps``, the norm is the mean gradient's, as
       ``MultiSteps(chain(clip_by_global_norm(c), optimizer), A)`` clips.
+    column_block_elements: a matrix whose column step would hold more than
+      twice this many float32 elements (a token table, a large head) is
+      updated a block of about this many elements of columns at a time
+      (the column step's transients are gradient-sized; the result is the
+      same). Smaller blocks lower the peak and cost a longer loop.
 
   Returns:
     ``step(params, opt_state, batch) -> (params, opt_state, loss)``, to be
     wrapped in ``jax.jit(step, donate_argnums=(0, 1))``.
 
   Raises:
-    ValueError: if ``optimizer`` is not a :func:`taco` transformation, or
+    ValueError: if ``optimizer`` is not a :func:`taco` transformation (the
+      message names what wraps it and what to pass instead), or
       ``accumulation_steps`` is not an int >= 1 (or the batch's leading axis
-      is not of that size).
+      is not of that size), or ``column_block_elements`` not an int >= 1.
 
   Examples:
     >>> import jax, jax.numpy as jnp, optax
@@ -141,160 +153,89 @@ def train_step(loss: LayeredLoss,
   """
   return step_from_parts(loss, transform.parts_of(optimizer),
                          accumulation_steps=accumulation_steps,
-                         clip_global_norm=clip_global_norm)
+                         clip_global_norm=clip_global_norm,
+                         column_block_elements=column_block_elements)
+
+
+def _is_int_at_least(value: Any, minimum: int) -> bool:
+  return (isinstance(value, int) and not isinstance(value, bool)
+          and value >= minimum)
 
 
 def step_from_parts(loss: LayeredLoss, parts: transform.TacoParts, *,
                     accumulation_steps: Optional[int] = None,
-                    clip_global_norm: Optional[float] = None) -> TrainStep:
+                    clip_global_norm: Optional[float] = None,
+                    column_block_elements: int = (
+                        winners.DEFAULT_COLUMN_BLOCK_ELEMENTS)
+                    ) -> TrainStep:
   """:func:`train_step` from a :func:`taco` optimizer's :class:`TacoParts`.
 
   For callers that lay the same parameters out differently from the tree the
   optimizer was built for (``taco_optax.tunix`` re-lays a model's state as
   ``(outer, layers)``): ``parts.dimension_numbers`` and ``parts.update_scale``
-  must then describe the ``(outer, layers)`` pair. ``accumulation_steps`` and
-  ``clip_global_norm`` are :func:`train_step`'s.
+  must then describe the ``(outer, layers)`` pair. The other arguments are
+  :func:`train_step`'s.
   """
   if clip_global_norm is not None:
     if isinstance(clip_global_norm, bool) or not clip_global_norm > 0:
       raise ValueError('clip_global_norm must be a number > 0; got '
                        f'{clip_global_norm!r}.')
+  if not _is_int_at_least(column_block_elements, 1):
+    raise ValueError('column_block_elements must be an int >= 1; got '
+                     f'{column_block_elements!r}.')
+  one_batch = _one_batch_step(loss, parts, clip_global_norm,
+                              column_block_elements)
   if accumulation_steps is None:
-    return _one_batch_step(loss, parts, clip_global_norm)
-  if (isinstance(accumulation_steps, bool)
-      or not isinstance(accumulation_steps, int) or accumulation_steps < 1):
+    return one_batch
+  if not _is_int_at_least(accumulation_steps, 1):
     raise ValueError('accumulation_steps must be an int >= 1 (or None for a '
                      f'batch without a micro-batch axis); got '
                      f'{accumulation_steps!r}.')
-  return _accumulated_step(loss, parts, accumulation_steps, clip_global_norm)
+  return accumulated_step.accumulated_step(
+      loss, parts, accumulation_steps, clip_global_norm,
+      column_block_elements, one_batch)
 
 
-def _layers_backward(loss, layer_backward, layers, ctx: leaves.Leaves,
-                     layer_inputs, d_hidden):
+def _layers_backward(loss: LayeredLoss, step: leaves_lib.StepLeaves,
+                     layers: Any, layer_inputs: Any, d_hidden: Any,
+                     batch: Batch):
   """The backward pass over the layers, each TACO weight updated in it."""
-  backward = backward_lib.scanned if loss.scan_layers else backward_lib.unrolled
-  n = ctx.num_outer
-  return backward(layer_backward, layers, ctx.plans[n:], layer_inputs,
-                  d_hidden, ctx.leaf_states[n:],
-                  lambda i, *args, **kwargs: ctx.update(n + i, *args,
-                                                        **kwargs))
+  run_layer = lambda p, h: loss.layer(p, h, batch)
+  backward_pass = backward.scanned if loss.scan_layers else backward.unrolled
+  return backward_pass(backward.vjp_backward(run_layer), layers, step,
+                       layer_inputs, d_hidden)
 
 
 def _one_batch_step(loss: LayeredLoss, parts: transform.TacoParts,
-                    clip_global_norm: Optional[float] = None) -> TrainStep:
+                    clip_global_norm: Optional[float],
+                    column_block_elements: int) -> TrainStep:
   """The step on one batch (no micro-batch axis)."""
 
-  def step(params, opt_state, batch):
+  def step_fn(params, opt_state, batch):
     outer, layers = params
     hidden = loss.embed(outer, batch)
     clip = None
     if clip_global_norm is not None:
       norm = clipping.global_norm(
-          clipping.squared_norms(loss, params, batch))
+          params, clipping.squared_norms(loss, params, batch))
       clip = clipping.clipper(norm, clip_global_norm)
       # The step's forward after the norm's pass: one pass alive at a time.
-      hidden = jax.tree.map(
-          lambda x: weight_update.data_dependency(x, norm), hidden)
-    ctx = leaves.leaves(parts, params, opt_state, clip)
-    n = ctx.num_outer
-    context = outer_lib.Outer(loss, outer, batch, ctx.plans[:n],
-                                ctx.leaf_states[:n], ctx.update, parts,
-                                ctx.states, ctx.rounding,
-                                two_phase_allowed=clip is None)
-    run_layer = lambda p, h: loss.layer(p, h, batch)
-
+      hidden = ordering.ordered_after(hidden, norm)
+    step = leaves_lib.step_leaves(parts, params, opt_state, clip,
+                                  column_block_elements)
     # Forward, keeping each layer's input (the only saved activations).
-    hidden, layer_inputs = backward_lib.forward(run_layer, hidden, layers,
-                                             loss.scan_layers)
-    head = outer_lib.after_head(context, hidden)
-    d_hidden, layer_leaves, layer_states, layer_grads = _layers_backward(
-        loss, backward_lib.vjp_backward(run_layer), layers, ctx, layer_inputs,
-        head.d_hidden)
-    outer_leaves, outer_states, outer_grads = outer_lib.after_embedding(
-        context, head, d_hidden)
-    return leaves.finish(
-        parts, params, opt_state, ctx, clip, outer_leaves + layer_leaves,
-        outer_grads + layer_grads, outer_states + layer_states, head.value)
-
-  return step
-
-
-def _accumulated_step(loss: LayeredLoss, parts: transform.TacoParts,
-                      steps: int,
-                      clip_global_norm: Optional[float] = None) -> TrainStep:
-  """The step on ``steps`` micro-batches, layer-major (``_accumulation``).
-
-  The outer leaves take the roles of :func:`outer_lib.outer_roles` (no
-  two-phase table: the head's share of a tied table is accumulated whole):
-  the early ones are updated once the head's mean gradient is complete, the
-  late ones after the embedding's pass.
-  """
-  one_batch = _one_batch_step(loss, parts, clip_global_norm)
-
-  def step(params, opt_state, batches):
-    accumulation.check_micro_batches(batches, steps)
-    if steps == 1:  # the one-batch step, and its memory
-      return one_batch(params, opt_state,
-                       jax.tree.map(lambda x: x[0], batches))
-    outer, layers = params
-    outer_leaves = jax.tree.leaves(outer)
-    n = len(outer_leaves)
-    first = jax.tree.map(lambda x: x[0], batches)
-    embed_reads = outer_lib.used_inputs(lambda o: loss.embed(o, first),
-                                           outer)
-    # Forward over the micro-batches, keeping each one's layer inputs.
-    hidden, layer_inputs = backward_lib.forward(
-        accumulation.layer_forward(loss.layer, batches),
-        accumulation.embed_forward(loss.embed, outer, batches), layers,
+    hidden, layer_inputs = backward.forward(
+        lambda p, h: loss.layer(p, h, batch), hidden, layers,
         loss.scan_layers)
-    head_reads = outer_lib.used_inputs(
-        lambda o: loss.head(o, jax.tree.map(lambda x: x[0], hidden), first),
-        outer)
-    value, head_grads, d_hidden = accumulation.head_backward(
-        loss.head, outer, hidden, batches, head_reads)
-    clip = None
-    if clip_global_norm is not None:
-      norm = clipping.accumulated_norm(
-          loss, outer, layers, layer_inputs, d_hidden, batches, embed_reads,
-          head_grads)
-      clip = clipping.clipper(norm, clip_global_norm)
-      d_hidden = jax.tree.map(
-          lambda x: weight_update.data_dependency(x, norm), d_hidden)
-    ctx = leaves.leaves(parts, params, opt_state, clip)
-    roles = outer_lib.outer_roles(loss, outer, ctx.plans[:n], {},
-                                    ctx.leaf_states[:n], first,
-                                    two_phase_allowed=False)
+    head = outer_lib.after_head(loss, step, outer, batch, hidden,
+                                two_phase_allowed=clip is None)
+    d_hidden, layer_updates, layer_grads = _layers_backward(
+        loss, step, layers, layer_inputs, head.d_hidden, batch)
+    outer_updates, outer_grads = outer_lib.after_embedding(
+        loss, step, outer, batch, head, d_hidden)
+    return finish.finish(step, params, opt_state,
+                         leaves_lib.merged(outer_updates, layer_updates),
+                         leaves_lib.merged(outer_grads, layer_grads),
+                         head.value)
 
-    def early_grad(i):  # its mean dies with the update
-      grad, head_grads[i] = head_grads[i], None
-      return _mean_as(grad, outer_leaves[i])
-
-    updated, d_hidden = outer_lib.update_early(
-        ctx.update, outer_leaves, ctx.leaf_states, ctx.plans, roles.early,
-        early_grad, d_hidden)
-    d_hidden, layer_leaves, layer_states, layer_grads = _layers_backward(
-        loss, accumulation.layer_backward(loss.layer, batches), layers, ctx,
-        layer_inputs, d_hidden)
-    grads = [_mean_as(g, x) for g, x in zip(
-        accumulation.embed_backward(loss.embed, outer, d_hidden, batches,
-                                     embed_reads, head_grads), outer_leaves)]
-    for i in roles.late:
-      updated[i] = ctx.update(i, outer_leaves[i], grads[i],
-                              ctx.leaf_states[i], ctx.plans[i])
-    new_outer = [updated[i][0] if i in updated else x
-                 for i, x in enumerate(outer_leaves)]
-    outer_states = [tuple(updated[i][1:]) if i in updated else s
-                    for i, s in enumerate(ctx.leaf_states[:n])]
-    outer_grads = [None if plan is not None else g
-                   for g, plan in zip(grads, ctx.plans[:n])]
-    return leaves.finish(
-        parts, params, opt_state, ctx, clip, new_outer + layer_leaves,
-        outer_grads + layer_grads, outer_states + layer_states, value)
-
-  return step
-
-
-def _mean_as(grad, like):
-  """An accumulated mean (``None``: the leaf is read by nothing) in the
-  leaf's dtype."""
-  return jnp.zeros_like(like) if grad is None else grad.astype(like.dtype)
+  return step_fn

@@ -36,7 +36,10 @@ from taco_optax._src.transform.rounding import stochastic_rounding
 from taco_optax._src.transform.routing_report import routing_report
 from taco_optax._src.transform.scale import TacoState
 from taco_optax._src.transform.scale import scale_by_taco
+from taco_optax._src.transform.scale import leaf_histories
+from taco_optax._src.transform.scale import taco_state
 from taco_optax._src.transform.state_shardings import state_shardings
+from taco_optax._src.transform.trees import is_masked
 
 __all__ = (
     'LeafPlan',
@@ -50,7 +53,9 @@ __all__ = (
     'element_bits',
     'flat_index',
     'is_low_precision',
+    'is_masked',
     'leaf_dimension_numbers',
+    'leaf_histories',
     'leaf_key',
     'leaf_keys',
     'leaf_scales',
@@ -64,6 +69,7 @@ __all__ = (
     'state_shardings',
     'stochastic_rounding',
     'taco',
+    'taco_state',
     'taco_states',
     'with_taco_states',
 )

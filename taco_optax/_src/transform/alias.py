@@ -12,7 +12,7 @@ from taco_optax._src.transform import dimension_numbers as dn
 from taco_optax._src.transform import inject_guard
 from taco_optax._src import kernels
 from taco_optax._src.transform import parts as parts_lib
-from taco_optax._src.transform import prefix
+from taco_optax._src.transform import trees
 from taco_optax._src.transform import rounding as rounding_lib
 from taco_optax._src.transform import scale
 
@@ -194,7 +194,7 @@ def _parts(learning_rate: optax.ScalarOrSchedule, k: Optional[int],
     return dn.resolve(weight_dimension_numbers, params)
 
   def per_leaf(params, fn):
-    dims = prefix.per_leaf(dims_tree(params), params, dn.is_prefix_leaf)
+    dims = trees.per_leaf(dims_tree(params), params, dn.is_prefix_leaf)
     return jax.tree.structure(params).unflatten([fn(d) for d in dims])
 
   def param_labels(params):

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from taco_optax._src.transform import prefix
+from taco_optax._src.transform import trees
 
 Axes = Union[int, Sequence[int]]
 
@@ -146,7 +146,7 @@ def rank2_matrices(params: Any) -> Any:
 def is_prefix_leaf(x: Any) -> bool:
   """The values of a dimension-numbers tree: entries, ``None``, masked."""
   return (x is None or is_dimension_numbers(x)
-          or isinstance(x, optax.MaskedNode))
+          or trees.is_masked(x))
 
 
 def leaf_dimension_numbers(weight_dimension_numbers: WeightDimNumOrFn | None,
@@ -156,7 +156,7 @@ def leaf_dimension_numbers(weight_dimension_numbers: WeightDimNumOrFn | None,
   ``None`` entries mean "not a TACO leaf". Masked leaves
   (:class:`optax.MaskedNode`) have no leaves and so get no entry.
   """
-  return prefix.per_leaf(resolve(weight_dimension_numbers, tree), tree,
+  return trees.per_leaf(resolve(weight_dimension_numbers, tree), tree,
                           is_prefix_leaf)
 
 

@@ -149,11 +149,10 @@ def with_taco_states(opt_state: Any, states: TacoStates) -> Any:
 # What to do instead of a wrapper around taco(...), by the function optax
 # builds it with (the head of its update function's __qualname__).
 _INSTEAD = {
-    'chain': ('pass taco(...) itself, with clip_global_norm=c for '
-              'optax.clip_by_global_norm(c) in front and a learning-rate '
-              'schedule as taco(learning_rate=schedule); optimizers other '
-              'than TACO (optax.adamw is a chain too) have no layer-wise '
-              'step.'),
+    'chain': ('for optax.clip_by_global_norm(c) in front, pass taco(...) and '
+              'clip_global_norm=c; give a learning-rate schedule to '
+              'taco(learning_rate=schedule) itself; optimizers other than '
+              'TACO (optax.adamw is a chain too) have no layer-wise step.'),
     'inject_hyperparams': (
         'give a learning-rate schedule to taco(learning_rate=schedule) '
         'itself: an injected taco is rebuilt at every step, which the '

@@ -1,9 +1,9 @@
-"""One TACO leaf: its static plan, its history step, its dense direction.
+"""One TACO leaf's static plan: how a parameter maps to TACO's matrices.
 
-A :class:`LeafPlan` says once how a parameter maps to TACO's matrices (layout,
-dimension numbers, scale, signs per column, implementation). Both the optax
-path (:func:`dense_direction`) and the layer-wise train step
-(``_leaf_update``) run its column step through ``kernels.history_step``.
+A :class:`LeafPlan` says once a leaf's layout, dimension numbers, scale,
+signs per column and implementation; :func:`leaf_plans` is the only place
+they are derived, for the optax path (``scale``) and the layer-wise step
+alike.
 """
 
 from typing import Any, NamedTuple, Optional, Union
@@ -14,7 +14,7 @@ import optax
 
 from taco_optax._src.transform import dimension_numbers as dn
 from taco_optax._src import kernels
-from taco_optax._src.transform import prefix
+from taco_optax._src.transform import trees
 
 ScaleTree = Union[float, None, Any]
 
@@ -55,7 +55,7 @@ def leaf_scales(update_scale: ScaleTree, tree: Any) -> list[Optional[float]]:
   """``update_scale`` (a number, tree prefix or callable) for every leaf."""
   if callable(update_scale):
     update_scale = update_scale(tree)
-  return prefix.per_leaf(update_scale, tree, _is_scale_leaf)
+  return trees.per_leaf(update_scale, tree, _is_scale_leaf)
 
 
 def _default_scale(layout: dn.MatrixLayout) -> float:
@@ -93,48 +93,3 @@ def leaf_plans(tree: Any, weight_dimension_numbers: dn.WeightDimNumOrFn | None,
         update_topk=min(update_topk, layout.m),
         implementation=implementation))
   return plans
-
-
-def one_sparse_rows(indices: jax.Array, signs: jax.Array, m: int,
-                    dtype: jnp.dtype) -> jax.Array:
-  """A dense ``(N, m)`` array with ``signs[i, s]`` at ``indices[i, s]``, else 0.
-
-  Built with comparisons rather than a scatter so that XLA writes it in one
-  fused elementwise pass. Negative indices match nothing.
-  """
-  positions = jax.lax.broadcasted_iota(jnp.int32, (indices.shape[0], m), 1)
-  dense = jnp.zeros((indices.shape[0], m), dtype)
-  for slot in range(indices.shape[1]):
-    hit = positions == indices[:, slot:slot + 1].astype(jnp.int32)
-    dense = jnp.where(hit, signs[:, slot:slot + 1].astype(dtype), dense)
-  return dense
-
-
-def dense_direction(grad: jax.Array, values: jax.Array, indices: jax.Array,
-                    exponents: jax.Array, *, plan: LeafPlan,
-                    mu: Union[float, jax.Array],
-                    shards: Optional[kernels.LeafSharding] = None
-                    ) -> tuple[jax.Array, ...]:
-  """``scale_by_taco`` on one leaf: the dense direction and the new state.
-
-  With ``shards`` (inside ``shard_map``) the arrays are one device's blocks,
-  ``plan`` still describes the whole leaf and row indices are global.
-
-  Returns:
-    ``(direction, values, indices, exponents)``; the direction is
-    ``scale * sign`` at each column's winners, 0 elsewhere, and all NaN when
-    the gradient is not finite.
-  """
-  layout = plan.local_layout(grad.shape)
-  step, state = kernels.history_step(
-      layout.to_rows(grad), values, indices, exponents,
-      update_topk=plan.update_topk, mu=mu,
-      implementation=plan.implementation, shards=shards)
-  winners = step.winner_indices
-  if shards is not None:
-    winners, held = kernels.local_rows(winners, shards)
-    winners = jnp.where(held, winners, -1)
-  direction = one_sparse_rows(winners, step.winner_signs * plan.scale,
-                              layout.m, grad.dtype)
-  direction = jnp.where(step.finite, direction, jnp.nan)
-  return (layout.from_rows(direction, grad.shape),) + state

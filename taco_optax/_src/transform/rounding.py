@@ -27,6 +27,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from taco_optax._src.transform import trees
+
 MODES = ('stochastic', 'nearest')
 _LOW_PRECISION = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
@@ -179,15 +181,11 @@ def rounded_to_params() -> optax.GradientTransformation:
     if params is None:
       return updates, state
     return jax.tree.map(
-        lambda u, p: u if _is_masked(u) else u.astype(p.dtype), updates,
-        params, is_leaf=_is_masked), state
+        lambda u, p: u if trees.is_masked(u) else u.astype(p.dtype), updates,
+        params, is_leaf=trees.is_masked), state
 
   return optax.GradientTransformation(lambda params: optax.EmptyState(),
                                       update_fn)
-
-
-def _is_masked(x: Any) -> bool:
-  return isinstance(x, optax.MaskedNode)
 
 
 def stochastic_rounding(seed: int = 0) -> optax.GradientTransformation:
@@ -221,9 +219,9 @@ def stochastic_rounding(seed: int = 0) -> optax.GradientTransformation:
     return StochasticRoundingState(count=jnp.zeros((), jnp.int32))
 
   def update_fn(updates, state, params=None):
-    leaves, treedef = jax.tree.flatten(updates, is_leaf=_is_masked)
+    leaves, treedef = jax.tree.flatten(updates, is_leaf=trees.is_masked)
     if params is None:
-      if any(not _is_masked(u) and is_low_precision(u.dtype)
+      if any(not trees.is_masked(u) and is_low_precision(u.dtype)
              for u in leaves):
         raise ValueError(
             'Stochastic rounding of 16-bit parameters reads them: pass '
@@ -234,7 +232,7 @@ def stochastic_rounding(seed: int = 0) -> optax.GradientTransformation:
     keys = leaf_keys(seed, state.count, len(leaves))
     for i, (update, param) in enumerate(zip(leaves,
                                             treedef.flatten_up_to(params))):
-      if not _is_masked(update) and is_low_precision(param.dtype):
+      if not trees.is_masked(update) and is_low_precision(param.dtype):
         bits = element_bits(keys[i], dense_flat_index(param))
         update = rounded_update(param, update, bits)
       out.append(update)

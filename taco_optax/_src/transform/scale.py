@@ -36,6 +36,23 @@ class TacoState(NamedTuple):
   exponents: Any
 
 
+def leaf_histories(state: TacoState, treedef: Any) -> list[kernels.History]:
+  """Each leaf's :class:`History` in ``state``, for the leaves of ``treedef``
+  (a masked leaf's entries are ``optax.MaskedNode`` when ``treedef`` counts
+  it as a leaf)."""
+  fields = [treedef.flatten_up_to(getattr(state, name))
+            for name in kernels.History._fields]
+  return [kernels.History(*entries) for entries in zip(*fields)]
+
+
+def taco_state(treedef: Any, histories: list[kernels.History]) -> TacoState:
+  """The :class:`TacoState` of one :class:`History` per leaf of
+  ``treedef``."""
+  return TacoState(**{
+      name: treedef.unflatten([getattr(h, name) for h in histories])
+      for name in kernels.History._fields})
+
+
 def history_size(k: Optional[int], m: int) -> int:
   """Retained entries per column: ``min(k, m)``; ``k=None`` keeps all ``m``."""
   return m if k is None else min(k, m)
@@ -74,6 +91,49 @@ def _checked_settings(k, mu, update_topk, values_dtype, index_dtype):
   if not jnp.issubdtype(values_dtype, jnp.floating):
     raise ValueError(f'values_dtype must be a float dtype, got {values_dtype}.')
   return update_topk, values_dtype, index_dtype
+
+
+def one_sparse_rows(indices: jax.Array, signs: jax.Array, m: int,
+                    dtype: jnp.dtype) -> jax.Array:
+  """A dense ``(N, m)`` array with ``signs[i, s]`` at ``indices[i, s]``, else 0.
+
+  Built with comparisons rather than a scatter so that XLA writes it in one
+  fused elementwise pass. Negative indices match nothing.
+  """
+  positions = jax.lax.broadcasted_iota(jnp.int32, (indices.shape[0], m), 1)
+  dense = jnp.zeros((indices.shape[0], m), dtype)
+  for slot in range(indices.shape[1]):
+    hit = positions == indices[:, slot:slot + 1].astype(jnp.int32)
+    dense = jnp.where(hit, signs[:, slot:slot + 1].astype(dtype), dense)
+  return dense
+
+
+def dense_direction(grad: jax.Array, history: kernels.History, *,
+                    plan: plan_lib.LeafPlan, mu: Union[float, jax.Array],
+                    shards: Optional[kernels.LeafSharding] = None
+                    ) -> tuple[jax.Array, kernels.History]:
+  """``scale_by_taco`` on one leaf: the dense direction and the new history.
+
+  With ``shards`` (inside ``shard_map``) the arrays are one device's blocks,
+  ``plan`` still describes the whole leaf and row indices are global.
+
+  Returns:
+    ``(direction, history)``; the direction is ``scale * sign`` at each
+    column's winners, 0 elsewhere, and all NaN when the gradient is not
+    finite.
+  """
+  layout = plan.local_layout(grad.shape)
+  step, history = kernels.history_step(
+      layout.to_rows(grad), history, update_topk=plan.update_topk, mu=mu,
+      implementation=plan.implementation, shards=shards)
+  winners = step.winner_indices
+  if shards is not None:
+    winners, held = kernels.local_rows(winners, shards)
+    winners = jnp.where(held, winners, -1)
+  direction = one_sparse_rows(winners, step.winner_signs * plan.scale,
+                              layout.m, grad.dtype)
+  direction = jnp.where(step.finite, direction, jnp.nan)
+  return layout.from_rows(direction, grad.shape), history
 
 
 def scale_by_taco(
@@ -200,7 +260,8 @@ def scale_by_taco(
 
   def init_leaf(param, plan):
     if plan is None:
-      return optax.MaskedNode(), optax.MaskedNode(), optax.MaskedNode()
+      masked = optax.MaskedNode()
+      return kernels.History(masked, masked, masked)
     layout = plan.layout
     keep = history_size(k, layout.m)
     if layout.m - 1 > jnp.iinfo(index_dtype).max:
@@ -211,39 +272,34 @@ def scale_by_taco(
     # Distinct initial indices keep every history scatter collision-free.
     indices = jnp.broadcast_to(
         jnp.arange(keep, dtype=index_dtype)[:, None], shape)
-    state = (jnp.zeros(shape, values_dtype), indices,
-             jnp.zeros(layout.batch_shape + (layout.n,),
-                       kernels.EXPONENT_DTYPE))
+    history = kernels.History(
+        jnp.zeros(shape, values_dtype), indices,
+        jnp.zeros(layout.batch_shape + (layout.n,), kernels.EXPONENT_DTYPE))
     sharded = kernels.leaf_sharding_of(param, plan.axes(param.shape))
     if sharded is not None:
-      state = kernels.with_state_sharding(state, *sharded)
-    return state
+      history = kernels.with_state_sharding(history, *sharded)
+    return history
 
   def init_fn(params):
     leaves, treedef = jax.tree.flatten(params)
-    states = [init_leaf(p, plan) for p, plan in zip(leaves, plans(params))]
-    unflatten = lambda i: treedef.unflatten([s[i] for s in states])
-    return TacoState(values=unflatten(0), indices=unflatten(1),
-                     exponents=unflatten(2))
+    return taco_state(treedef, [init_leaf(p, plan) for p, plan in
+                                zip(leaves, plans(params))])
+
+  def update_leaf(grad, history, plan):
+    if plan is None:
+      return grad, history
+    sharded = kernels.leaf_sharding_of(grad, plan.axes(grad.shape))
+    if sharded is None:
+      return dense_direction(grad, history, plan=plan, mu=mu)
+    return kernels.map_over_shards(dense_direction, *sharded, (grad,),
+                                   history, plan=plan, mu=mu)
 
   def update_fn(updates, state, params=None):
     del params
     leaves, treedef = jax.tree.flatten(updates)
-    state_leaves = [treedef.flatten_up_to(s) for s in state]
-    out = []
-    for i, (grad, plan) in enumerate(zip(leaves, plans(updates))):
-      leaf_state = tuple(s[i] for s in state_leaves)
-      if plan is None:
-        out.append((grad,) + leaf_state)
-        continue
-      sharded = kernels.leaf_sharding_of(grad, plan.axes(grad.shape))
-      if sharded is None:
-        out.append(plan_lib.dense_direction(grad, *leaf_state, plan=plan, mu=mu))
-      else:
-        out.append(kernels.map_over_shards(plan_lib.dense_direction, *sharded,
-                                         grad, *leaf_state, plan=plan, mu=mu))
-    unflatten = lambda i: treedef.unflatten([o[i] for o in out])
-    return unflatten(0), TacoState(values=unflatten(1), indices=unflatten(2),
-                                   exponents=unflatten(3))
+    out = [update_leaf(grad, history, plan) for grad, history, plan in zip(
+        leaves, leaf_histories(state, treedef), plans(updates))]
+    return (treedef.unflatten([direction for direction, _ in out]),
+            taco_state(treedef, [history for _, history in out]))
 
   return optax.GradientTransformation(init_fn, update_fn)

@@ -1,8 +1,9 @@
-"""Settings given as a tree prefix: one value for a whole subtree."""
+"""Trees of settings and of optax states: prefixes, and masked placeholders."""
 
 from typing import Any, Callable
 
 import jax
+import optax
 
 
 def per_leaf(prefix: Any, tree: Any, is_leaf: Callable[[Any], bool]
@@ -15,3 +16,9 @@ def per_leaf(prefix: Any, tree: Any, is_leaf: Callable[[Any], bool]
   """
   return jax.tree.structure(tree).flatten_up_to(
       jax.tree.broadcast(prefix, tree, is_leaf=is_leaf))
+
+
+def is_masked(x: Any) -> bool:
+  """Whether ``x`` is the placeholder ``optax.partition`` (and
+  ``optax.masked``) leaves where a branch does not apply."""
+  return isinstance(x, optax.MaskedNode)
