@@ -13,7 +13,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from examples.finetune import report as report_lib
+from examples.finetune import api
 
 # Budget fields each group of stages depends on: a rerun with another budget
 # keeps the runs of groups whose fields did not change.
@@ -90,7 +90,7 @@ class Results:
     sessions = self.data['meta'].get('sessions')
     if sessions:
       sessions[-1]['elapsed_seconds'] = time.time() - self._start
-    report_lib.write_json_atomic(self.path, as_json(self.data))
+    api.write_json_atomic(self.path, as_json(self.data))
 
 
 def as_json(value: Any) -> Any:

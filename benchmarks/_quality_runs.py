@@ -21,13 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from examples.finetune import data as data_lib
-from examples.finetune import evaluation as evaluation_lib
-from examples.finetune import losses as losses_lib
-from examples.finetune import memory_plan
-from examples.finetune import optimizers as optimizers_lib
-from examples.finetune import report as report_lib
-from examples.finetune import trainers as trainers_lib
+from examples.finetune import api
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,9 +40,8 @@ class Variant:
   taco_update_topk: int = 1
 
   @property
-  def taco(self) -> optimizers_lib.TacoSettings:
-    return optimizers_lib.TacoSettings(self.taco_k, self.taco_mu,
-                                       self.taco_update_topk)
+  def taco(self) -> api.TacoSettings:
+    return api.TacoSettings(self.taco_k, self.taco_mu, self.taco_update_topk)
 
   @property
   def label(self) -> str:
@@ -60,7 +53,7 @@ class Variant:
 
 def build_transformation(variant: Variant, hints) -> tuple[Any, bool]:
   """``(inject_hyperparams transformation, needs_loss)`` for a variant."""
-  spec = optimizers_lib.get(variant.optimizer)
+  spec = api.optimizer(variant.optimizer)
   factory = lambda learning_rate: spec.build(learning_rate, hints,
                                              variant.taco)
   return optax.inject_hyperparams(factory)(learning_rate=0.0), spec.needs_loss
@@ -91,7 +84,7 @@ class Runner:
     hints: ``optimizers.ModelHints`` for the registry's builders.
   """
 
-  def __init__(self, model, train_tokens: Sequence[data_lib.TokenizedExample],
+  def __init__(self, model, train_tokens: Sequence[api.TokenizedExample],
                eval_set, tokenizer, *, batch_size: int, seq_len: int,
                eval_batch_size: int, pad_id: int, hints):
     self.graphdef, self.initial_params, self.rest = nnx.split(
@@ -107,15 +100,16 @@ class Runner:
     self._compiled: dict[Variant, CompiledStep] = {}
 
   def loss(self, params, batch):
-    return losses_lib.completion_loss(
+    return api.completion_loss(
         nnx.merge(self.graphdef, params, self.rest), batch)
 
   def model_of(self, params):
     return nnx.merge(self.graphdef, params, self.rest)
 
-  def _first_batch(self):
-    return next(data_lib.training_batches(self.train_tokens, self.batch_size,
-                                          self.seq_len, 0, self.pad_id))
+  def first_batch(self):
+    """The first training batch of seed 0 (the compiled steps' shapes)."""
+    return next(api.training_batches(self.train_tokens, self.batch_size,
+                                     self.seq_len, 0, self.pad_id))
 
   def compiled(self, variant: Variant) -> CompiledStep:
     """The variant's compiled step (compiled on first use)."""
@@ -136,16 +130,20 @@ class Runner:
     state = jax.eval_shape(transformation.init, params)
     start = time.perf_counter()
     compiled = jax.jit(step, donate_argnums=(0, 1)).lower(
-        params, state, self._first_batch(), jnp.float32(0.0)).compile()
+        params, state, self.first_batch(), jnp.float32(0.0)).compile()
     seconds = time.perf_counter() - start
-    peak, source = trainers_lib.peak_memory(compiled)
+    peak, source = api.peak_memory(compiled)
     self._compiled[variant] = CompiledStep(compiled, transformation, seconds,
                                            peak, source)
     return self._compiled[variant]
 
+  def compiled_steps(self) -> dict[Variant, CompiledStep]:
+    """The steps compiled so far, by variant, in compilation order."""
+    return dict(self._compiled)
+
   def evaluate(self, params) -> float:
     """Held-out accuracy (the task's headline metric)."""
-    scores = evaluation_lib.evaluate(
+    scores = api.evaluate(
         self.model_of(params), self.eval_set, self.tokenizer,
         seq_len=self.seq_len, batch_size=self.eval_batch_size)
     return float(next(iter(scores.values())))
@@ -171,13 +169,12 @@ class Runner:
     compiled = self.compiled(variant)
     params = jax.tree.map(jnp.copy, self.initial_params)
     state = jax.jit(compiled.transformation.init)(params)
-    state_bytes = memory_plan.tree_bytes(state.inner_state)
-    schedule = optimizers_lib.linear_schedule(learning_rate, steps,
-                                              warmup_steps)
-    batches = data_lib.training_batches(self.train_tokens, self.batch_size,
-                                        self.seq_len, seed, self.pad_id)
+    state_bytes = api.tree_bytes(state.inner_state)
+    schedule = api.linear_schedule(learning_rate, steps, warmup_steps)
+    batches = api.training_batches(self.train_tokens, self.batch_size,
+                                   self.seq_len, seed, self.pad_id)
     eval_steps = set(eval_steps)
-    losses, evals, times = [], [], report_lib.StepTimes()
+    losses, evals, times = [], [], api.StepTimes()
     diverged_at = None
     wall = time.perf_counter()
     for step in range(steps):
@@ -227,11 +224,10 @@ class Runner:
 
 def layerwise_taco_peak(model, batch, hints) -> tuple[Optional[int], str]:
   """Compiled peak memory of the example's layer-wise TACO step."""
-  schedule = optimizers_lib.linear_schedule(3e-5, 10, 1)
-  trainer = trainers_lib.LayerwiseTacoTrainer(
-      model, optimizers_lib.taco_optimizer(schedule, hints,
-                                           optimizers_lib.TacoSettings()))
-  return trainers_lib.peak_memory(trainer.compile(batch))
+  schedule = api.linear_schedule(3e-5, 10, 1)
+  trainer = api.LayerwiseTacoTrainer(
+      model, api.optimizer('taco').build(schedule, hints))
+  return api.peak_memory(trainer.compile(batch))
 
 
 def mean_std(values: Sequence[float]) -> tuple[float, float]:

@@ -12,13 +12,10 @@ import collections
 import dataclasses
 from typing import Sequence
 
-from flax import nnx
+import jax.numpy as jnp
 import numpy as np
 
-from examples.finetune import data as data_lib
-from examples.finetune import evaluation as evaluation_lib
-from examples.finetune.model import config as config_lib
-from examples.finetune.model import decoder as model_lib
+from examples.finetune import api
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,13 +33,12 @@ class CompactVocabulary:
   def ids(self, ids: Sequence[int]) -> tuple[int, ...]:
     return tuple(int(i) for i in self.to_compact[np.asarray(ids, np.int64)])
 
-  def example(self, example: data_lib.TokenizedExample
-              ) -> data_lib.TokenizedExample:
-    return data_lib.TokenizedExample(self.ids(example.prompt_ids),
-                                     self.ids(example.completion_ids))
+  def example(self, example: api.TokenizedExample) -> api.TokenizedExample:
+    return api.TokenizedExample(self.ids(example.prompt_ids),
+                                self.ids(example.completion_ids))
 
 
-def compact_vocabulary(examples: Sequence[data_lib.TokenizedExample],
+def compact_vocabulary(examples: Sequence[api.TokenizedExample],
                        tokenizer_size: int, size: int,
                        always: Sequence[int] = ()) -> CompactVocabulary:
   """Keeps ``always`` and the most frequent ids of ``examples``."""
@@ -62,33 +58,33 @@ def compact_vocabulary(examples: Sequence[data_lib.TokenizedExample],
 
 
 def compact_eval_set(eval_set, vocabulary: CompactVocabulary):
-  return evaluation_lib.EvalSet(
-      eval_set.task, eval_set.examples,
-      [vocabulary.ids(p) for p in eval_set.prompts],
-      [[vocabulary.ids(c) for c in cands] for cands in eval_set.candidates])
+  return dataclasses.replace(
+      eval_set, prompts=[vocabulary.ids(p) for p in eval_set.prompts],
+      candidates=[[vocabulary.ids(c) for c in cands]
+                  for cands in eval_set.candidates])
 
 
 def language_modelling_examples(texts: Sequence[str], tokenizer,
                                 vocabulary: CompactVocabulary
-                                ) -> list[data_lib.TokenizedExample]:
+                                ) -> list[api.TokenizedExample]:
   """Whole texts as completions after the BOS prompt: loss on every token."""
   examples = []
   for text in texts:
-    tokenized = data_lib.tokenize(tokenizer, '', text)
+    tokenized = api.tokenize(tokenizer, '', text)
     examples.append(vocabulary.example(tokenized))
   return examples
 
 
 def small_config(width: int, vocab_size: int, *, num_layers: int,
                  head_dim: int, max_positions: int,
-                 bos_token_id, eos_token_id) -> config_lib.ModelConfig:
+                 bos_token_id, eos_token_id) -> api.ModelConfig:
   """A Llama-style config of the family: only the width varies.
 
   Heads grow with the width at a fixed head size, the MLP is 8/3 wide (as in
   Llama, rounded to a multiple of 16), embeddings are tied (as in SmolLM2).
   """
   heads = max(width // head_dim, 1)
-  return config_lib.ModelConfig(
+  return api.ModelConfig(
       family='llama', vocab_size=vocab_size, hidden_size=width,
       num_layers=num_layers, num_heads=heads, num_kv_heads=heads,
       head_dim=head_dim, intermediate_size=16 * round(width * 8 / 3 / 16),
@@ -96,8 +92,5 @@ def small_config(width: int, vocab_size: int, *, num_layers: int,
       norm_eps=1e-5, bos_token_id=bos_token_id, eos_token_id=eos_token_id)
 
 
-def new_model(config: config_lib.ModelConfig, seed: int):
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  return model_lib.DecoderLM(config, dtype=jnp.float32,
-                             param_dtype=jnp.float32, remat=None,
-                             rngs=nnx.Rngs(seed))
+def new_model(config: api.ModelConfig, seed: int):
+  return api.new_decoder(config, dtype=jnp.float32, remat=False, seed=seed)

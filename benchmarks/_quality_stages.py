@@ -14,9 +14,7 @@ import numpy as np
 from benchmarks import _quality_results
 from benchmarks import _quality_runs
 from benchmarks import _quality_small
-from examples.finetune import data as data_lib
-from examples.finetune import evaluation as evaluation_lib
-from examples.finetune import optimizers as optimizers_lib
+from examples.finetune import api
 
 Variant = _quality_runs.Variant
 Results = _quality_results.Results
@@ -142,16 +140,14 @@ def stage_memory(results: Results, runner, setup,
   """State bytes and compiled peaks of every compiled variant, and the
   example's layer-wise TACO step."""
   memory = results.data['memory']
-  for variant, compiled in runner._compiled.items():  # pylint: disable=protected-access
+  for variant, compiled in runner.compiled_steps().items():
     memory.setdefault(variant.label, {}).update(
         peak_memory_bytes=compiled.peak_memory_bytes,
         peak_memory_source=compiled.peak_memory_source,
         compile_seconds=compiled.compile_seconds)
   if budget.layerwise_peak and 'taco (layer-wise step)' not in memory:
     model = runner.model_of(runner.initial_params)
-    batch = next(data_lib.training_batches(runner.train_tokens,
-                                           budget.batch_size, budget.seq_len,
-                                           0, runner.pad_id))
+    batch = runner.first_batch()
     start = time.perf_counter()
     peak, source = _quality_runs.layerwise_taco_peak(model, batch,
                                                      runner.hints)
@@ -165,13 +161,12 @@ def stage_memory(results: Results, runner, setup,
 
 
 def transfer_vocabulary(task, train_records, tokenizer, budget):
-  tokens = [data_lib.tokenize(tokenizer, e.prompt, e.target)
-            for e in map(task.example, train_records)]
+  tokens = api.training_tokens(task, train_records, tokenizer)
   always = set()
-  for word in data_lib.TWEETS_LABEL_WORDS.values():
-    always.update(data_lib.encode(tokenizer, word, special=False))
-  always.update(data_lib.encode(tokenizer, ' It was', special=False))
-  always.update(data_lib.encode(tokenizer, '', special=True))
+  for word in api.TWEETS_LABEL_WORDS.values():
+    always.update(api.encode(tokenizer, word, special=False))
+  always.update(api.encode(tokenizer, ' It was', special=False))
+  always.update(api.encode(tokenizer, '', special=True))
   size = tokenizer.get_vocab_size() if hasattr(
       tokenizer, 'get_vocab_size') else 49152
   return _quality_small.compact_vocabulary(tokens, size, budget.transfer_vocab,
@@ -180,20 +175,17 @@ def transfer_vocabulary(task, train_records, tokenizer, budget):
 
 def stage_transfer(results: Results, budget, tokenizer) -> None:
   """Pretrain each width briefly, then sweep the fine-tuning rate."""
-  task, train, test = data_lib.tweets_task(), *data_lib.split_tweets(
-      data_lib.read_tweets(), budget.transfer_eval_per_class)
+  task, train, test = api.tweets(budget.transfer_eval_per_class)
   if budget.smoke:
     train = train[:64]
   vocabulary = transfer_vocabulary(task, train, tokenizer, budget)
   texts = [r['text'] for r in train]
   lm_tokens = _quality_small.language_modelling_examples(texts, tokenizer,
                                                          vocabulary)
-  tokens = [vocabulary.example(data_lib.tokenize(tokenizer, e.prompt,
-                                                 e.target))
-            for e in map(task.example, train)]
+  tokens = [vocabulary.example(t)
+            for t in api.training_tokens(task, train, tokenizer)]
   eval_set = _quality_small.compact_eval_set(
-      evaluation_lib.make_eval_set(task, [task.example(r) for r in test],
-                              tokenizer), vocabulary)
+      api.held_out_set(task, test, tokenizer), vocabulary)
   results.data['meta']['transfer'] = {
       'vocabulary': vocabulary.size,
       'vocabulary_coverage': float(np.mean(
@@ -214,7 +206,7 @@ def stage_transfer(results: Results, budget, tokenizer) -> None:
            for name, lr in planned):
       continue  # Finished in an earlier session.
     model = _quality_small.new_model(config, seed=width)
-    hints = optimizers_lib.decoder_hints(config)
+    hints = api.decoder_hints(config)
     pretrainer = _quality_runs.Runner(
         model, lm_tokens, eval_set, None,
         batch_size=budget.transfer_batch_size, seq_len=seq_len,

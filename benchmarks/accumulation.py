@@ -31,7 +31,7 @@ import optax
 
 from benchmarks import memory
 from benchmarks import provenance
-from examples.finetune import memory_plan
+from examples.finetune import api
 import taco_optax
 
 STEPS = (1, 4, 16)
@@ -67,7 +67,7 @@ def measure(*, dtype, micro_batch, seq, num_layers, scan_layers=True,
       peak, _ = memory.peak_bytes(step, (params, state, stacked),
                                   donate=(0, 1))
       rows.append((count, 'taco layerwise', peak,
-                   memory_plan.tree_bytes(state)))
+                   api.tree_bytes(state)))
     for name, tx in (('MultiSteps(taco)', train.optimizer),
                      ('MultiSteps(adamw)', optax.adamw(1e-5))):
       if name not in paths:
@@ -76,15 +76,15 @@ def measure(*, dtype, micro_batch, seq, num_layers, scan_layers=True,
       state = jax.eval_shape(multi.init, params)
       peak, _ = memory.peak_bytes(memory.plain_step(decoder.loss, multi),
                                   (params, state, micro), donate=(0, 1))
-      rows.append((count, name, peak, memory_plan.tree_bytes(state)))
+      rows.append((count, name, peak, api.tree_bytes(state)))
     if count > 1 and 'taco layerwise, one batch' in paths:
       state = jax.eval_shape(train.optimizer.init, params)
       peak, _ = memory.peak_bytes(
           train.step, (params, state, _tokens((count * micro_batch, seq))),
           donate=(0, 1))
       rows.append((count, 'taco layerwise, one batch', peak,
-                   memory_plan.tree_bytes(state)))
-  return memory_plan.tree_bytes(params), forward, rows
+                   api.tree_bytes(state)))
+  return api.tree_bytes(params), forward, rows
 
 
 def print_table(weights, forward, rows):

@@ -28,7 +28,7 @@ from typing import NamedTuple, Optional
 
 from benchmarks import lr_sweep
 from benchmarks import provenance
-from examples.finetune import report
+from examples.finetune import api
 
 RUNS = os.path.join('runs', 'bf16_quality')
 TASKS = ('tweets', 'bbc')
@@ -93,9 +93,9 @@ def _row(point: Point, results: dict) -> str:
           f'{results["rounding"]} | {100 * results["before"][metric]:.1f} '
           f'→ {100 * results["after"][metric]:.1f} | '
           f'{_share(results, "matrices")} / {_share(results, "vectors")} | '
-          f'{report.format_bytes(memory)} '
-          f'({report.format_bytes(results["parameter_bytes"])} + '
-          f'{report.format_bytes(results["optimizer_state_bytes"])}) | '
+          f'{api.format_bytes(memory)} '
+          f'({api.format_bytes(results["parameter_bytes"])} + '
+          f'{api.format_bytes(results["optimizer_state_bytes"])}) | '
           f'{results["tokens_per_second"]:.0f} |')
 
 

@@ -39,8 +39,7 @@ from typing import Optional
 import numpy as np
 
 from benchmarks import provenance
-from examples.finetune import data as data_lib
-from examples.finetune import optimizers as optimizers_lib
+from examples.finetune import api
 
 RUNS = os.path.join('runs', 'lr_sweep')
 BBC_LABELS = ('business', 'entertainment', 'politics', 'sport', 'tech')
@@ -93,8 +92,7 @@ def bbc_files(directory: str) -> tuple[str, str]:
       first = re.split(r'(?<=[.!?])\s', body.strip(), maxsplit=1)[0]
       records.append({'text': f'{title.strip()}. {first.strip()}',
                       'label': label})
-  train, test = data_lib.balanced_split(records, BBC_TEST_PER_CLASS,
-                                        BBC_LABELS)
+  train, test = api.balanced_split(records, BBC_TEST_PER_CLASS, BBC_LABELS)
   os.makedirs(directory, exist_ok=True)
   for path, rows in ((train_path, train), (test_path, test)):
     with open(path + '.tmp', 'w') as f:
@@ -299,7 +297,7 @@ def write(path: str, note: str = '') -> None:
     cells = ', '.join(f'{lr:.2g}: {scores[lr][0]:.2f}'
                       for lr in sorted(scores))
     before = next(iter(scores.values()))[1]
-    rule = optimizers_lib.get(optimizer).default_rate(steps)
+    rule = api.optimizer(optimizer).default_rate(steps)
     lines.append(f'| {task} | {optimizer} | {steps} x {batch} | {cells} | '
                  f'{before:.2f} | {peak(scores):.2g} | {rule.lr:.2g} |')
   lines += ['', 'Fit (`fit()`): at each budget the rate run on both tasks '
@@ -312,7 +310,7 @@ def write(path: str, note: str = '') -> None:
             '| --- | --- | ---: | ---: | ---: | --- |']
   show = lambda x, spec: 'n/a' if x is None else format(x, spec)
   for optimizer, fitted in fit(table).items():
-    rule = optimizers_lib.get(optimizer).rule
+    rule = api.optimizer(optimizer).rule
     rates = ', '.join(f'{s} x {b}: {show(lr, ".2g")}'
                       for (s, b), lr in sorted(fitted['rates'].items()))
     lines.append(

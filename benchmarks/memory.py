@@ -30,7 +30,6 @@ on random weights and prints the measured peak and tokens/s.
 """
 
 import argparse
-import dataclasses
 import sys
 import time
 from typing import Any, Callable, NamedTuple
@@ -38,16 +37,10 @@ from typing import Any, Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
-from flax import nnx
 
 from benchmarks import presets
 from benchmarks import provenance
-from examples.finetune import data as data_lib
-from examples.finetune import memory_plan
-from examples.finetune import optimizers as optimizers_lib
-from examples.finetune.model import config as config_lib
-from examples.finetune.model import decoder as model_lib
-from examples.finetune.model import layered as layered_lib
+from examples.finetune import api
 import taco_optax
 
 # SmolLM2-135M (Hugging Face config.json, Llama architecture).
@@ -84,27 +77,29 @@ class LayerwiseTaco(NamedTuple):
 
 def layerwise_taco(decoder, config) -> LayerwiseTaco:
   """The layer-wise TACO step of ``decoder`` with the paper's settings."""
-  tx = optimizers_lib.taco_optimizer(
-      3e-5, optimizers_lib.decoder_hints(config), optimizers_lib.TacoSettings())
+  tx = api.optimizer('taco').build(3e-5, api.decoder_hints(config))
   return LayerwiseTaco(tx, taco_optax.layerwise.train_step(decoder.loss, tx))
 
 
-def abstract_decoder(hf_config, *, dtype, scan_layers, num_layers=None,
-                     remat=True):
-  config = config_lib.ModelConfig.from_hf_config(hf_config)
-  if num_layers is not None:
-    config = dataclasses.replace(config, num_layers=num_layers)
-  model = nnx.eval_shape(lambda: model_lib.DecoderLM(
-      config, dtype=dtype, param_dtype=dtype,
-      remat='block' if remat else None,
-      scan_layers=scan_layers, rngs=nnx.Rngs(0)))
-  return config, layered_lib.layered_model(model)
+def layered_decoder(hf_config, *, dtype, scan_layers, num_layers=None,
+                    remat=True, abstract=False):
+  """``(config, layered model)`` of the example's decoder of ``hf_config``
+  on random weights (only shapes with ``abstract``)."""
+  config = api.model_config(hf_config, num_layers)
+  model = api.new_decoder(config, dtype=dtype, remat=remat,
+                          scan_layers=scan_layers, abstract=abstract)
+  return config, api.layered_model(model)
+
+
+def abstract_decoder(hf_config, **kwargs):
+  """:func:`layered_decoder` on shapes only: nothing is allocated."""
+  return layered_decoder(hf_config, abstract=True, **kwargs)
 
 
 def token_batch(input_ids, attention_mask):
   """A batch whose loss is the next-token NLL of every real token."""
-  return data_lib.Batch(input_ids, attention_mask,
-                        loss_mask=attention_mask.astype(jnp.float32))
+  return api.Batch(input_ids, attention_mask,
+                   loss_mask=attention_mask.astype(jnp.float32))
 
 
 def measure(hf_config, *, dtype, scan_layers, batch, seq, num_layers=None,
@@ -130,9 +125,9 @@ def measure(hf_config, *, dtype, scan_layers, batch, seq, num_layers=None,
       step = train.step if path == 'taco layerwise' else plain_step(
           decoder.loss, tx)
       peak, temp = peak_bytes(step, (params, state, tokens), donate=(0, 1))
-    rows.append((path, peak, memory_plan.tree_bytes(state), temp,
+    rows.append((path, peak, api.tree_bytes(state), temp,
                  time.perf_counter() - start))
-  return config, memory_plan.tree_bytes(params), rows
+  return config, api.tree_bytes(params), rows
 
 
 def print_table(title, weights, rows):
@@ -158,15 +153,10 @@ def print_table(title, weights, rows):
 def execute(path, *, dtype, scan_layers, batch, seq, num_layers, steps,
             hf_config=None):
   """Runs one path on the default device; measured peak bytes and tokens/s."""
-  config = config_lib.ModelConfig.from_hf_config(hf_config or SMOLLM2_135M)
-  if num_layers is not None:
-    config = dataclasses.replace(config, num_layers=num_layers)
-  model = model_lib.DecoderLM(config, dtype=dtype, param_dtype=dtype,
-                              remat='block', scan_layers=scan_layers,
-                              rngs=nnx.Rngs(0))
-  decoder = layered_lib.layered_model(model)
+  config, decoder = layered_decoder(hf_config or SMOLLM2_135M, dtype=dtype,
+                                    scan_layers=scan_layers,
+                                    num_layers=num_layers)
   params = decoder.params
-  del model
   tokens = jax.random.randint(jax.random.key(1), (batch, seq), 0,
                               config.vocab_size)
   batch_data = token_batch(tokens, jnp.ones((batch, seq), bool))
@@ -195,8 +185,8 @@ def execute(path, *, dtype, scan_layers, batch, seq, num_layers, steps,
   stats = jax.devices()[0].memory_stats() or {}
   return {'path': path, 'scan_layers': scan_layers, 'dtype': dtype.name,
           'batch': batch, 'seq': seq, 'layers': config.num_layers,
-          'weights_bytes': memory_plan.tree_bytes(params) if path == 'forward'
-                           else memory_plan.tree_bytes(carry[0]),
+          'weights_bytes': api.tree_bytes(params) if path == 'forward'
+                           else api.tree_bytes(carry[0]),
           'peak_bytes_in_use': stats.get('peak_bytes_in_use'),
           'step_seconds': seconds, 'tokens_per_second': batch * seq / seconds,
           'loss': float(value), 'device': jax.devices()[0].device_kind}

@@ -16,18 +16,13 @@ Further words are the example's flags (``--batch-size``, ``--seq-len``, ...).
 """
 
 import collections
-import contextlib
 import math
 import re
 import sys
 import tempfile
 
-import jax
-
 from benchmarks import provenance
-from examples.finetune import flags as flags_lib
-from examples.finetune import preparation
-from examples.finetune.model import sharding
+from examples.finetune import api
 
 _ITEMSIZE = {'f32': 4, 's32': 4, 'u32': 4, 'pred': 1, 's8': 1, 'u8': 1,
              'f8e4m3fn': 1, 'bf16': 2, 'f16': 2, 's64': 8}
@@ -62,16 +57,9 @@ def large_buffers(hlo_text: str, at_least: int) -> collections.Counter:
 
 def main(argv) -> None:
   with tempfile.TemporaryDirectory() as output_dir:
-    config = flags_lib.from_command_line(
+    compiled, prepared, mesh = api.compile_first_step(
         ['--eval-size', '8', '--no-progress', '--no-checkpoint',
          '--output-dir', output_dir] + list(argv))
-    mesh = sharding.make_mesh(config.mesh)
-    with jax.set_mesh(mesh) if mesh else contextlib.nullcontext():
-      prepared = preparation.prepare(config, lambda line: None)
-      batch = next(prepared.batches)
-      if mesh:
-        batch = sharding.shard_batch(batch, mesh)
-      compiled = prepared.trainer.compile(batch)
   memory = compiled.memory_analysis()
   mib = lambda n: f'{n / 2**20:.1f} MiB'
   peak = (memory.argument_size_in_bytes + memory.output_size_in_bytes

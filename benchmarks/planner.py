@@ -23,26 +23,15 @@ check).
 import argparse
 import json
 
-from flax import nnx
 import jax
 import jax.numpy as jnp
 import optax
 
 from benchmarks import memory
 from benchmarks import presets
-from examples.finetune import memory_plan
-from examples.finetune import optimizers as optimizers_lib
-from examples.finetune.model import config as config_lib
-from examples.finetune.model import decoder as model_lib
+from examples.finetune import api
 
-GB = memory_plan.GB
-
-
-def abstract_params(config, dtype):
-  """``(outer, layers)`` abstract parameter states of a scanned DecoderLM."""
-  return memory_plan.model_params(nnx.eval_shape(lambda: model_lib.DecoderLM(
-      config, dtype=dtype, param_dtype=dtype, scan_layers=True,
-      rngs=nnx.Rngs(0))))
+GB = api.GB
 
 
 def plan(hf_config, *, batch, seq, dtype=jnp.bfloat16, scan_layers=True,
@@ -62,18 +51,15 @@ def plan(hf_config, *, batch, seq, dtype=jnp.bfloat16, scan_layers=True,
     ``adamw_state``, ``saved_inputs``, ``head_phase``, ``layer_phase``,
     ``position_grads``, and ``peaks``: predicted peak bytes per method.
   """
-  config = config_lib.ModelConfig.from_hf_config(hf_config)
-  params = abstract_params(config, dtype)
-  itemsize = jnp.dtype(dtype).itemsize
-  plan_terms = memory_plan.terms(config, params, batch=batch, seq=seq,
-                                 itemsize=itemsize, scan_layers=scan_layers,
-                                 remat=remat)
-  taco = optimizers_lib.taco_optimizer(
-      3e-5, optimizers_lib.decoder_hints(config), optimizers_lib.TacoSettings())
-  taco_state = memory_plan.tree_bytes(jax.eval_shape(taco.init, params))
-  adamw_state = memory_plan.tree_bytes(
+  config = api.model_config(hf_config)
+  formula = api.plan_memory(config, dtype=dtype, batch=batch, seq=seq,
+                            scan_layers=scan_layers, remat=remat)
+  plan_terms, params = formula.terms, formula.params
+  taco = api.optimizer('taco').build(3e-5, api.decoder_hints(config))
+  taco_state = api.tree_bytes(jax.eval_shape(taco.init, params))
+  adamw_state = api.tree_bytes(
       jax.eval_shape(optax.adamw(1e-5).init, params))
-  adamw_state_f32 = 8 * plan_terms.weights // itemsize
+  adamw_state_f32 = 8 * plan_terms.weights // jnp.dtype(dtype).itemsize
   return {
       'config': config, 'weights': plan_terms.weights,
       'taco_state': taco_state, 'adamw_state': adamw_state,
@@ -82,12 +68,10 @@ def plan(hf_config, *, batch, seq, dtype=jnp.bfloat16, scan_layers=True,
       'layer_phase': plan_terms.layer_phase,
       'position_grads': plan_terms.embed_matrix_grads,
       'peaks': {
-          'taco layerwise': memory_plan.layerwise_peak(plan_terms,
-                                                       taco_state),
-          'taco plain': memory_plan.plain_peak(plan_terms, taco_state),
-          'adamw plain': memory_plan.plain_peak(plan_terms, adamw_state),
-          'adamw plain, f32 moments': memory_plan.plain_peak(
-              plan_terms, adamw_state_f32),
+          'taco layerwise': formula.layerwise_peak(taco_state),
+          'taco plain': formula.plain_peak(taco_state),
+          'adamw plain': formula.plain_peak(adamw_state),
+          'adamw plain, f32 moments': formula.plain_peak(adamw_state_f32),
       },
   }
 

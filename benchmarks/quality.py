@@ -38,11 +38,7 @@ from benchmarks import _quality_results
 from benchmarks import _quality_runs
 from benchmarks import _quality_small
 from benchmarks import _quality_stages as quality_stages
-from examples.finetune import data as data_lib
-from examples.finetune import evaluation as evaluation_lib
-from examples.finetune import optimizers as optimizers_lib
-from examples.finetune import preparation
-from examples.finetune.model import gguf as gguf_lib
+from examples.finetune import api
 
 OPTIMIZER_NAMES = ('taco', 'adamw', 'adafactor', 'lion', 'muon', 'sophia',
                    'galore')
@@ -118,25 +114,10 @@ class Setup:
   description: str
 
 
-def _smollm2_tokenizer():
-  import gguf  # pylint: disable=g-import-not-at-top
-  reader = gguf.GGUFReader(gguf_lib.smollm2_gguf_path())
-  fields = {name: field.contents() for name, field in reader.fields.items()
-            if name.startswith('tokenizer.')}
-  return gguf_lib.gguf_tokenizer(fields)
-
-
-def _records(budget: Budget):
-  task = data_lib.tweets_task()
-  train, test = data_lib.split_tweets(data_lib.read_tweets(),
-                                      budget.eval_per_class)
-  return task, train, test
-
-
 def real_setup(budget: Budget) -> Setup:
-  model, tokenizer, model_config, path = preparation.load_model(
+  model, tokenizer, model_config, path = api.load_model(
       None, dtype='float32', remat=False)
-  task, train, test = _records(budget)
+  task, train, test = api.tweets(budget.eval_per_class)
   return Setup(model, model_config, tokenizer, task, train, test,
                f'SmolLM2-135M-Instruct ({os.path.basename(path)}), float32, '
                'no remat')
@@ -144,8 +125,8 @@ def real_setup(budget: Budget) -> Setup:
 
 def smoke_setup(budget: Budget) -> Setup:
   """A tiny random Llama on a compact vocabulary, for the smoke test."""
-  tokenizer = _smollm2_tokenizer()
-  task, train, test = _records(budget)
+  tokenizer = api.smollm2_tokenizer()
+  task, train, test = api.tweets(budget.eval_per_class)
   train = train[:64]
   vocabulary = quality_stages.transfer_vocabulary(task, train, tokenizer,
                                                   budget)
@@ -175,17 +156,16 @@ class _Ids:
 
 
 def _runner(setup: Setup, budget: Budget):
-  tokens = [data_lib.tokenize(setup.tokenizer, e.prompt, e.target)
-            for e in map(setup.task.example, setup.train_records)]
-  eval_set = evaluation_lib.make_eval_set(
-      setup.task, [setup.task.example(r) for r in setup.test_records],
-      setup.tokenizer)
+  tokens = api.training_tokens(setup.task, setup.train_records,
+                               setup.tokenizer)
+  eval_set = api.held_out_set(setup.task, setup.test_records,
+                              setup.tokenizer)
   return _quality_runs.Runner(
       setup.model, tokens, eval_set, setup.tokenizer,
       batch_size=budget.batch_size, seq_len=budget.seq_len,
       eval_batch_size=budget.eval_batch_size,
       pad_id=setup.model_config.pad_token_id or 0,
-      hints=optimizers_lib.decoder_hints(setup.model_config))
+      hints=api.decoder_hints(setup.model_config))
 
 
 STAGES = ('transfer', 'main', 'ablations', 'long', 'memory')
@@ -211,7 +191,7 @@ def run(out_dir: str, budget: Budget, render_only: bool = False,
                  load_average_at_start=list(os.getloadavg()))
   if 'transfer' in stages:
     stage('transfer', quality_stages.stage_transfer, results, budget,
-          _smollm2_tokenizer())
+          api.smollm2_tokenizer())
     render()
   if set(stages) & {'main', 'ablations', 'long', 'memory'}:
     setup = (smoke_setup if budget.smoke else real_setup)(budget)

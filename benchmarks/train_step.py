@@ -25,42 +25,31 @@ with one key per optimizer, for the last (dtype, batch) measured.
 """
 
 import argparse
-import dataclasses
 import statistics
 import sys
 import time
 
-from flax import nnx
 import jax
 import jax.numpy as jnp
 
 from benchmarks import memory
 from benchmarks import provenance
-from examples.finetune import optimizers as optimizers_lib
-from examples.finetune.model import config as config_lib
-from examples.finetune.model import decoder as model_lib
-from examples.finetune.model import layered as layered_lib
+from examples.finetune import api
 import taco_optax
 
 PATHS = ('taco_layerwise', 'taco_optax', 'adamw', 'adafactor', 'lion', 'muon')
 
 
 def _decoder(dtype, num_layers):
-  config = config_lib.ModelConfig.from_hf_config(memory.SMOLLM2_135M)
-  if num_layers is not None:
-    config = dataclasses.replace(config, num_layers=num_layers)
-  model = model_lib.DecoderLM(config, dtype=dtype, param_dtype=dtype,
-                              remat='block', scan_layers=False,
-                              rngs=nnx.Rngs(0))
-  return config, layered_lib.layered_model(model)
+  return memory.layered_decoder(memory.SMOLLM2_135M, dtype=dtype,
+                                scan_layers=False, num_layers=num_layers)
 
 
 def _step(path, decoder, config):
   """``(step, optimizer)`` of one path, as the example builds it."""
-  hints = optimizers_lib.decoder_hints(config)
+  hints = api.decoder_hints(config)
   name = 'taco' if path.startswith('taco') else path
-  tx = optimizers_lib.get(name).build(1e-5, hints,
-                                      optimizers_lib.TacoSettings())
+  tx = api.optimizer(name).build(1e-5, hints, api.TacoSettings())
   if path == 'taco_layerwise':
     return taco_optax.layerwise.train_step(decoder.loss, tx), tx
   return memory.plain_step(decoder.loss, tx), tx

@@ -12,5 +12,6 @@ the memory prediction (:mod:`memory_plan`), checkpoints and resume
 (:mod:`checkpoint`, :mod:`resume`, :mod:`run_dirs`), progress lines
 (:mod:`phases`) and
 ``python -m examples.finetune.compare`` (:mod:`compare`). The model itself
-is the subpackage :mod:`model`.
+is the subpackage :mod:`model`. Scripts and benchmarks use the example
+through :mod:`api` alone, its public surface.
 """

@@ -180,11 +180,14 @@ def balanced_subset(examples: Sequence[tasks_lib.Example], size: int,
 
 
 class TokenizedExample(NamedTuple):
+  """A training example's prompt and completion as token ids."""
   prompt_ids: tuple[int, ...]
   completion_ids: tuple[int, ...]
 
 
 def encode(tokenizer, text: str, *, special: bool) -> tuple[int, ...]:
+  """The ids of ``text``, with the tokenizer's special tokens if ``special``.
+  """
   return tuple(tokenizer.encode(text, add_special_tokens=special).ids)
 
 
