@@ -1,4 +1,4 @@
-"""The README's usage examples run as written."""
+"""The README's usage examples run as written, and it stays a front door."""
 
 import re
 
@@ -38,3 +38,21 @@ def test_nnx_example_runs():
   assert bool(jnp.isfinite(namespace['loss']))
   assert int(namespace['optimizer'].step[...]) == 1
 
+
+def test_readme_is_a_front_door():
+  """Short, its two python blocks the ones above, the rest in docs/ pages."""
+  assert len(README.read_text().splitlines()) <= 250
+  assert len(docs_pages.python_blocks('README.md')) == 2
+
+
+@pytest.mark.parametrize(
+    'page', ['README.md'] + sorted(
+        str(p.relative_to(docs_pages.ROOT))
+        for p in (docs_pages.ROOT / 'docs').rglob('*.md')))
+def test_relative_links_name_files_that_exist(page):
+  path = docs_pages.ROOT / page
+  for target in re.findall(r'\]\(([^)\s]+)\)', path.read_text()):
+    if re.match(r'[a-z]+:', target):
+      continue  # a web address
+    target = target.split('#')[0]
+    assert (path.parent / target).exists(), (page, target)
