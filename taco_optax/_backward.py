@@ -80,7 +80,7 @@ def unrolled(layer_backward: LayerBackward, layers: list[Any], plans: Plans,
     # own, so this layer's recomputation can run while the layer above runs
     # its backward pass (XLA:CPU runs independent kernels side by side):
     # one layer's recomputation more alive (the example's default run:
-    # 606.8 -> 617.7 MiB compiled, 91.7 -> 95.9 tokens/s; README).
+    # 606.8 -> 617.7 MiB compiled, 91.7 -> 95.9 tokens/s; docs/example.md).
     layer_input = jax.tree.map(
         lambda x, after=previous_d_hidden: _leaf_update.data_dependency(
             x, after), layer_inputs[l])

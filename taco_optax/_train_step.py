@@ -148,7 +148,7 @@ def train_step(loss: LayeredLoss,
 
 
 # Why a chain such as optax.chain(optax.clip_by_global_norm(c), taco(...))
-# is refused (README, "Clipping").
+# is refused (docs/layerwise.md, "Clipping").
 _NO_CLIPPING = (
     'A chain is opaque to the layer-wise step; for '
     'optax.chain(optax.clip_by_global_norm(c), taco(...)) pass taco(...) and '
