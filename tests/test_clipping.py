@@ -1,4 +1,4 @@
-"""What global-norm clipping means for TACO, on each path (README, Clipping)."""
+"""What global-norm clipping means for TACO on each path (docs/layerwise.md)."""
 
 import jax
 import jax.numpy as jnp

@@ -1,26 +1,19 @@
-"""The README's usage examples run as written."""
+"""The README's usage examples run as written, and it stays a front door."""
 
-import pathlib
 import re
 
-import chex
-import jax
 import jax.numpy as jnp
-import optax
 import pytest
 
-import taco_optax
+from tests import docs_pages
 
-README = pathlib.Path(__file__).resolve().parents[1] / 'README.md'
-
-
-def _python_blocks():
-  return re.findall(r'```python\n(.*?)```', README.read_text(), re.S)
+README = docs_pages.ROOT / 'README.md'
 
 
 def test_optax_example_runs():
+  block = docs_pages.python_blocks('README.md')[0]
   namespace = {}
-  exec(_python_blocks()[0], namespace)  # pylint: disable=exec-used
+  exec(block, namespace)  # pylint: disable=exec-used
   moved = (namespace['updates']['w'] != 0).sum(axis=1)
   assert (moved == 1).all()
 
@@ -31,50 +24,10 @@ def test_readme_states_the_two_commands():
     assert re.search(re.escape(marker) + r'\n```bash\n.+\n```', text), marker
 
 
-def test_layerwise_example_runs_and_matches_the_optax_path():
-  (block,) = [b for b in _python_blocks()
-              if 'layerwise.train_step' in b and 'TableLookup' not in b]
-  namespace = {}
-  exec(block, namespace)  # pylint: disable=exec-used
-  tx, loss = namespace['tx'], namespace['loss']
-  x = jnp.ones((8, 16))
-  params = namespace['params']
-  # The example donated its inputs; rebuild them and take one plain step.
-  exec(block.split('matrix =')[0], namespace)  # pylint: disable=exec-used
-  start = (namespace['outer'], namespace['layers'])
-  state = tx.init(start)
-  grads = jax.grad(loss)(start, x)
-  updates, _ = tx.update(grads, state, start)
-  expected = optax.apply_updates(start, updates)
-  chex.assert_trees_all_close(params, expected, atol=1e-6)
-  # One weight per column of each layer matrix moved.
-  moved = (params[1]['w'] != start[1]['w']).sum(axis=-1)
-  assert int(moved.max()) == 1
-
-
-def test_token_table_example_runs_and_matches_the_optax_path():
-  (block,) = [b for b in _python_blocks() if 'TableLookup' in b]
-  namespace = {}
-  exec(block, namespace)  # pylint: disable=exec-used
-  tx, loss = namespace['lm_tx'], namespace['lm_loss']
-  stepped = namespace['lm_params']
-  # The example donated its inputs; rebuild them and take one plain step.
-  exec(block.split('lm_dims =')[0], namespace)  # pylint: disable=exec-used
-  start = namespace['lm_params']
-  tokens = jnp.arange(32).reshape(4, 8) * 31 % namespace['vocab']
-  state = tx.init(start)
-  updates, _ = tx.update(jax.grad(loss)(start, tokens), state, start)
-  chex.assert_trees_all_close(stepped, optax.apply_updates(start, updates),
-                              atol=1e-6)
-  # One token's row moved in each feature column of the table.
-  moved = (stepped[0]['embedding'] != start[0]['embedding']).sum(axis=0)
-  assert int(moved.min()) == int(moved.max()) == 1
-
-
 def test_nnx_example_runs():
   nnx = pytest.importorskip('flax.nnx')
-  (block,) = [b for b in _python_blocks()
-              if 'nnx.Optimizer' in b and 'def train_step' in b]
+  block = docs_pages.block('README.md', 'nnx.Optimizer')
+  assert 'def train_step' in block
   namespace = {}
   exec(block, namespace)  # pylint: disable=exec-used
   start = nnx.Linear(64, 32, rngs=nnx.Rngs(0))  # the example's initial model
@@ -86,36 +39,20 @@ def test_nnx_example_runs():
   assert int(namespace['optimizer'].step[...]) == 1
 
 
-def test_routing_example_runs_as_it_says(capsys):
-  nnx = pytest.importorskip('flax.nnx')
-  (block,) = [b for b in _python_blocks()
-              if 'routing_report' in b and 'LayerwisePeftTrainer' not in b]
-  namespace = {}
-  exec(block, namespace)  # pylint: disable=exec-used
-  dn = taco_optax.TacoDimensionNumbers
-  dims = namespace['dims']
-  assert (dims['q']['kernel'], dims['o']['kernel']) == (
-      dn(0, (1, 2)), dn((0, 1), 2))
-  assert dims['norm']['scale'] is None
-  report = namespace['report']
-  printed = capsys.readouterr().out
-  claimed = re.search(r'# (TACO routing: .*) \(\.\.\.\); (optimizer state .*)',
-                      block)
-  assert printed.startswith(claimed[1]) and claimed[2] in printed
-  assert [r.route for r in report.rows] == ['adam', 'taco', 'taco']
-  assert isinstance(namespace['optimizer'], nnx.Optimizer)
+def test_readme_is_a_front_door():
+  """Short, its two python blocks the ones above, the rest in docs/ pages."""
+  assert len(README.read_text().splitlines()) <= 250
+  assert len(docs_pages.python_blocks('README.md')) == 2
 
 
-def test_inject_hyperparams_recipe_routes_as_taco():
-  (block,) = [b for b in _python_blocks() if 'inject_hyperparams' in b]
-  namespace = {}
-  exec(block, namespace)  # pylint: disable=exec-used
-  params = {'w': jnp.ones((4, 3)), 'b': jnp.ones((3,))}
-  grads = {'w': jnp.arange(12.0).reshape(4, 3), 'b': jnp.ones((3,))}
-  tx = namespace['tx']
-  updates, _ = tx.update(grads, tx.init(params), params)
-  plain = taco_optax.taco(3e-5, k=16,
-                          weight_dimension_numbers=namespace['dims_of'])
-  expected, _ = plain.update(grads, plain.init(params), params)
-  assert jnp.array_equal(updates['w'], expected['w'])
-  assert int((updates['w'] != 0).sum()) == 4
+@pytest.mark.parametrize(
+    'page', ['README.md'] + sorted(
+        str(p.relative_to(docs_pages.ROOT))
+        for p in (docs_pages.ROOT / 'docs').rglob('*.md')))
+def test_relative_links_name_files_that_exist(page):
+  path = docs_pages.ROOT / page
+  for target in re.findall(r'\]\(([^)\s]+)\)', path.read_text()):
+    if re.match(r'[a-z]+:', target):
+      continue  # a web address
+    target = target.split('#')[0]
+    assert (path.parent / target).exists(), (page, target)

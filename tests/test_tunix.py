@@ -4,8 +4,6 @@ Needs ``pip install "taco_optax[tunix]"`` (the test extra installs it).
 """
 
 import logging
-import pathlib
-import re
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +20,7 @@ from benchmarks import tunix_models  # pylint: disable=g-import-not-at-top
 import taco_optax  # pylint: disable=g-import-not-at-top
 from taco_optax._src.integrations import tunix_model as _tunix_model  # pylint: disable=g-import-not-at-top
 from taco_optax import tunix as taco_tunix  # pylint: disable=g-import-not-at-top
+from tests import docs_pages  # pylint: disable=g-import-not-at-top
 
 
 
@@ -222,7 +221,7 @@ def test_unsupported_model_is_named():
 
 
 def test_peft_trainer_recipe_routes_attention_to_taco():
-  """The README recipe: every rank >= 2 weight has a TACO history."""
+  """docs/with_tunix.md's recipe: every rank >= 2 weight has a TACO history."""
   model = MODELS['qwen3']()
   trainer = peft_trainer.PeftTrainer(model, tunix_models.taco(model),
                                      _config(1))
@@ -237,10 +236,8 @@ def test_peft_trainer_recipe_routes_attention_to_taco():
     assert isinstance(values, optax.MaskedNode) == (param.ndim < 2)
 
 
-def test_readme_tunix_example_runs():
-  readme = pathlib.Path(__file__).resolve().parents[1] / 'README.md'
-  (block,) = [b for b in re.findall(r'```python\n(.*?)```', readme.read_text(),
-                                    re.S) if 'LayerwisePeftTrainer' in b]
+def test_with_tunix_page_example_runs():
+  block = docs_pages.block('docs/with_tunix.md', 'LayerwisePeftTrainer')
   namespace = {}
   exec(block, namespace)  # pylint: disable=exec-used
   trainer = namespace['trainer']

@@ -87,7 +87,7 @@ def on_off(word: str) -> Union[bool, Malformed]:
   return Malformed(f': expected on or off, got {word!r}')
 
 
-# A switch given as a value (``--remat off``), as the README writes it.
+# A switch given as a value (``--remat off``), as docs/example.md writes it.
 OnOff = Annotated[bool, tyro.conf.FlagConversionOff,
                   tyro.constructors.PrimitiveConstructorSpec(
                       nargs='*', metavar='{on,off}',

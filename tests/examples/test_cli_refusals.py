@@ -141,7 +141,7 @@ def test_choices_and_types_are_checked_for_python_callers():
   assert flags.RunConfig(taco_mu=0.0).taco.mu == 0.0
 
 
-def test_command_line_spells_the_readme_flags():
+def test_command_line_spells_the_documented_flags():
   config = flags.from_command_line([
       '--optimizer', 'adamw', '--lr', '1e-4', '--steps', '2',
       '--batch-size', '3', '--taco-k', '8', '--taco-mu', '0.9',
