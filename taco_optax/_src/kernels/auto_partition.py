@@ -4,7 +4,7 @@ On a mesh whose axes are :attr:`jax.sharding.AxisType.Auto` nothing about
 sharding is read from the arrays' types: XLA partitions the step itself. Left
 alone it gathers the whole gradient before ``lax.top_k`` and replicates the
 fused CPU kernel (a custom call has no partitioning rule of its own).
-:func:`column_step` wraps the step in
+:func:`partitioned_step` wraps the step in
 :func:`jax.experimental.custom_partitioning`, so XLA hands this module the
 shardings it chose for the ``(N, m)`` rows, and each device runs:
 
@@ -163,13 +163,17 @@ def _make_op(local_step: LocalStep, sharded_step: ShardedStep,
   return batchable
 
 
+# The op of each (step function, static mu, update_topk): process-wide, so
+# that every trace of the same step reuses one custom_partitioning op (a new
+# op per trace would defeat jit's cache). Holds functions only, no arrays.
 _ops = {}
 
 
-def column_step(grad_rows: jax.Array, values: jax.Array, indices: jax.Array,
-                exponents: jax.Array, mu: Union[float, jax.Array],
-                update_topk: int, local_step: LocalStep,
-                sharded_step: ShardedStep) -> reference.ColumnStep:
+def partitioned_step(grad_rows: jax.Array, values: jax.Array,
+                     indices: jax.Array, exponents: jax.Array,
+                     mu: Union[float, jax.Array], update_topk: int,
+                     local_step: LocalStep, sharded_step: ShardedStep
+                     ) -> reference.ColumnStep:
   """``local_step`` on rows, partitioned per device on an Auto mesh.
 
   Same arguments and results as :func:`reference.reference_column_step`

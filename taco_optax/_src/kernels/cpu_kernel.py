@@ -58,8 +58,11 @@ class Availability(NamedTuple):
   reason: str
 
 
+# The kernel library is built, loaded and registered with XLA once per
+# process (a registered FFI target is process-wide): this is its
+# Availability, None until first tried, guarded by the lock.
 _lock = threading.Lock()
-_status = None  # an Availability once tried in this process
+_status = None
 
 
 def cache_dir() -> pathlib.Path:

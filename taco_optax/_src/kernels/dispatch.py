@@ -49,6 +49,8 @@ from taco_optax._src.kernels import mesh
 ENV = 'TACO_OPTAX_KERNEL'
 IMPLEMENTATIONS = ('auto', 'cpu', 'pallas', 'reference')
 _logger = logging.getLogger('taco_optax')
+# The choices logged so far: process-wide on purpose, as the logger is (each
+# choice is said once per process, not once per trace).
 _logged = set()
 
 
@@ -203,7 +205,7 @@ def column_step(grad_rows: jax.Array, values: jax.Array, indices: jax.Array,
     if shards is not None:
       return _sharded_step(grad_rows, values, indices, exponents, mu,
                            update_topk, shards)
-    return auto_partition.column_step(
+    return auto_partition.partitioned_step(
         grad_rows, values, indices, exponents, mu, update_topk,
         _LOCAL_STEPS[choice.implementation], _sharded_step)
 
