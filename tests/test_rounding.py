@@ -256,3 +256,74 @@ def test_leaf_keys_are_each_leafs_fold_in():
     np.testing.assert_array_equal(_rounding.leaf_key(3, count, leaf),
                                   expected)
   assert len({tuple(map(int, k)) for k in keys}) == 40
+
+
+def _branch_params(dtype):
+  keys = jax.random.split(jax.random.key(0), 3)
+  return {'w': (jax.random.normal(keys[0], (64, 48)) * 0.02).astype(dtype),
+          'stack': (jax.random.normal(keys[1], (3, 16, 8)) * 0.02).astype(
+              dtype),
+          'b': jnp.zeros((48,), dtype),
+          'f32': jax.random.normal(keys[2], (8, 4))}
+
+
+_BRANCH_DIMS = {'w': taco_optax.TacoDimensionNumbers(),
+                'stack': taco_optax.TacoDimensionNumbers(1, 2), 'b': None,
+                'f32': taco_optax.TacoDimensionNumbers(1, 0)}
+
+
+@pytest.mark.parametrize('dtype', DTYPES)
+@pytest.mark.parametrize('learning_rate', [
+    3e-4, optax.linear_schedule(1e-4, 1e-3, 10)])
+def test_taco_branch_is_the_chain_bit_for_bit(dtype, learning_rate):
+  # taco() rounds a 16-bit leaf's update at its winners only; its updates
+  # and state are chain(scale_by_taco, scale_by_learning_rate,
+  # stochastic_rounding)'s, including a step whose gradient is not finite.
+  tx = taco_optax.taco(learning_rate, k=4, update_topk=2,
+                       weight_dimension_numbers=_BRANCH_DIMS)
+  parts = _alias.parts_of(tx)
+  chain = optax.partition(
+      {_alias.TACO_LABEL: optax.chain(parts.direction, parts.learning_rate,
+                                      parts.rounding),
+       _alias.ADAM_LABEL: parts.adam}, parts.param_labels)
+  params = _branch_params(dtype)
+  state, chain_state = tx.init(params), chain.init(params)
+  for step in range(4):
+    grads = jax.tree.map(
+        lambda x, step=step: jax.random.normal(jax.random.key(step), x.shape,
+                                               x.dtype), params)
+    if step == 2:
+      grads['stack'] = grads['stack'].at[0, 0, 0].set(jnp.nan)
+    updates, state = jax.jit(tx.update)(grads, state, params)
+    expected, chain_state = jax.jit(chain.update)(grads, chain_state, params)
+    assert_bitwise_equal((updates, state), (expected, chain_state))
+    if step != 2:  # NaN weights would make every later update NaN
+      params = optax.apply_updates(params, updates)
+  moved = np.asarray(updates['w'] != 0).sum(axis=1)
+  assert moved.max() <= 2 and moved.sum() > 0
+
+
+def test_taco_branch_draws_bits_for_the_winners_only():
+  # The chain hashes every element of a 16-bit matrix's update; the branch
+  # only the r winners of each column: no uint32 array of the matrix's
+  # shape is formed.
+  tx = taco_optax.taco(3e-4, k=4, weight_dimension_numbers=_BRANCH_DIMS)
+  params = _branch_params(jnp.bfloat16)
+  grads = jax.tree.map(jnp.ones_like, params)
+  jaxpr = jax.make_jaxpr(tx.update)(grads, tx.init(params), params)
+
+  shapes = set()
+
+  def walk(jaxpr):
+    for eqn in jaxpr.eqns:
+      shapes.update(tuple(v.aval.shape) for v in eqn.outvars
+                    if getattr(v.aval, 'dtype', None) == jnp.uint32)
+      for param in eqn.params.values():
+        inner = getattr(param, 'jaxpr', None)  # pjit's ClosedJaxpr
+        if inner is not None:
+          walk(getattr(inner, 'jaxpr', inner))
+
+  walk(jaxpr.jaxpr)
+  # (the chain forms (64, 48) and (3, 16, 8) here)
+  assert not shapes & {(64, 48), (3, 16, 8)}, shapes
+  assert (64, 1) in shapes, shapes  # one draw per column (row here)

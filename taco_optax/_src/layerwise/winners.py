@@ -89,17 +89,12 @@ def winner_bits(rounding: LeafRounding, layout: transform.MatrixLayout,
   (``transform.element_bits`` of their flat index), as the optax path draws
   them.
   """
-  flat = row_ids.astype(jnp.int32) * layout.m + winners
-  permuted = jnp.unravel_index(jnp.maximum(flat, 0),
-                               tuple(shape[a] for a in layout.transpose))
-  coords = [None] * len(shape)
-  for position, axis in zip(permuted, layout.transpose):
-    coords[axis] = position
+  coords = layout.element_coords(shape, row_ids, winners)
   if shards is not None:
     coords = [c + kernels.block_start(shards, axis, shape[axis])
               for axis, c in enumerate(coords)]
   if rounding.layer is not None:
-    coords = [jnp.broadcast_to(rounding.layer, flat.shape)] + coords
+    coords = [jnp.broadcast_to(rounding.layer, coords[0].shape)] + coords
   return transform.element_bits(rounding.key,
                                 transform.flat_index(rounding.shape, coords))
 

@@ -106,6 +106,19 @@ class MatrixLayout(NamedTuple):
     return x.transpose(self.transpose).reshape(self.num_matrices * self.n,
                                                self.m)
 
+  def element_coords(self, shape: tuple[int, ...], rows: jax.Array,
+                     entries: jax.Array) -> list[jax.Array]:
+    """Per axis of a parameter of ``shape``, the coordinate of entry
+    ``entries`` of row ``rows`` of :meth:`to_rows` (negative entries are
+    taken as 0)."""
+    flat = rows.astype(jnp.int32) * self.m + entries
+    permuted = jnp.unravel_index(jnp.maximum(flat, 0),
+                                 tuple(shape[a] for a in self.transpose))
+    coords = [None] * len(shape)
+    for position, axis in zip(permuted, self.transpose):
+      coords[axis] = position
+    return coords
+
   def from_rows(self, rows: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     """Inverse of :meth:`to_rows` for a parameter of shape ``shape``."""
     permuted = tuple(shape[ax] for ax in self.transpose)

@@ -7,9 +7,9 @@ they need them back: :func:`parts_of` gives them, from the
 :class:`TacoTransformation` that :func:`taco` returns (it carries its
 :class:`TacoParts`), and refuses anything else naming the wrapper and what to
 do instead. The TACO branch's pieces are named once (:data:`TACO_PIECES`):
-:meth:`TacoParts.transformation` chains them in that order and
-:func:`taco_states` / :func:`with_taco_states` read and write their states
-by those names.
+:meth:`TacoParts.transformation` runs them in that order (as ``branch``'s
+chain) and :func:`taco_states` / :func:`with_taco_states` read and write their
+states by those names.
 """
 
 from typing import Any, Callable, NamedTuple, Optional, Union
@@ -17,6 +17,7 @@ from typing import Any, Callable, NamedTuple, Optional, Union
 import jax
 import optax
 
+from taco_optax._src.transform import branch
 from taco_optax._src.transform import plan as plan_lib
 
 TACO_LABEL = 'taco'
@@ -81,10 +82,10 @@ class TacoParts(NamedTuple):
 
   def transformation(self) -> 'TacoTransformation':
     """The ``optax.partition`` of the pieces, carrying these parts."""
-    pieces = [getattr(self, name) for name in TACO_PIECES]
     partition = optax.partition(
         transforms={
-            TACO_LABEL: optax.chain(*(p for p in pieces if p is not None)),
+            TACO_LABEL: branch.taco_branch(self.direction, self.learning_rate,
+                                           self.rounding, self.rounding_seed),
             ADAM_LABEL: self.adam,
         },
         param_labels=self.param_labels,

@@ -149,6 +149,16 @@ def rounded_update(param: jax.Array, delta: jax.Array,
   return (new.astype(jnp.float32) - start).astype(param.dtype)
 
 
+def rounded_leaf_update(param: jax.Array, update: jax.Array,
+                        key: jax.Array) -> jax.Array:
+  """:func:`rounded_update` of every element of a 16-bit ``param``'s update
+  (bits from the leaf's ``key``); any other update passes unchanged."""
+  if not is_low_precision(param.dtype):
+    return update
+  return rounded_update(param, update,
+                        element_bits(key, dense_flat_index(param)))
+
+
 def in_float32(inner: optax.GradientTransformation
                ) -> optax.GradientTransformation:
   """``inner`` run on float32 copies of 16-bit updates and params.
@@ -228,14 +238,11 @@ def stochastic_rounding(seed: int = 0) -> optax.GradientTransformation:
             "params to update(), or build the optimizer with rounding="
             "'nearest'.")
       return updates, advanced(state)
-    out = []
     keys = leaf_keys(seed, state.count, len(leaves))
-    for i, (update, param) in enumerate(zip(leaves,
-                                            treedef.flatten_up_to(params))):
-      if not trees.is_masked(update) and is_low_precision(param.dtype):
-        bits = element_bits(keys[i], dense_flat_index(param))
-        update = rounded_update(param, update, bits)
-      out.append(update)
+    out = [update if trees.is_masked(update)
+           else rounded_leaf_update(param, update, keys[i])
+           for i, (update, param) in enumerate(zip(
+               leaves, treedef.flatten_up_to(params)))]
     return treedef.unflatten(out), advanced(state)
 
   return optax.GradientTransformation(init_fn, update_fn)

@@ -285,21 +285,39 @@ def scale_by_taco(
     return taco_state(treedef, [init_leaf(p, plan) for p, plan in
                                 zip(leaves, plans(params))])
 
-  def update_leaf(grad, history, plan):
-    if plan is None:
-      return grad, history
-    sharded = kernels.leaf_sharding_of(grad, plan.axes(grad.shape))
-    if sharded is None:
-      return dense_direction(grad, history, plan=plan, mu=mu)
-    return kernels.map_over_shards(dense_direction, *sharded, (grad,),
-                                   history, plan=plan, mu=mu)
-
   def update_fn(updates, state, params=None):
     del params
     leaves, treedef = jax.tree.flatten(updates)
-    out = [update_leaf(grad, history, plan) for grad, history, plan in zip(
-        leaves, leaf_histories(state, treedef), plans(updates))]
+    out = [leaf_direction(grad, history, plan, mu) for grad, history, plan
+           in zip(leaves, leaf_histories(state, treedef), plans(updates))]
     return (treedef.unflatten([direction for direction, _ in out]),
             taco_state(treedef, [history for _, history in out]))
 
-  return optax.GradientTransformation(init_fn, update_fn)
+  return ScaleByTaco(init_fn, update_fn, plans, mu)
+
+
+class ScaleByTaco(optax.GradientTransformation):
+  """What :func:`scale_by_taco` returns: optax's ``(init, update)``, plus
+  ``plans(tree)`` (each leaf's plan) and ``mu``, for :func:`taco`'s branch
+  (``branch``)."""
+
+  def __new__(cls, init, update, plans=None, mu=None):
+    transformation = super().__new__(cls, init, update)
+    transformation.plans = plans
+    transformation.mu = mu
+    return transformation
+
+
+def leaf_direction(grad: jax.Array, history: kernels.History,
+                   plan: Optional[plan_lib.LeafPlan],
+                   mu: Union[float, jax.Array]
+                   ) -> tuple[jax.Array, kernels.History]:
+  """One leaf's dense direction and new history (a non-TACO leaf passes),
+  per device when the leaf is split over an explicit mesh."""
+  if plan is None:
+    return grad, history
+  sharded = kernels.leaf_sharding_of(grad, plan.axes(grad.shape))
+  if sharded is None:
+    return dense_direction(grad, history, plan=plan, mu=mu)
+  return kernels.map_over_shards(dense_direction, *sharded, (grad,),
+                                 history, plan=plan, mu=mu)
