@@ -5,9 +5,10 @@ Times ``jit(update + apply_updates)`` (params and state donated) for
 as the example's layer-wise step applies it (blocks unrolled, each one's
 winners scattered into its weights at the end of its backward pass, no dense
 update, on a model whose backward pass only hands over the gradient), and one
-read of the gradient tree (the memory-bound floor). Prints a
-table and, on its last line,
-``taco_over_adamw=<ratio> taco_over_read=<ratio> taco_scatter_over_adamw=...``.
+read of the gradient tree (the memory-bound floor). With 16-bit
+parameters TACO is also timed with ``rounding='nearest'``. Prints a table
+and, on its last line, ``taco_over_adamw=<ratio> taco_over_read=<ratio>
+taco_scatter_over_adamw=...`` (and ``stochastic_over_nearest=...``).
 
   python -m benchmarks.step_time [--model llama-125m|llama-350m|smollm2-135m]
       [--dtype bfloat16|float32] [--repeats 3]
@@ -258,9 +259,16 @@ def main():
                (f'taco (scatter){label}', scatter, state_bytes)]
       times[f'taco{kernel}'] = seconds
       times[f'scatter{kernel}'] = scatter
-  print(f'{"update":<26}{"ms":>10}{"x read":>9}{"state MiB":>11}')
+      if dtype.itemsize == 2:  # what stochastic rounding costs the update
+        nearest, _ = time_optimizer(
+            taco_optax.taco(1e-4, implementation=kernel, rounding='nearest'),
+            params, grads, args.repeats)
+        rows.append((f"taco, rounding='nearest'{label}", nearest,
+                     state_bytes))
+        times[f'nearest{kernel}'] = nearest
+  print(f'{"update":<34}{"ms":>10}{"x read":>9}{"state MiB":>11}')
   for name, seconds, state_bytes in rows:
-    print(f'{name:<26}{1e3 * seconds:>10.1f}{seconds / read:>9.2f}'
+    print(f'{name:<34}{1e3 * seconds:>10.1f}{seconds / read:>9.2f}'
           f'{state_bytes / 2**20:>11.1f}')
   last = kernels[-1]
   if f'taco{last}' in times and 'adamw' in times:
@@ -268,6 +276,9 @@ def main():
                f'taco_over_read={times[f"taco{last}"] / read:.3f} '
                f'taco_scatter_over_adamw='
                f'{times[f"scatter{last}"] / times["adamw"]:.3f}')
+    if f'nearest{last}' in times:
+      summary += (' stochastic_over_nearest='
+                  f'{times[f"taco{last}"] / times[f"nearest{last}"]:.3f}')
     print(summary)
     if args.write:
       write_markdown(args.write, args, rows, read, summary)
