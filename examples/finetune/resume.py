@@ -33,7 +33,7 @@ _FREE_FIELDS = frozenset({
     'eval_every', 'eval_batch_size', 'memory_limit_gb', 'output_dir',
     'resume', 'resume_allow_changes', 'save_checkpoint', 'checkpoint_every',
     'progress', 'coordinator_address', 'num_processes', 'process_id',
-    'initialization_timeout'})
+    'initialization_timeout', 'compilation_cache', 'compilation_cache_dir'})
 
 
 class Interrupted(SystemExit):
