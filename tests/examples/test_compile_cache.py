@@ -1,20 +1,23 @@
 """Warm compiles: the CLI keeps what it compiles in JAX's persistent cache.
 
 A run with an empty cache folder compiles its train step and saves it; the
-same run again loads it from the folder; ``--no-compilation-cache`` keeps
-nothing. Whether the step came from the cache is what JAX's own events said
-during its compile (``examples/finetune/compile_cache.py``), not a timing.
+same run again loads it from the folder; with ``--no-compilation-cache``
+JAX keeps nothing. Whether the step came from the cache is what JAX's own
+events said during its compile (``examples/finetune/compile_cache.py``), not
+a timing.
 """
 
 import json
 import os
 
 import jax
+import jax.numpy as jnp
 import pytest
 
 from examples.finetune import __main__ as cli
 from examples.finetune import compile_cache
 from examples.finetune import flags
+from examples.finetune import report
 from taco_optax._src.kernels import cpu_kernel
 import test_cli  # pylint: disable=g-bad-import-order  (the tiny model, data)
 from test_cli import workspace  # pylint: disable=unused-import,g-bad-import-order
@@ -62,14 +65,20 @@ def test_second_run_loads_the_train_step_from_the_cache(
   assert second['peak_memory_bytes'] == first['peak_memory_bytes']
 
 
-def test_no_compilation_cache_keeps_nothing(workspace, tmp_path, capsys):
+def test_no_compilation_cache_keeps_nothing(tmp_path):
+  # What main() does around a run (the run itself is the test above's).
   folder = tmp_path / 'jax-cache'
-  results = _run(workspace, tmp_path / 'off', '--optimizer', 'adamw',
-                 '--no-compilation-cache', '--compilation-cache-dir',
-                 str(folder))
-  assert results['compilation_cache']['directory'] is None
-  assert results['compilation_cache']['train_step'] == 'off'
-  assert 'off: train step compiled, nothing kept' in capsys.readouterr().out
+  config = flags.from_command_line(['--no-compilation-cache',
+                                    '--compilation-cache-dir', str(folder)])
+  with compile_cache.used(config) as used:
+    with compile_cache.Lookups() as lookups:
+      jax.jit(lambda x: x * 3 + 1).lower(jnp.arange(5.0)).compile()
+  assert used is None
+  assert lookups.result.as_json() == {
+      'directory': None, 'train_step': 'off', 'requests': 0, 'hits': 0,
+      'writes': 0}
+  assert report.compile_cache(lookups.result.as_json()) == (
+      'off: train step compiled, nothing kept')
   assert not folder.exists()
 
 
