@@ -16,6 +16,7 @@ from typing import Optional, Sequence
 
 import jax
 
+from examples.finetune import compile_cache as compile_cache_lib
 from examples.finetune import flags as flags_lib
 from examples.finetune import loop as loop_lib
 from examples.finetune import processes as processes_lib
@@ -37,14 +38,16 @@ def _quiet_unless_leader():
 def main(argv: Optional[Sequence[str]] = None) -> int:
   try:
     config = flags_lib.from_command_line(argv)
-    processes_lib.initialize(config)
-    try:
-      mesh = sharding_lib.make_mesh(config.mesh)
-    except sharding_lib.MeshError as e:
-      raise flags_lib.FinetuneError(str(e)) from e
-    with jax.set_mesh(mesh) if mesh else contextlib.nullcontext():
-      with _quiet_unless_leader():
-        results = loop_lib.run(config)
+    # Before anything compiles, in every process of the run.
+    with compile_cache_lib.used(config):
+      processes_lib.initialize(config)
+      try:
+        mesh = sharding_lib.make_mesh(config.mesh)
+      except sharding_lib.MeshError as e:
+        raise flags_lib.FinetuneError(str(e)) from e
+      with jax.set_mesh(mesh) if mesh else contextlib.nullcontext():
+        with _quiet_unless_leader():
+          results = loop_lib.run(config)
   except flags_lib.FinetuneError as e:
     # An input refused before anything is written, or a loss that became NaN
     # or infinite (the checkpoints saved before it stay; no results.json).

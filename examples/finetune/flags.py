@@ -123,6 +123,14 @@ class RunConfig:
     checkpoint_every: Save a checkpoint every N steps (0: only at the end and
       when stopped).
     progress: Show a progress bar.
+    compilation_cache: JAX's persistent compilation cache, which this flag
+      turns off: what a run compiles (the train step, the evaluation passes)
+      is kept in --compilation-cache-dir, so that the same run again, or a
+      resume, loads its train step instead of compiling it; the summary says
+      which happened.
+    compilation_cache_dir: The compilation cache's folder; None: a jax
+      folder where taco_optax builds its C++ kernel, $TACO_OPTAX_CACHE_DIR/jax,
+      else $XDG_CACHE_HOME/taco_optax/jax, else ~/.cache/taco_optax/jax.
   """
   optimizer: Literal[tuple(optimizers_lib.OPTIMIZERS)] = 'taco'
   lr: Annotated[Optional[float], _ABOVE_ZERO] = None
@@ -164,6 +172,11 @@ class RunConfig:
   save_checkpoint: Annotated[bool, tyro.conf.arg(name='checkpoint')] = True
   checkpoint_every: Annotated[int, _NON_NEGATIVE] = 100
   progress: bool = True
+  compilation_cache: Annotated[tyro.conf.FlagCreatePairsOff[bool],
+                               tyro.conf.arg(
+                                   help_behavior_hint='(default: on)')] = True
+  compilation_cache_dir: Annotated[Optional[str],
+                                   tyro.conf.arg(metavar='PATH')] = None
 
   @property
   def taco(self) -> optimizers_lib.TacoSettings:
@@ -196,15 +209,26 @@ def flag(field_name: str) -> str:
   return '--' + field_name.replace('_', '-')
 
 
+_PAIRS_OFF = typing.get_args(tyro.conf.FlagCreatePairsOff[bool])[1]
+
+
+def _spellings(field: dataclasses.Field, annotation) -> list[str]:
+  """What tyro accepts for ``field``: a switch that is on by default also
+  has its --no-X (only that, with ``FlagCreatePairsOff``)."""
+  name = flag(field.name)
+  if not (flag_words.is_switch(annotation) and field.default is True):
+    return [name]
+  negative = '--no-' + name[2:]
+  markers = (typing.get_args(annotation)[1:]
+             if typing.get_origin(annotation) is Annotated else ())
+  return [negative] if _PAIRS_OFF in markers else [name, negative]
+
+
 def _unknown_flags(words: list[str]) -> str:
   """The refusal of words no flag took, with the nearest flag's name."""
   hints = typing.get_type_hints(RunConfig, include_extras=True)
-  fields = dataclasses.fields(RunConfig)
-  known = [flag(field.name) for field in fields]
-  # tyro's --no-X of a switch that is on by default.
-  known += ['--no-' + flag(field.name)[2:] for field in fields
-            if flag_words.is_switch(hints[field.name])
-            and field.default is True]
+  known = [spelling for field in dataclasses.fields(RunConfig)
+           for spelling in _spellings(field, hints[field.name])]
   message = f'unknown flag(s): {", ".join(words)}'
   for word in words:
     if word.startswith('--'):

@@ -19,6 +19,7 @@ from typing import Callable, NamedTuple, Optional
 from flax import nnx
 import jax
 
+from examples.finetune import compile_cache as compile_cache_lib
 from examples.finetune import evaluation as evaluation_lib
 from examples.finetune import flags as flags_lib
 from examples.finetune import memory_plan
@@ -42,6 +43,8 @@ class TrainingRecord(NamedTuple):
     losses: every step's training loss, the steps before a resume included.
     times: the steps' time and throughput.
     compile_seconds: time to compile the train step.
+    compile_cache: what the persistent compilation cache answered for it
+      (:class:`compile_cache.Lookup`).
     peak_memory: ``(bytes or None, where the figure comes from)``.
     mesh: the device mesh the run used, if any.
   """
@@ -51,6 +54,7 @@ class TrainingRecord(NamedTuple):
   losses: list[float]
   times: report_lib.StepTimes
   compile_seconds: float
+  compile_cache: compile_cache_lib.Lookup
   peak_memory: tuple[Optional[int], str]
   mesh: Optional[jax.sharding.Mesh]
 
@@ -121,15 +125,18 @@ def train(prepared: preparation.PreparedRun,
         'examples/finetune/model/sharding.py, batch over data x fsdp')
   first = _placed(next(prepared.batches), mesh)
   began = time.perf_counter()
-  with phases.phase('compiling the train step', log):
+  lookups = compile_cache_lib.Lookups()
+  with phases.phase('compiling the train step', log), lookups:
     compiled = prepared.trainer.compile(first)
   compile_seconds = time.perf_counter() - began
+  log('compilation cache: '
+      + report_lib.compile_cache(lookups.result.as_json()))
   losses, evals, times = _steps(prepared, before, first, mesh, log)
   after = _evaluate(prepared, log)
   evals.append({'step': prepared.config.steps, **after})
   return TrainingRecord(
       before=before, after=after, evals=evals, losses=losses, times=times,
-      compile_seconds=compile_seconds,
+      compile_seconds=compile_seconds, compile_cache=lookups.result,
       peak_memory=trainers_lib.peak_memory(compiled), mesh=mesh)
 
 
@@ -245,6 +252,10 @@ def results(prepared: preparation.PreparedRun, record: TrainingRecord,
   ``tokens_per_second`` (steady-state: every step but the first one this
   process ran, :class:`report.StepTimes`), ``train_seconds`` (every step),
   ``compile_seconds`` and ``wall_seconds`` (this process, start to end);
+  ``compilation_cache`` (the persistent cache's folder, ``None`` when off,
+  and whether the train step came from it: ``train_step`` is ``hit``,
+  ``miss``, ``off`` or ``unused``, with the lookups, hits and writes counted
+  during its compile, :class:`compile_cache.Lookup`);
   ``rounding`` (how 16-bit updates landed: ``stochastic``, ``nearest``,
   ``master`` or ``none`` for float32), ``compute_dtype``,
   ``parameter_dtype``, ``master_weight_bytes`` (what float32 master weights
@@ -293,6 +304,7 @@ def results(prepared: preparation.PreparedRun, record: TrainingRecord,
       'tokens_per_second': record.times.tokens_per_second,
       'train_seconds': record.times.train_seconds,
       'compile_seconds': record.compile_seconds,
+      'compilation_cache': record.compile_cache.as_json(),
       'wall_seconds': time.perf_counter() - started,
       'step_path': prepared.trainer.path,
       'mesh': dict(record.mesh.shape) if record.mesh else None,

@@ -125,11 +125,29 @@ def results_table(results: dict) -> str:
       ('tokens/s', f"{results['tokens_per_second']:.1f}"),
       ('train time', f"{results['train_seconds']:.1f} s "
                      f"(compile {results['compile_seconds']:.1f} s)"),
+      ('compile cache', compile_cache(results.get('compilation_cache'))),
       ('wall time', f"{results['wall_seconds']:.1f} s"),
       ('step path', results['step_path']),
   ]
   width = max(len(k) for k, _ in rows)
   return '\n'.join(f'{k:<{width}}  {v}' for k, v in rows)
+
+
+def compile_cache(lookup: Optional[dict]) -> str:
+  """Whether the train step came from the persistent compilation cache, from
+  ``results.json``'s ``compilation_cache`` (``None``: a run before it)."""
+  if not lookup:
+    return 'n/a'
+  where = lookup['directory']
+  if lookup['train_step'] == 'off':
+    return 'off: train step compiled, nothing kept'
+  if lookup['train_step'] == 'unused':
+    return f'unused: this backend saves no compiled programs to {where}'
+  if lookup['train_step'] == 'hit':
+    return f'train step loaded from the cache in {where}'
+  if lookup['writes']:
+    return f'train step compiled (not in the cache), saved to {where}'
+  return f'train step compiled (not in the cache), not saved to {where}'
 
 
 def _per_process_rss(results: dict) -> str:

@@ -21,6 +21,7 @@ import threading
 import time
 from typing import Optional
 
+import jax
 import numpy as np
 
 from examples.finetune import checkpoint as checkpoint_lib
@@ -33,7 +34,7 @@ _FREE_FIELDS = frozenset({
     'eval_every', 'eval_batch_size', 'memory_limit_gb', 'output_dir',
     'resume', 'resume_allow_changes', 'save_checkpoint', 'checkpoint_every',
     'progress', 'coordinator_address', 'num_processes', 'process_id',
-    'initialization_timeout'})
+    'initialization_timeout', 'compilation_cache', 'compilation_cache_dir'})
 
 
 class Interrupted(SystemExit):
@@ -102,6 +103,10 @@ def restore(checkpoints: checkpoint_lib.RunCheckpoints, trainer, batches,
   checked), and step ``s`` trains on its ``s``-th batch.
   """
   if checkpoints.resumed_from is None:
+    # Committed to its devices, as a restored state is, so that a fresh run
+    # and a resumed one compile one train step and share its entry in the
+    # compilation cache (an array's commitment is part of the program).
+    trainer.load_checkpoint_tree(_committed(trainer.checkpoint_tree()))
     return 0
   try:
     trainer.load_checkpoint_tree(
@@ -117,6 +122,15 @@ def restore(checkpoints: checkpoint_lib.RunCheckpoints, trainer, batches,
     next(batches)
   log(f'resumed from step {step} ({checkpoints.resumed_from.path})')
   return step
+
+
+def _committed(tree):
+  """``tree`` with its arrays committed to the devices they are on (no copy).
+  """
+  return jax.tree.map(
+      lambda x: (jax.device_put(x, x.sharding)
+                 if isinstance(x, jax.Array) and not x.committed else x),
+      tree)
 
 
 # Stopping at a step boundary.

@@ -116,6 +116,9 @@ def test_every_ranged_field_refuses_just_outside_its_bounds():
      'unknown flag(s): --no-progres (did you mean --no-progress?)'),
     (['--no-checkpint'],
      'unknown flag(s): --no-checkpint (did you mean --no-checkpoint?)'),
+    # A switch that is on by default and has no --X of its own.
+    (['--compilation-cache'], 'unknown flag(s): --compilation-cache (did '
+     'you mean --no-compilation-cache?)'),
     (['--steps', 'abc', '--lr', '-1'], "--steps must be an integer, got "
      "'abc'"),  # words no value comes from before a value out of range
 ])

@@ -125,6 +125,10 @@ def test_interrupted_and_resumed_run_equals_uninterrupted_run(
 
   expected, actual = _results(uninterrupted), _results(interrupted)
   assert actual['resumed_from_step'] == STOP
+  # The resumed run loaded its train step from the compilation cache the
+  # runs before it filled (tests/examples/conftest.py), and the bits below
+  # are those of a step compiled afresh.
+  assert actual['compilation_cache']['train_step'] == 'hit', actual
   assert len(expected['losses']) == STEPS
   assert actual['losses'] == expected['losses']
   assert actual['before'] == expected['before']
