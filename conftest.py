@@ -19,10 +19,11 @@ _CACHE = 'JAX_COMPILATION_CACHE_DIR'
 if _CACHE not in os.environ:  # the first process of the run (not a worker)
   os.environ[_CACHE] = tempfile.mkdtemp(prefix='taco-optax-tests-xla-')
   atexit.register(shutil.rmtree, os.environ[_CACHE], ignore_errors=True)
-# Every compile is worth keeping here; a size bound turns on JAX's file
-# locks, so that workers never read an entry another is writing.
+# Every compile is worth keeping here. No size bound: a bound makes JAX
+# rescan the folder under a file lock at every write, which made a run with
+# two workers slower than none (an entry read while another process writes
+# it is a warning and a compile, not an error).
 os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS', '0')
-os.environ.setdefault('JAX_COMPILATION_CACHE_MAX_SIZE', str(8 * 2**30))
 
 import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
 
@@ -31,8 +32,6 @@ import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
 jax.config.update('jax_compilation_cache_dir', os.environ[_CACHE])
 jax.config.update('jax_persistent_cache_min_compile_time_secs',
                   float(os.environ['JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS']))
-jax.config.update('jax_compilation_cache_max_size',
-                  int(os.environ['JAX_COMPILATION_CACHE_MAX_SIZE']))
 
 # taco_optax/tunix.py subclasses tunix's trainer at import; its doctests and
 # tests need ``pip install "taco_optax[tunix]"``.
