@@ -235,10 +235,14 @@ def _reaches(path):
       yield f'{module}: {bad} (not in its __all__)'
 
 
+def _offenders(finds):
+  """``finds(path)``'s findings over every module, each named by its file."""
+  return [f'{path.relative_to(ROOT)}: {found}'
+          for path in sorted(PACKAGE.rglob('*.py')) for found in finds(path)]
+
+
 def test_subpackages_meet_only_through_their_surfaces():
-  offenders = [f'{path.relative_to(ROOT)}: {reach}'
-               for path in sorted(PACKAGE.rglob('*.py'))
-               for reach in _reaches(path)]
+  offenders = _offenders(_reaches)
   assert not offenders, offenders
 
 
@@ -275,9 +279,7 @@ def _private_uses(path):
 
 
 def test_no_module_reaches_into_another_modules_private_names():
-  offenders = [f'{path.relative_to(ROOT)}: {use}'
-               for path in sorted(PACKAGE.rglob('*.py'))
-               for use in _private_uses(path)]
+  offenders = _offenders(_private_uses)
   assert not offenders, offenders
 
 
