@@ -37,3 +37,8 @@ jax.config.update('jax_persistent_cache_min_compile_time_secs',
 # tests need ``pip install "taco_optax[tunix]"``.
 collect_ignore = ([] if importlib.util.find_spec('tunix')
                   else ['taco_optax/tunix.py'])
+
+
+def pytest_collection_modifyitems(items):
+  """Tests marked ``long`` first (in their order), then the rest in theirs."""
+  items.sort(key=lambda item: item.get_closest_marker('long') is None)

@@ -1,53 +1,68 @@
-"""Reruns a test file on a simulated multi-device CPU host.
+"""Runs the multi-device tests on a simulated 8-device CPU host.
 
-The device count must be requested before JAX starts its backend, so a file
-whose tests need a mesh skips them in the one-device suite and reruns itself
-in a fresh process with ``--xla_force_host_platform_device_count``.
+The device count must be requested before JAX starts its backend, so a test
+that needs a mesh is marked with :func:`needs_devices`: the one-device run
+skips it, and ``tests/test_multidevice.py`` reruns every marked test of every
+file, in one fresh process with ``--xla_force_host_platform_device_count=8``
+(one start of JAX and one compilation of each shared program for all of
+them, not one per file).
 """
 
 import os
+import pathlib
 import re
 import subprocess
 import sys
 
 _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Every multi-device test runs on this many simulated devices.
+NUM_DEVICES = 8
+MARK = 'multidevice'
 
 
-def rerun_with_devices(test_file: str, num_devices: int, timeout: int = 900,
-                       select: str = '') -> str:
-  """Runs pytest on ``test_file`` with ``num_devices`` CPU devices.
+def rerun_with_devices(test_files: list[str], timeout: int = 1500) -> str:
+  """Runs the tests marked :func:`needs_devices` in ``test_files``.
 
   Args:
-    test_file: path of the test file.
-    num_devices: simulated CPU devices.
+    test_files: paths of the test files, relative to the repository root.
     timeout: seconds.
-    select: a pytest ``-k`` expression (empty: every test).
 
   Returns:
-    pytest's stdout. Fails the calling test unless pytest exited with 0, ran
-    at least one test, none failed or errored, and no test was skipped for
-    want of devices (which would mean the device count did not take effect).
+    pytest's stdout (``-rA``: a line per test). Fails the calling test unless
+    pytest exited with 0, every file passed at least one test, none failed or
+    errored, and no test was skipped for want of devices (which would mean
+    the device count did not take effect).
   """
   env = dict(os.environ)
   env['XLA_FLAGS'] = (env.get('XLA_FLAGS', '') +
-                      f' --xla_force_host_platform_device_count={num_devices}'
+                      f' --xla_force_host_platform_device_count={NUM_DEVICES}'
                       ).strip()
   env['JAX_PLATFORMS'] = 'cpu'
   result = subprocess.run(
-      [sys.executable, '-m', 'pytest', '-q', '-rs', '-o', 'addopts=', '-p',
-       'no:cacheprovider', test_file] + (['-k', select] if select else []),
+      [sys.executable, '-m', 'pytest', '-q', '-rA', '-o', 'addopts=', '-p',
+       'no:cacheprovider', '-m', MARK, *test_files],
       env=env, capture_output=True, text=True, timeout=timeout, check=False,
       cwd=_REPO_ROOT)
   report = result.stdout[-6000:] + result.stderr[-3000:]
   assert result.returncode == 0, report
   counts = summary_counts(result.stdout)
-  assert counts.get('passed', 0) >= 1, report
   assert not counts.get('failed') and not counts.get('error'), report
+  passed = {line.split()[1].split('::')[0] for line in result.stdout.splitlines()
+            if line.startswith('PASSED ')}
+  assert passed == set(test_files), (sorted(set(test_files) - passed), report)
   starved = [line for line in result.stdout.splitlines()
              if line.startswith('SKIPPED') and
-             f'needs {num_devices} devices' in line]
+             f'needs {NUM_DEVICES} devices' in line]
   assert not starved, report
   return result.stdout
+
+
+def files_with_multidevice_tests() -> list[str]:
+  """The test files that mark a test with :func:`needs_devices`."""
+  root = pathlib.Path(_REPO_ROOT)
+  return sorted(str(path.relative_to(root))
+                for path in (root / 'tests').rglob('test_*.py')
+                if 'multidevice.needs_devices(' in path.read_text())
 
 
 def summary_counts(stdout: str) -> dict[str, int]:
@@ -66,31 +81,19 @@ def summary_counts(stdout: str) -> dict[str, int]:
   return counts
 
 
-def has_devices(num_devices: int) -> bool:
+def has_devices(num_devices: int = NUM_DEVICES) -> bool:
   """Whether this process already has ``num_devices`` devices."""
   import jax  # pylint: disable=g-import-not-at-top
   return jax.device_count() >= num_devices
 
 
-def needs_devices(num_devices: int):
-  """Skips a test in a process with fewer devices (the rerun runs it)."""
+def needs_devices(num_devices: int = NUM_DEVICES):
+  """Marks a test for the 8-device rerun; skips it with fewer devices."""
   import pytest  # pylint: disable=g-import-not-at-top
-  return pytest.mark.skipif(
+  if num_devices != NUM_DEVICES:
+    raise ValueError(f'the multi-device rerun has {NUM_DEVICES} devices, '
+                     f'not {num_devices}')
+  skip = pytest.mark.skipif(
       not has_devices(num_devices),
       reason=f'needs {num_devices} devices; runs in the subprocess rerun')
-
-
-def subprocess_suite(test_file: str, num_devices: int, select: str = ''):
-  """A test that reruns ``test_file`` on ``num_devices`` simulated devices.
-
-  Assign it to a ``test_...`` name in the test file; it is skipped in the
-  rerun itself, where the device-dependent tests run in-process.
-  """
-  import pytest  # pylint: disable=g-import-not-at-top
-
-  @pytest.mark.skipif(has_devices(num_devices),
-                      reason='the multi-device tests run in this process')
-  def test_suite_in_subprocess():
-    rerun_with_devices(test_file, num_devices, select=select)
-
-  return test_suite_in_subprocess
+  return lambda test: getattr(pytest.mark, MARK)(skip(test))

@@ -1,12 +1,12 @@
 """One process of a multi-process TACO run: ``python -m tests.multiprocess_cases``.
 
-``python -m tests.multiprocess_cases CASE OUT_DIR [--coordinator HOST:PORT
---num-processes N --process-id I]`` joins JAX's multi-process runtime (gloo
-collectives on CPU) when given a coordinator, builds the cases' 8-device
-meshes over every process's devices, runs CASE's steps and has process 0 write
-every resulting array, gathered whole (``process_allgather``), to
-``OUT_DIR/CASE.npz`` with ``CASE.json`` (each array's dtype, shape, sharding
-spec and whether it spans processes). Run once on 1 process x 8 devices and
+``python -m tests.multiprocess_cases CASE[,CASE...] OUT_DIR [--coordinator
+HOST:PORT --num-processes N --process-id I]`` joins JAX's multi-process
+runtime (gloo collectives on CPU) when given a coordinator, builds the cases'
+8-device meshes over every process's devices, runs each CASE's steps in turn
+and has process 0 write every resulting array, gathered whole
+(``process_allgather``), to ``OUT_DIR/CASE.npz`` with ``CASE.json`` (each
+array's dtype, shape, sharding spec and whether it spans processes). Run once on 1 process x 8 devices and
 once on 2 processes x 4 devices, the two files must agree byte for byte
 (``tests/test_multiprocess.py``). The cases are the one-process mesh tests'
 (``tests/test_sharding.py``, ``tests/test_auto_mesh.py``), reused.
@@ -119,6 +119,13 @@ def _auto_case():
   return results
 
 
+# (scan_layers, mesh, explicit axes): every pair of the three choices once
+# (each layer layout on each mesh, each mesh and each layout with each axis
+# type) in four runs of the layer-wise step instead of all eight.
+LAYERWISE_RUNS = ((False, 'fsdp_across', True), (False, 'tensor_across', False),
+                  (True, 'fsdp_across', False), (True, 'tensor_across', True))
+
+
 def _layerwise_case():
   """``layerwise.train_step``: stacked and unrolled, explicit and Auto."""
   import contextlib  # pylint: disable=g-import-not-at-top
@@ -127,25 +134,23 @@ def _layerwise_case():
   from tests import test_sharding as cases  # pylint: disable=g-import-not-at-top
 
   results = {}
-  for scan_layers in (False, True):
+  inputs = [jax.random.normal(jax.random.key(10 + i), (8, 16))
+            for i in range(3)]
+  for scan_layers, kind, explicit in LAYERWISE_RUNS:
     train = layerwise_case.train(
         cases._layered_loss(scan_layers), learning_rate=1e-2, k=4, mu=0.9,  # pylint: disable=protected-access
         weight_dimension_numbers=cases._layered_dims,  # pylint: disable=protected-access
         adam_learning_rate=1e-3)
-    start = cases._layered_params(scan_layers)  # pylint: disable=protected-access
-    inputs = [jax.random.normal(jax.random.key(10 + i), (8, 16))
-              for i in range(3)]
-    for kind in MESHES:
-      for explicit in (True, False):
-        mesh = make_mesh(kind, explicit)
-        with jax.set_mesh(mesh) if explicit else contextlib.nullcontext():
-          params = cases._place_layered(start, mesh, 'both')  # pylint: disable=protected-access
-          state = train.optimizer.init(params)
-          step = jax.jit(train.step)
-          for x in inputs:
-            params, state, loss = step(params, state, x)
-        axes = 'explicit' if explicit else 'auto'
-        results[f'{kind}/{axes}/scan={scan_layers}'] = (params, state, loss)
+    params = cases._layered_params(scan_layers)  # pylint: disable=protected-access
+    mesh = make_mesh(kind, explicit)
+    with jax.set_mesh(mesh) if explicit else contextlib.nullcontext():
+      params = cases._place_layered(params, mesh, 'both')  # pylint: disable=protected-access
+      state = train.optimizer.init(params)
+      step = jax.jit(train.step)
+      for x in inputs:
+        params, state, loss = step(params, state, x)
+    axes = 'explicit' if explicit else 'auto'
+    results[f'{kind}/{axes}/scan={scan_layers}'] = (params, state, loss)
   return results
 
 
@@ -173,7 +178,7 @@ def _saved(results):
 
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser()
-  parser.add_argument('case', choices=sorted(CASES))
+  parser.add_argument('cases', help='comma-separated names of CASES')
   parser.add_argument('out_dir')
   parser.add_argument('--coordinator')
   parser.add_argument('--num-processes', type=int, default=1)
@@ -187,12 +192,13 @@ def main(argv=None) -> int:
                                process_id=args.process_id)
   if jax.device_count() != 8:
     raise SystemExit(f'needs 8 devices in all, got {jax.device_count()}')
-  arrays, info = _saved(CASES[args.case]())
-  if jax.process_index() == 0:
-    os.makedirs(args.out_dir, exist_ok=True)
-    np.savez(os.path.join(args.out_dir, f'{args.case}.npz'), **arrays)
-    with open(os.path.join(args.out_dir, f'{args.case}.json'), 'w') as f:
-      json.dump({'process_count': jax.process_count(), 'leaves': info}, f)
+  for case in args.cases.split(','):
+    arrays, info = _saved(CASES[case]())
+    if jax.process_index() == 0:
+      os.makedirs(args.out_dir, exist_ok=True)
+      np.savez(os.path.join(args.out_dir, f'{case}.npz'), **arrays)
+      with open(os.path.join(args.out_dir, f'{case}.json'), 'w') as f:
+        json.dump({'process_count': jax.process_count(), 'leaves': info}, f)
   return 0
 
 

@@ -2,7 +2,7 @@
 
 The sharded round trip needs 8 host devices; as in ``test_sharding.py`` it
 runs in this process under ``XLA_FLAGS=--xla_force_host_platform_device_count=8``
-and otherwise ``test_sharded_suite_in_subprocess`` reruns it in a fresh process.
+and otherwise ``tests/test_multidevice.py`` reruns it in a fresh process.
 """
 
 import json
@@ -24,10 +24,6 @@ from tests.bitwise import assert_bitwise_equal
 needs_mesh = multidevice.needs_devices(8)
 
 METADATA = {'model': 'tiny-mlp', 'k': 4, 'learning_rate': 0.01}
-
-
-test_sharded_suite_in_subprocess = multidevice.subprocess_suite(
-    __file__, 8, select='sharded')
 
 
 # A tiny model trained with taco_optax.taco, with a deterministic data order

@@ -1,7 +1,8 @@
 """TACO on JAX's multi-process runtime: 2 processes x 4 CPU devices.
 
-Each case of ``tests/multiprocess_cases.py`` runs twice in fresh processes:
-once on 1 process with 8 devices, once on 2 processes with 4 devices each
+The cases of ``tests/multiprocess_cases.py`` run in two launches of fresh
+processes, each running every case in turn: once on 1 process with 8
+devices, once on 2 processes with 4 devices each
 (``jax.distributed`` on localhost, gloo collectives), the same 8-device meshes
 in both (the fsdp axis across processes, or every tensor group across
 processes). Every parameter, update and state array, gathered whole, must be
@@ -18,17 +19,42 @@ import pytest
 
 from tests import multiprocess
 
-# Seconds for one launch (all its processes); each case takes 10-90 s here.
-_TIMEOUT = 420
+# One worker runs the module: its tests share one pair of launches.
+pytestmark = [pytest.mark.long, pytest.mark.xdist_group('multiprocess')]
+
+_CASES = ('optax', 'auto', 'layerwise')
+# Seconds for one launch (all its processes, every case in turn); the cases
+# take 10-90 s each here.
+_TIMEOUT = 900
 
 
-def _run(case: str, out_dir: str, num_processes: int) -> tuple[dict, dict]:
-  command = multiprocess.python_module('tests.multiprocess_cases', case,
-                                       out_dir)
+def _launch(out_dir: str, num_processes: int) -> None:
+  command = multiprocess.python_module('tests.multiprocess_cases',
+                                       ','.join(_CASES), out_dir)
   if num_processes > 1:
     command += ['--coordinator', '127.0.0.1:{port}', '--num-processes',
                 '{num_processes}', '--process-id', '{process_id}']
   multiprocess.launch(command, num_processes, 8 // num_processes, _TIMEOUT)
+
+
+@pytest.fixture(scope='module')
+def runs(tmp_path_factory):
+  """Every case on 1 process x 8 devices and on 2 x 4: one launch each.
+
+  Both launches at once (3 processes, each mostly compiling); the processes
+  run every case in turn, so each pays JAX's start and the runtime's set-up
+  once.
+  """
+  out = {name: str(tmp_path_factory.mktemp(name)) for name in ('one', 'two')}
+  with futures.ThreadPoolExecutor(2) as pool:
+    for launched in [pool.submit(_launch, out['one'], 1),
+                     pool.submit(_launch, out['two'], 2)]:
+      launched.result()
+  return out
+
+
+def _results(out_dir: str, case: str, num_processes: int
+             ) -> tuple[dict, dict]:
   with open(os.path.join(out_dir, f'{case}.json')) as f:
     info = json.load(f)
   assert info['process_count'] == num_processes
@@ -53,13 +79,10 @@ def _as_stored(raw: np.ndarray, info: dict) -> np.ndarray:
   return raw.view(np.dtype(info['dtype'])).reshape(info['shape'])
 
 
-@pytest.mark.parametrize('case', ['optax', 'auto', 'layerwise'])
-def test_two_processes_equal_one_process_bitwise(tmp_path, case):
-  # Both launches at once: 3 processes, each mostly compiling.
-  with futures.ThreadPoolExecutor(2) as pool:
-    one, two = [pool.submit(_run, case, str(tmp_path / name), count)
-                for name, count in (('one', 1), ('two', 2))]
-    (one_arrays, one_info), (two_arrays, two_info) = one.result(), two.result()
+@pytest.mark.parametrize('case', _CASES)
+def test_two_processes_equal_one_process_bitwise(runs, case):
+  one_arrays, one_info = _results(runs['one'], case, 1)
+  two_arrays, two_info = _results(runs['two'], case, 2)
   assert two_info.keys() == one_info.keys()
   assert len(two_info) > 20, sorted(two_info)
   for name, one in one_info.items():
@@ -73,9 +96,9 @@ def test_two_processes_equal_one_process_bitwise(tmp_path, case):
                if not np.array_equal(two_arrays[name], one_arrays[name])]
   assert not differing, differing
   summed = [name for name in one_arrays if name not in exact]
-  # 2 meshes x 2 axis types, each: the unrolled biases, their mu and nu
+  # 2 runs of each layer layout, each: the unrolled biases, their mu and nu
   # (2 each) and the loss, the stacked ones (1 each) and the loss.
-  assert len(summed) == (0 if case != 'layerwise' else 2 * 2 * (7 + 4))
+  assert len(summed) == (0 if case != 'layerwise' else 2 * (7 + 4))
   for name in summed:
     want = _as_stored(one_arrays[name], one_info[name])
     have = _as_stored(two_arrays[name], two_info[name])

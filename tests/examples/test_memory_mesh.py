@@ -1,27 +1,16 @@
 """The memory check on a mesh: the limit is all the mesh's devices together.
 
-The mesh test runs in a subprocess with 8 host devices (see
-``tests/multidevice.py``).
+The mesh test runs in the 8-device rerun (``tests/multidevice.py``).
 """
 
 import jax
-import pytest
 
 from examples.finetune.model import sharding
 from tests import multidevice
 import test_cli  # pylint: disable=g-bad-import-order  (the tiny model writers)
 
-NUM_DEVICES = 8
-has_mesh = jax.device_count() >= NUM_DEVICES
 
-
-@pytest.mark.skipif(has_mesh, reason='the mesh test runs in this process')
-def test_mesh_suite_in_subprocess():
-  stdout = multidevice.rerun_with_devices(__file__, NUM_DEVICES)
-  assert ' passed' in stdout
-
-
-@pytest.mark.skipif(not has_mesh, reason='needs 8 devices')
+@multidevice.needs_devices()
 def test_limit_counts_every_device_of_the_mesh(tmp_path):
   model_dir = str(tmp_path / 'tiny-llama')
   test_cli._write_tiny_llama(model_dir, vocab_size=264)  # pylint: disable=protected-access

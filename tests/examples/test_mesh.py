@@ -26,8 +26,6 @@ from test_cli import workspace  # pylint: disable=unused-import,g-bad-import-ord
 NUM_DEVICES = 8
 MESH = 'data=2,fsdp=2,tensor=2'
 needs_mesh = multidevice.needs_devices(NUM_DEVICES)
-test_mesh_suite_in_subprocess = multidevice.subprocess_suite(__file__,
-                                                             NUM_DEVICES)
 
 
 _MESH_SHAPE = {'data': 2, 'fsdp': 2, 'tensor': 2}
