@@ -19,8 +19,7 @@ import pytest
 
 from tests import multiprocess
 
-# One worker runs the module: its tests share one pair of launches.
-pytestmark = [pytest.mark.long, pytest.mark.xdist_group('multiprocess')]
+pytestmark = pytest.mark.long
 
 _CASES = ('optax', 'auto', 'layerwise')
 # Seconds for one launch (all its processes, every case in turn); the cases

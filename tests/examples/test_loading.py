@@ -17,11 +17,6 @@ from examples.finetune.model import loading
 from examples.finetune.model import weights as weights_lib
 
 
-# One worker runs the module: its fixtures save each reference model and
-# load SmolLM2 once.
-pytestmark = pytest.mark.xdist_group('loading')
-
-
 @pytest.fixture(scope='module')
 def saved_models(tmp_path_factory):
   """name -> (directory, PyTorch model), built on first use."""

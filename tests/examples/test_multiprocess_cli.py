@@ -26,8 +26,7 @@ from tests import multiprocess
 import test_cli  # pylint: disable=g-bad-import-order  (the tiny model, data)
 from test_cli import workspace  # pylint: disable=unused-import,g-bad-import-order
 
-# One worker runs the module: its tests share the module's launches.
-pytestmark = [pytest.mark.long, pytest.mark.xdist_group('multiprocess_cli')]
+pytestmark = pytest.mark.long
 
 MESH = 'data=2,fsdp=2,tensor=2'
 _TIMEOUT = 420
