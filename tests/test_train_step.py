@@ -129,11 +129,14 @@ def test_equals_plain_optax_path_bf16_with_schedule(scan_layers):
 
 
 def test_stacked_leaf_needs_its_layer_axis_as_a_batch_axis():
-  # Default dimension numbers make the stacked (L, width) norm scales a
-  # matrix whose rows are layers: not expressible layer by layer.
+  # Dimension numbers that make the stacked (L, width) norm scales a matrix
+  # whose rows are layers: not expressible layer by layer. (The default
+  # sends a leaf named 'scale' to Adam, so they are given here.)
   loss = LayeredLoss(_embed, _layer, _head, scan_layers=True)
-  train = layerwise_train_step(loss, 1e-2)
   params = _params(True, jnp.float32)
+  dims = _matrix_dims(params)
+  dims[1]['scale'] = TacoDimensionNumbers(0, 1)
+  train = layerwise_train_step(loss, 1e-2, weight_dimension_numbers=dims)
   state = train.optimizer.init(params)
   with pytest.raises(ValueError, match='leading .layer. axis'):
     jax.jit(train.step)(params, state, _tokens(0))

@@ -2,21 +2,19 @@
 
 from __future__ import annotations
 
-import logging
-from typing import Any, Callable, Optional, Union
+from typing import Any, Optional, Union
 
 import jax
 import optax
 
+from taco_optax._src.transform import default_routing
 from taco_optax._src.transform import dimension_numbers as dn
 from taco_optax._src.transform import inject_guard
 from taco_optax._src import kernels
 from taco_optax._src.transform import parts as parts_lib
-from taco_optax._src.transform import trees
 from taco_optax._src.transform import rounding as rounding_lib
 from taco_optax._src.transform import scale
 
-_logger = logging.getLogger('taco_optax')
 
 
 def taco(
@@ -140,37 +138,9 @@ def taco(
       rounding_seed=rounding_seed)
   optimizer = parts.transformation()
   if parts.default_routing:
-    optimizer = parts_lib.replace_init(optimizer,
-                                       _warning_of_unrouted(optimizer.init))
+    optimizer = parts_lib.replace_init(
+        optimizer, default_routing.checked_init(optimizer.init))
   return optimizer
-
-
-def _warning_of_unrouted(init: Callable[[Any], Any]) -> Callable[[Any], Any]:
-  """``init`` that says, once per call, which leaves the default leaves out.
-
-  The default routing sends every rank >= 3 leaf to Adam: right for a
-  leaf that is not a matrix, silently wrong for an attention einsum kernel
-  ``(D, N, H)`` or a stacked layer's ``(L, in, out)``.
-  """
-
-  def init_fn(params):
-    unrouted = dn.unrouted_by_default(params)
-    if unrouted:
-      shown = ', '.join(f'{name} {shape}' for name, shape in unrouted[:8])
-      more = f' and {len(unrouted) - 8} more' if len(unrouted) > 8 else ''
-      _logger.warning(
-          'taco(): %d floating leaves of rank >= 3 go to Adam, not TACO, '
-          'because weight_dimension_numbers was not given (the default takes '
-          'rank-2 leaves only): %s%s. Give their axes: '
-          'weight_dimension_numbers=taco_optax.nnx.dimension_numbers(model) '
-          'for a Flax NNX model, or a tree with '
-          'TacoDimensionNumbers(reduction_axis, output_axis) (tuples for '
-          'einsum kernels, e.g. (0, (1, 2)) for a (D, N, H) query) and None '
-          'for Adam; taco_optax.routing_report(tx, params) shows the routing.',
-          len(unrouted), shown, more)
-    return init(params)
-
-  return init_fn
 
 
 def _parts(learning_rate: optax.ScalarOrSchedule, k: Optional[int],
@@ -194,7 +164,7 @@ def _parts(learning_rate: optax.ScalarOrSchedule, k: Optional[int],
     return dn.resolve(weight_dimension_numbers, params)
 
   def per_leaf(params, fn):
-    dims = trees.per_leaf(dims_tree(params), params, dn.is_prefix_leaf)
+    dims = dn.entries(dims_tree(params), params)
     return jax.tree.structure(params).unflatten([fn(d) for d in dims])
 
   def param_labels(params):

@@ -81,7 +81,10 @@ def taco_branch(direction: scale.ScaleByTaco,
       return chained.update(updates, state, params)
     direction_state, learning_rate_state, rounding_state = state
     grads_def = jax.tree.structure(updates)
-    histories = iter(scale.leaf_histories(direction_state, grads_def))
+    histories = scale.leaf_histories(direction_state, grads_def)
+    scale.check_gradient_shapes(updates, params, histories,
+                                direction.plans(updates))
+    histories = iter(histories)
     directions, steps, new_histories = [], {}, []
     for i, (grad, plan) in enumerate(zip(leaves, plan_of)):
       if trees.is_masked(grad):

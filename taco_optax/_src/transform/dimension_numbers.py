@@ -8,7 +8,8 @@ axis, or the ``3`` of a fused QKV kernel reshaped to ``(d, 3, d)``).
 """
 
 import math
-from typing import Any, Callable, NamedTuple, Sequence, Union
+import re
+from typing import Any, Callable, NamedTuple, Optional, Sequence, Union
 
 import jax
 import jax.numpy as jnp
@@ -39,6 +40,58 @@ class TacoDimensionNumbers(NamedTuple):
 WeightDimNumOrFn = Union[
     TacoDimensionNumbers, Any, Callable[[Any], Any]
 ]
+
+
+class _Decided(TacoDimensionNumbers):
+  """:class:`TacoDimensionNumbers` that also say which rule chose them.
+
+  Equal to (and printed as) the plain dimension numbers; only
+  :func:`source_of` (hence :func:`taco_optax.routing_report`) reads the
+  source. Jax's tree functions rebuild it without one, as a plain entry.
+  """
+
+  def __repr__(self) -> str:
+    return TacoDimensionNumbers.__repr__(TacoDimensionNumbers(*self))
+
+
+class ToAdam:
+  """A dimension-numbers entry that sends its leaf to Adam, saying why.
+
+  Means what ``None`` means (and equals ``None``), with the reason a routing
+  helper found (``'eqx.nn.Conv2d: no TACO rule'``) for
+  :func:`taco_optax.routing_report`. A tree leaf, not a node.
+  """
+  __slots__ = ('reason',)
+
+  def __init__(self, reason: str):
+    self.reason = str(reason)
+
+  def __eq__(self, other: Any) -> bool:
+    return other is None or isinstance(other, ToAdam)
+
+  def __hash__(self) -> int:
+    return hash(None)
+
+  def __bool__(self) -> bool:
+    return False
+
+  def __repr__(self) -> str:
+    return f'ToAdam({self.reason!r})'
+
+
+def decided(dims: TacoDimensionNumbers, source: str) -> TacoDimensionNumbers:
+  """``dims``, carrying ``source`` (the rule that chose them) for the
+  routing report."""
+  entry = _Decided(*dims)
+  entry.source = str(source)
+  return entry
+
+
+def source_of(entry: Any) -> Optional[str]:
+  """Which rule chose a dimension-numbers entry, if it says so."""
+  if isinstance(entry, ToAdam):
+    return entry.reason
+  return getattr(entry, 'source', None)
 
 
 def is_dimension_numbers(x: Any) -> bool:
@@ -139,26 +192,80 @@ def matrix_layout(shape: tuple[int, ...],
   )
 
 
+def is_tree_of(x: Any, is_value: Callable[[Any], bool]) -> bool:
+  """Whether ``x`` is a tree of settings rather than a function of params.
+
+  A tree whose every leaf (``is_value`` stopping the walk) is a value is a
+  tree, even when it is callable: a tree of Equinox modules holding
+  dimension numbers is an ``eqx.Module``, hence callable. A callable with no
+  such leaves (a function, a ``jax.tree_util.Partial`` of one) is a function.
+  """
+  if not callable(x) or is_value(x):
+    return True
+  leaves = jax.tree.leaves(x, is_leaf=is_value)
+  return bool(leaves) and all(is_value(leaf) for leaf in leaves)
+
+
 def resolve(weight_dimension_numbers: WeightDimNumOrFn | None, tree: Any
             ) -> Any:
   """Returns the dimension-numbers tree (a prefix of ``tree``)."""
   if weight_dimension_numbers is None:
     return jax.tree.map(lambda _: TacoDimensionNumbers(), tree)
-  if callable(weight_dimension_numbers) and not is_dimension_numbers(
-      weight_dimension_numbers):
+  if not is_tree_of(weight_dimension_numbers, is_prefix_leaf):
     return weight_dimension_numbers(tree)
   return weight_dimension_numbers
 
 
+# Last path entries that name a bias or a scale; and words of a norm module.
+_NOT_MATRIX_NAMES = frozenset((
+    'b', 'bias', 'biases', 'scale', 'scales', 'gamma', 'beta'))
+_NORM_WORD = re.compile(r'(.*norm|ln[0-9]*)$')
+_TABLE_WORDS = frozenset(('wte', 'wpe'))
+
+
+def _words(name: str) -> list[str]:
+  return [w for w in re.split(r'[^0-9a-z]+', name.lower()) if w]
+
+
+def names_not_matrix(path: str) -> bool:
+  """Whether a '/'-joined path names a bias, a scale or a norm: its last
+  entry is ``bias``, ``scale``, ... or has the word ``bias`` (``q_bias``), or
+  an entry has a norm's word (``input_layernorm``, ``ln_1``). ``lora_b`` is
+  a matrix."""
+  entries = path.split('/')
+  last = entries[-1].lower()
+  return (last in _NOT_MATRIX_NAMES
+          or any(w in ('bias', 'biases') for w in _words(last))
+          or any(_NORM_WORD.match(w) for e in entries for w in _words(e)))
+
+
+def names_table(path: str) -> bool:
+  """Whether a path names an embedding table (``tok_embeddings``, ``wte``)."""
+  return any(w in _TABLE_WORDS or w.startswith('embed')
+             for e in path.split('/') for w in _words(e))
+
+
+DEFAULT_SOURCE = 'default: rank 2, a Flax (in, out) kernel'
+
+
 def rank2_matrices(params: Any) -> Any:
-  """:func:`taco`'s default: every rank-2 leaf is a matrix, nothing else."""
-  return jax.tree.map(
-      lambda x: TacoDimensionNumbers() if x.ndim == 2 else None, params)
+  """:func:`taco`'s default: every rank-2 leaf is a Flax ``(in, out)``
+  kernel, but for those whose path names a bias, a scale or a norm (Adam)."""
+
+  def route(path, x):
+    if jnp.ndim(x) != 2:
+      return None
+    name = path_name(path)
+    if names_not_matrix(name):
+      return ToAdam('default: rank 2, but named like a bias, scale or norm')
+    return decided(TacoDimensionNumbers(), DEFAULT_SOURCE)
+
+  return jax.tree_util.tree_map_with_path(route, params)
 
 
 def is_prefix_leaf(x: Any) -> bool:
   """The values of a dimension-numbers tree: entries, ``None``, masked."""
-  return (x is None or is_dimension_numbers(x)
+  return (x is None or is_dimension_numbers(x) or isinstance(x, ToAdam)
           or trees.is_masked(x))
 
 
@@ -166,11 +273,22 @@ def leaf_dimension_numbers(weight_dimension_numbers: WeightDimNumOrFn | None,
                            tree: Any) -> list[TacoDimensionNumbers | None]:
   """The (prefix) dimension numbers broadcast to one entry per leaf of tree.
 
-  ``None`` entries mean "not a TACO leaf". Masked leaves
-  (:class:`optax.MaskedNode`) have no leaves and so get no entry.
+  ``None`` entries mean "not a TACO leaf" (:class:`ToAdam` entries become
+  ``None``). Masked leaves (:class:`optax.MaskedNode`) have no leaves and so
+  get no entry.
   """
-  return trees.per_leaf(resolve(weight_dimension_numbers, tree), tree,
-                          is_prefix_leaf)
+  return entries(resolve(weight_dimension_numbers, tree), tree)
+
+
+def entries(dims_tree: Any, tree: Any, *, reasons: bool = False
+            ) -> list[Any]:
+  """A resolved dimension-numbers tree's entry for every leaf of ``tree``;
+  :class:`ToAdam` entries kept with ``reasons`` (for :func:`source_of`),
+  else ``None``."""
+  found = trees.per_leaf(dims_tree, tree, is_prefix_leaf)
+  if reasons:
+    return found
+  return [None if isinstance(entry, ToAdam) else entry for entry in found]
 
 
 def path_name(path: tuple[Any, ...]) -> str:
@@ -184,10 +302,3 @@ def path_name(path: tuple[Any, ...]) -> str:
     else:
       names.append(str(getattr(entry, 'key', getattr(entry, 'idx', entry))))
   return '/'.join(names)
-
-
-def unrouted_by_default(params: Any) -> list[tuple[str, tuple[int, ...]]]:
-  """Floating leaves of rank >= 3, which :func:`rank2_matrices` leaves out."""
-  return [(path_name(path), tuple(x.shape))
-          for path, x in jax.tree_util.tree_leaves_with_path(params)
-          if jnp.ndim(x) >= 3 and jnp.issubdtype(x.dtype, jnp.floating)]

@@ -47,4 +47,5 @@ def refuse_scheduled_routing(factory: str, depth: int = 2) -> None:
         'leaves by that. Add '
         f'them to static_args: optax.inject_hyperparams({factory}, '
         f'static_args=({static})). Trees (e.g. '
-        'taco_optax.nnx.dimension_numbers(model)) need no static_args.')
+        'taco_optax.nnx.dimension_numbers(model)) need no static_args, but '
+        'for trees of Equinox modules, which are callable too.')

@@ -19,6 +19,7 @@ import optax
 
 from taco_optax._src.transform import branch
 from taco_optax._src.transform import plan as plan_lib
+from taco_optax._src.transform import scale
 
 TACO_LABEL = 'taco'
 ADAM_LABEL = 'adam'
@@ -90,7 +91,12 @@ class TacoParts(NamedTuple):
         },
         param_labels=self.param_labels,
     )
-    return TacoTransformation(partition.init, partition.update, self)
+
+    def update_fn(updates, state, params=None, **extra_args):
+      scale.check_like_params(updates, params)
+      return partition.update(updates, state, params, **extra_args)
+
+    return TacoTransformation(partition.init, update_fn, self)
 
 
 class TacoTransformation(optax.GradientTransformationExtraArgs):

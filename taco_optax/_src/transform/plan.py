@@ -6,6 +6,7 @@ they are derived, for the optax path (``scale``) and the layer-wise step
 alike.
 """
 
+import math
 from typing import Any, NamedTuple, Optional, Union
 
 import jax
@@ -53,9 +54,22 @@ def _is_scale_leaf(x: Any) -> bool:
 
 def leaf_scales(update_scale: ScaleTree, tree: Any) -> list[Optional[float]]:
   """``update_scale`` (a number, tree prefix or callable) for every leaf."""
-  if callable(update_scale):
+  if not dn.is_tree_of(update_scale, _is_scale_leaf):
     update_scale = update_scale(tree)
   return trees.per_leaf(update_scale, tree, _is_scale_leaf)
+
+
+def _checked_scale(scale: Any, path: Any) -> Any:
+  """``scale`` if it is a valid update scale; a negative or non-finite one
+  (a negative scale turns every step into ascent) raises, naming the leaf."""
+  if scale is None or isinstance(scale, jax.core.Tracer):
+    return scale
+  if not (math.isfinite(float(scale)) and float(scale) >= 0):
+    raise ValueError(
+        f'update_scale={scale} for the TACO leaf {dn.path_name(path)!r}: an '
+        'update scale must be finite and >= 0 (a negative one turns every '
+        'step into ascent; 0 freezes the matrix). None means m / n.')
+  return scale
 
 
 def _default_scale(layout: dn.MatrixLayout) -> float:
@@ -72,14 +86,15 @@ def leaf_plans(tree: Any, weight_dimension_numbers: dn.WeightDimNumOrFn | None,
     ValueError: for invalid dimension numbers, or a complex-valued TACO leaf
       (the sign of a complex number is not ternary).
   """
-  leaves = jax.tree.leaves(tree)
+  leaves = jax.tree_util.tree_leaves_with_path(tree)
   dims = dn.leaf_dimension_numbers(weight_dimension_numbers, tree)
   scales = leaf_scales(update_scale, tree)
   plans = []
-  for leaf, dim_num, scale in zip(leaves, dims, scales):
+  for (path, leaf), dim_num, scale in zip(leaves, dims, scales):
     if dim_num is None:
       plans.append(None)
       continue
+    scale = _checked_scale(scale, path)
     if jnp.issubdtype(leaf.dtype, jnp.complexfloating):
       raise ValueError(
           f'TACO got a complex-valued leaf of shape {leaf.shape} and dtype '

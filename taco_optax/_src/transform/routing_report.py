@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import optax
 
 from taco_optax._src.transform import parts as parts_lib
+from taco_optax._src.transform import default_routing as default_routing_lib
 from taco_optax._src.transform import dimension_numbers as dn
 
 
@@ -128,13 +129,21 @@ def _total_bytes(tree: Any) -> int:
   return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
 
-def _adam_why(leaf: jax.ShapeDtypeStruct, default_routing: bool) -> str:
+def _adam_why(leaf: jax.ShapeDtypeStruct, source: Optional[str],
+              default_routing: bool, framework: str) -> str:
   if leaf.ndim < 2:
     return 'scalar' if leaf.ndim == 0 else 'vector'
+  if source is not None:
+    return source
   if default_routing:
-    return (f'rank {leaf.ndim}: the default routes rank-2 leaves only '
-            '(see taco_optax.nnx.dimension_numbers)')
+    return (f'default: rank {leaf.ndim}, the default routes rank-2 leaves '
+            f'only (give its axes: {default_routing_lib.HELPERS[framework]})')
   return 'weight_dimension_numbers gives None'
+
+
+def _taco_why(dims: dn.TacoDimensionNumbers) -> str:
+  source = dn.source_of(dims)
+  return _dims_text(dims) + ('' if source is None else f'; {source}')
 
 
 def routing_report(tx: optax.GradientTransformation, params: Any
@@ -163,7 +172,7 @@ def routing_report(tx: optax.GradientTransformation, params: Any
     to Adam; optimizer state 5,452 B vs AdamW 16,644 B (3.1x smaller)
     path  shape     dtype    route  m x n                 state B each  why
     b     (32,)     float32  adam                         256           vector
-    w     (64, 32)  float32  taco   32 x 64, k=16, s=0.5  5,184         reduction (0,), output (1,)
+    w     (64, 32)  float32  taco   32 x 64, k=16, s=0.5  5,184         reduction (0,), output (1,); default: rank 2, a Flax (in, out) kernel
   """
   parts = parts_lib.parts_of(tx, user='routing_report')
   params = _abstract(params)
@@ -176,22 +185,26 @@ def routing_report(tx: optax.GradientTransformation, params: Any
   theirs = _leaf_bytes(params, adamw_state[0].mu, adamw_state[0].nu)
   histories = jax.tree.structure(params).flatten_up_to(
       states.direction.indices)
+  entries = dn.entries(parts.dimension_numbers(params), params,
+                       reasons=True)
+  framework = default_routing_lib.framework_of(params)
   rows = []
   leaves = jax.tree_util.tree_leaves_with_path(params)
-  for (path, leaf), plan, own, adamw, history in zip(
-      leaves, parts.plans(params), ours, theirs, histories):
+  for (path, leaf), plan, own, adamw, history, entry in zip(
+      leaves, parts.plans(params), ours, theirs, histories, entries):
     common = dict(path=dn.path_name(path), shape=tuple(leaf.shape),
                   dtype=jnp.dtype(leaf.dtype).name, state_bytes=own,
                   adamw_state_bytes=adamw)
     if plan is None:
       rows.append(LeafRoute(route='adam',
-                            why=_adam_why(leaf, parts.default_routing),
+                            why=_adam_why(leaf, dn.source_of(entry),
+                                          parts.default_routing, framework),
                             matrices=None, m=None, n=None, k=None, scale=None,
                             **common))
       continue
     layout = plan.layout
     rows.append(LeafRoute(
-        route='taco', why=_dims_text(plan.dim_num),
+        route='taco', why=_taco_why(entry),
         matrices=layout.num_matrices, m=layout.m, n=layout.n,
         k=history.shape[-2], scale=float(plan.scale), **common))
   return RoutingReport(tuple(rows), _total_bytes(state),

@@ -1,5 +1,6 @@
 """``scale_by_taco``: the TACO direction with a sparse FP8 gradient history."""
 
+import math
 from typing import Any, NamedTuple, Optional, Union
 
 import jax
@@ -11,6 +12,7 @@ from taco_optax._src import kernels
 from taco_optax._src.transform import dimension_numbers as dn
 from taco_optax._src.transform import inject_guard
 from taco_optax._src.transform import plan as plan_lib
+from taco_optax._src.transform import trees
 
 ScaleTree = plan_lib.ScaleTree
 
@@ -286,14 +288,59 @@ def scale_by_taco(
                                 zip(leaves, plans(params))])
 
   def update_fn(updates, state, params=None):
-    del params
     leaves, treedef = jax.tree.flatten(updates)
+    histories = leaf_histories(state, treedef)
+    leaf_plans = plans(updates)
+    check_gradient_shapes(updates, params, histories, leaf_plans)
     out = [leaf_direction(grad, history, plan, mu) for grad, history, plan
-           in zip(leaves, leaf_histories(state, treedef), plans(updates))]
+           in zip(leaves, histories, leaf_plans)]
     return (treedef.unflatten([direction for direction, _ in out]),
             taco_state(treedef, [history for _, history in out]))
 
   return ScaleByTaco(init_fn, update_fn, plans, mu)
+
+
+def check_like_params(updates: Any, params: Any) -> None:
+  """Raises, naming the leaf, if a gradient's shape is not its parameter's
+  (``params`` of another tree structure are left to optax's own error)."""
+  if params is None:
+    return
+  try:
+    expected = jax.tree.structure(updates).flatten_up_to(params)
+  except (ValueError, TypeError):
+    return
+  for (path, grad), param in zip(jax.tree_util.tree_leaves_with_path(updates),
+                                 expected):
+    shape = getattr(param, 'shape', None)
+    if shape is not None and tuple(shape) != tuple(jnp.shape(grad)):
+      raise ValueError(
+          f'The gradient of {dn.path_name(path)!r} has shape '
+          f'{tuple(jnp.shape(grad))}, its parameter {tuple(shape)}: they '
+          'must be equal.')
+
+
+def check_gradient_shapes(updates: Any, params: Any,
+                          histories: list[kernels.History],
+                          plans: list[Optional[plan_lib.LeafPlan]]) -> None:
+  """Raises, naming the leaf, if a gradient's shape is not its parameter's.
+
+  The parameter's shape is ``params``' where given, else what the TACO
+  history (made by ``init`` from the parameters) was made for.
+  """
+  check_like_params(updates, params)
+  paths = jax.tree_util.tree_leaves_with_path(updates)
+  for (path, grad), history, plan in zip(paths, histories, plans):
+    if plan is None or trees.is_masked(history.indices):
+      continue
+    layout = plan.layout
+    made_for = history.indices.shape[:-2] + history.indices.shape[-1:]
+    if made_for != layout.batch_shape + (layout.n,):
+      raise ValueError(
+          f'The gradient of the TACO leaf {dn.path_name(path)!r} has shape '
+          f'{grad.shape} ({layout.num_matrices} x {layout.m} x {layout.n} '
+          f'as a matrix), but its state was initialised for '
+          f'{math.prod(made_for[:-1])} matrices of {made_for[-1]} columns: '
+          'give update gradients of the shapes given to init.')
 
 
 class ScaleByTaco(optax.GradientTransformation):
