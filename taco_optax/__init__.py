@@ -8,7 +8,10 @@ The optimizer: :func:`taco` (TACO on matrices, AdamW on the rest),
 parameters and any optax chain can end with. The memory-lean
 layer-wise train step lives in :mod:`taco_optax.layerwise`, Flax NNX support
 in :mod:`taco_optax.nnx`, tunix's trainer with the layer-wise step in
-:mod:`taco_optax.tunix`.
+:mod:`taco_optax.tunix`. Which leaves are matrices, and their axes, are read
+from the modules by :mod:`taco_optax.nnx`, :mod:`taco_optax.linen` and
+:mod:`taco_optax.equinox`, or from the computation by
+:func:`trace_dimension_numbers`.
 """
 
 from taco_optax import layerwise
@@ -19,6 +22,7 @@ from taco_optax._src.transform import scale_by_taco
 from taco_optax._src.transform import state_shardings
 from taco_optax._src.transform import stochastic_rounding
 from taco_optax._src.transform import taco
+from taco_optax._src.transform import trace_dimension_numbers
 
 __version__ = '0.1.0'
 
@@ -34,9 +38,9 @@ _MOVED = {
 
 
 def __getattr__(name):
-  # Flax and tunix are optional: taco_optax.nnx and taco_optax.tunix import
-  # them, and name the extra if absent.
-  if name in ('nnx', 'tunix'):
+  # Flax, Equinox and tunix are optional: taco_optax.nnx, .linen, .equinox
+  # and .tunix import them, and name the extra if absent.
+  if name in ('equinox', 'linen', 'nnx', 'tunix'):
     import importlib  # pylint: disable=g-import-not-at-top
     return importlib.import_module(f'taco_optax.{name}')
   if name in _MOVED:
@@ -52,4 +56,5 @@ __all__ = (
     'state_shardings',
     'stochastic_rounding',
     'taco',
+    'trace_dimension_numbers',
 )

@@ -140,15 +140,19 @@ def test_complex_matrix_is_refused(factory):
     tx.init(params)
 
 
-def test_nnx_module_names_the_flax_extra(monkeypatch):
-  monkeypatch.setitem(sys.modules, 'flax', None)
-  monkeypatch.delitem(sys.modules, 'taco_optax.nnx', raising=False)
-  if 'nnx' in vars(taco_optax):  # imported already: forget it
-    monkeypatch.delattr(taco_optax, 'nnx')
-  with pytest.raises(ImportError, match=r'taco_optax\[flax\]'):
-    importlib.import_module('taco_optax.nnx')
-  with pytest.raises(ImportError, match=r'taco_optax\[flax\]'):
-    getattr(taco_optax, 'nnx')
+@pytest.mark.parametrize('module, missing, extra', [
+    ('nnx', 'flax', 'flax'), ('linen', 'flax', 'flax'),
+    ('equinox', 'equinox', 'equinox')])
+def test_framework_modules_name_their_extra(monkeypatch, module, missing,
+                                            extra):
+  monkeypatch.setitem(sys.modules, missing, None)
+  monkeypatch.delitem(sys.modules, f'taco_optax.{module}', raising=False)
+  if module in vars(taco_optax):  # imported already: forget it
+    monkeypatch.delattr(taco_optax, module)
+  with pytest.raises(ImportError, match=rf'taco_optax\[{extra}\]'):
+    importlib.import_module(f'taco_optax.{module}')
+  with pytest.raises(ImportError, match=rf'taco_optax\[{extra}\]'):
+    getattr(taco_optax, module)
 
 
 def test_tunix_module_names_the_tunix_extra(monkeypatch):
@@ -205,7 +209,8 @@ def test_nothing_outside_the_package_imports_its_private_modules():
 def test_the_four_rooms():
   assert SUBPACKAGES == ['integrations', 'kernels', 'layerwise', 'transform']
   assert sorted(p.name for p in PACKAGE.glob('*.py')) == [
-      '__init__.py', 'layerwise.py', 'nnx.py', 'tunix.py']
+      '__init__.py', 'equinox.py', 'layerwise.py', 'linen.py', 'nnx.py',
+      'tunix.py']
 
 
 def _reaches(path):
@@ -256,7 +261,9 @@ def test_optional_modules_are_imported_by_their_public_module_only():
         if name in optional:
           importers.setdefault(optional[name], set()).add(
               str(path.relative_to(PACKAGE)))
-  assert importers == {'nnx_routes': {'nnx.py'},
+  assert importers == {'equinox_routes': {'equinox.py'},
+                       'linen_routes': {'linen.py'},
+                       'nnx_routes': {'nnx.py'},
                        'tunix_model': {'tunix.py'}}
 
 
@@ -386,7 +393,8 @@ def test_no_function_is_over_80_code_lines():
 def test_top_level_is_what_optax_would_export():
   assert sorted(taco_optax.__all__) == [
       'TacoDimensionNumbers', 'TacoState', 'routing_report', 'scale_by_taco',
-      'state_shardings', 'stochastic_rounding', 'taco']
+      'state_shardings', 'stochastic_rounding', 'taco',
+      'trace_dimension_numbers']
   assert sorted(taco_optax.layerwise.__all__) == [
       'LayeredLoss', 'TableLookup', 'TableProjection', 'TrainStep',
       'train_step']

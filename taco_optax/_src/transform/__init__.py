@@ -19,10 +19,14 @@ from taco_optax._src.transform.parts import taco_states
 from taco_optax._src.transform.parts import with_taco_states
 from taco_optax._src.transform.dimension_numbers import MatrixLayout
 from taco_optax._src.transform.dimension_numbers import TacoDimensionNumbers
+from taco_optax._src.transform.dimension_numbers import ToAdam
+from taco_optax._src.transform.dimension_numbers import decided
+from taco_optax._src.transform.dimension_numbers import source_of
 from taco_optax._src.transform.dimension_numbers import as_tuple
 from taco_optax._src.transform.dimension_numbers import leaf_dimension_numbers
 from taco_optax._src.transform.dimension_numbers import normalize_axes
 from taco_optax._src.transform.dimension_numbers import path_name
+from taco_optax._src.transform.overrides import Overrides
 from taco_optax._src.transform.plan import LeafPlan
 from taco_optax._src.transform.plan import leaf_scales
 from taco_optax._src.transform.rounding import advanced
@@ -40,16 +44,20 @@ from taco_optax._src.transform.scale import leaf_histories
 from taco_optax._src.transform.scale import taco_state
 from taco_optax._src.transform.state_shardings import state_shardings
 from taco_optax._src.transform.trees import is_masked
+from taco_optax._src.transform.trace_routing import trace_dimension_numbers
 
 __all__ = (
     'LeafPlan',
     'MatrixLayout',
+    'Overrides',
     'TacoDimensionNumbers',
     'TacoParts',
     'TacoState',
     'TacoStates',
+    'ToAdam',
     'advanced',
     'as_tuple',
+    'decided',
     'element_bits',
     'flat_index',
     'is_low_precision',
@@ -66,10 +74,12 @@ __all__ = (
     'rounded_update',
     'routing_report',
     'scale_by_taco',
+    'source_of',
     'state_shardings',
     'stochastic_rounding',
     'taco',
     'taco_state',
     'taco_states',
+    'trace_dimension_numbers',
     'with_taco_states',
 )
