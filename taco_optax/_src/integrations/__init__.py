@@ -5,7 +5,9 @@ read from its einsum (:func:`weight_dimension_numbers`), and
 :class:`Relayout`, the same leaves in two tree layouts. The modules that need
 an optional framework are imported by their public module only, after that
 framework (:data:`OPTIONAL_MODULES`): ``nnx_routes`` (Flax NNX; by
-:mod:`taco_optax.nnx`) and ``tunix_model`` (tunix; by
+:mod:`taco_optax.nnx`), ``linen_routes`` (Flax Linen; by
+:mod:`taco_optax.linen`), ``equinox_routes`` (Equinox; by
+:mod:`taco_optax.equinox`) and ``tunix_model`` (tunix; by
 :mod:`taco_optax.tunix`).
 """
 
@@ -17,7 +19,8 @@ from taco_optax._src.integrations.relayout import Relayout
 
 # Modules of this package that import an optional framework at their top:
 # imported directly by the public module of that framework, never from here.
-OPTIONAL_MODULES = ('nnx_routes', 'tunix_model')
+OPTIONAL_MODULES = ('nnx_routes', 'tunix_model', 'linen_routes',
+                    'equinox_routes')
 
 __all__ = (
     'OPTIONAL_MODULES',

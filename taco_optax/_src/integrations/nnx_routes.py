@@ -28,7 +28,6 @@ stacked by ``nnx.vmap``/``nnx.scan``) has the extra leading axes as batch
 axes: each layer is its own matrix.
 """
 
-import fnmatch
 from typing import Any, Mapping, NamedTuple, Optional
 
 import jax
@@ -150,12 +149,12 @@ def _holders(model: Any) -> dict[tuple[Any, ...], Any]:
           if isinstance(node, (nnx.Module, list, tuple, dict))}
 
 
-def _override(name: str, overrides: Mapping[str, Any], used: set[str]):
-  for pattern, value in overrides.items():
-    if fnmatch.fnmatchcase(name, pattern):
-      used.add(pattern)
-      return (value,)
-  return ()
+def _sourced(route: Route, holder: Any, name: str) -> Route:
+  """``route`` whose dimension numbers say the rule (the module's type)."""
+  if route.dims is None:
+    return route
+  return route._replace(dims=transform.decided(
+      route.dims, f'taco_optax.nnx: {type(holder).__name__}.{name}'))
 
 
 def routes(model: Any, wrt: Any, overrides: Mapping[str, Optional[DN]]
@@ -166,22 +165,26 @@ def routes(model: Any, wrt: Any, overrides: Mapping[str, Optional[DN]]
     ValueError: naming every parameter no rule and no override covers, and
       every override pattern that matches no parameter.
   """
-  holders, used = _holders(model), set()
-  found, refused = {}, []
+  holders = _holders(model)
+  book = transform.Overrides(
+      'taco_optax.nnx.dimension_numbers', overrides,
+      "dimension_numbers(model, overrides={'layers/*/mlp/gate_proj': "
+      'TacoDimensionNumbers(reduction_axis=1, output_axis=2)})')
+  found = {}
   for path, variable in nnx.to_flat_state(nnx.state(model, wrt)):
     name = transform.path_name(path)
-    override = _override(name, overrides, used)
-    if override:
-      found[path] = Route(override[0])
+    override = book.entry(name)
+    if override:  # None stays None in an nnx.State
+      found[path] = Route(None if isinstance(override[0], transform.ToAdam)
+                          else override[0])
       continue
     holder = holders.get(tuple(path[:-1]))
     try:
-      found[path] = _module_route(holder, str(path[-1]), variable)
+      found[path] = _sourced(_module_route(holder, str(path[-1]), variable),
+                             holder, str(path[-1]))
     except _Refused as reason:
-      refused.append(f'  {name}: shape {tuple(variable.shape)}, {reason}')
-  unused = [pattern for pattern in overrides if pattern not in used]
-  if refused or unused:
-    raise ValueError(_refusal(refused, unused))
+      book.refuse(f'  {name}: shape {tuple(variable.shape)}, {reason}')
+  book.finish()
   return found
 
 
@@ -191,20 +194,6 @@ def table_paths(model: Any, wrt: Any) -> set[tuple[Any, ...]]:
   return {path for path, variable in nnx.to_flat_state(nnx.state(model, wrt))
           if jnp.ndim(variable) >= 2
           and _is_table(holders.get(tuple(path[:-1])), str(path[-1]))}
-
-
-def _refusal(refused: list[str], unused: list[str]) -> str:
-  lines = []
-  if refused:
-    lines += [f'taco_optax.nnx.dimension_numbers cannot tell the TACO axes of '
-              f'{len(refused)} parameter(s):'] + refused + [
-                  'Say them by hand, e.g. dimension_numbers(model, overrides='
-                  "{'layers/*/mlp/gate_proj': TacoDimensionNumbers("
-                  'reduction_axis=1, output_axis=2)}) (patterns as fnmatch '
-                  "over '/'-joined paths; None sends a parameter to Adam)."]
-  if unused:
-    lines.append(f'These override patterns match no parameter: {unused}.')
-  return '\n'.join(lines)
 
 
 def state_of(model: Any, wrt: Any, value_of) -> Any:
