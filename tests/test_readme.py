@@ -2,10 +2,12 @@
 
 import re
 
+import jax
 import jax.numpy as jnp
 import pytest
 
 from tests import docs_pages
+from tests import routing_checks
 
 README = docs_pages.ROOT / 'README.md'
 
@@ -26,7 +28,7 @@ def test_readme_states_the_two_commands():
 
 def test_nnx_example_runs():
   nnx = pytest.importorskip('flax.nnx')
-  block = docs_pages.block('README.md', 'nnx.Optimizer')
+  block = docs_pages.block('README.md', 'def train_step')
   assert 'def train_step' in block
   namespace = {}
   exec(block, namespace)  # pylint: disable=exec-used
@@ -39,10 +41,63 @@ def test_nnx_example_runs():
   assert int(namespace['optimizer'].step[...]) == 1
 
 
+def _run(marker):
+  namespace = {}
+  exec(docs_pages.block('README.md', marker), namespace)  # pylint: disable=exec-used
+  return namespace
+
+
+def _one_update(tx, params, seed=0):
+  leaves, treedef = jax.tree.flatten(params)
+  keys = jax.random.split(jax.random.key(seed), len(leaves))
+  grads = treedef.unflatten([jax.random.normal(k, x.shape, x.dtype)
+                             for k, x in zip(keys, leaves)])
+  updates, _ = tx.update(grads, tx.init(params), params)
+  return updates
+
+
+def test_equinox_routing_moves_one_weight_per_input_feature():
+  namespace = _run('taco_optax.equinox.dimension_numbers')
+  layers = namespace['updates'].layers
+  # (out, in) weights: one nonzero per input feature, at lr * out / in.
+  for layer, (out, inputs) in zip(layers, [(128, 64), (128, 128), (10, 128)]):
+    routing_checks.assert_one_per_input(layer.weight, 1, 0, 1e-3,
+                                        scale=out / inputs)
+    routing_checks.assert_adam_dense(layer.bias)
+
+
+def test_nnx_routing_reads_the_einsum_kernel():
+  nnx = pytest.importorskip('flax.nnx')
+  namespace = _run('taco_optax.nnx.dimension_numbers')
+  params = nnx.state(namespace['model'], nnx.Param)
+  updates = _one_update(namespace['tx'], params)
+  routing_checks.assert_one_per_input(updates['kernel'][...], 0, (1, 2), 1e-3)
+
+
+def test_linen_routing_reads_dense_general_kernels():
+  namespace = _run('taco_optax.linen.dimension_numbers')
+  updates = _one_update(namespace['tx'], namespace['params'])
+  routing_checks.assert_one_per_input(updates['query']['kernel'], 0, (1, 2),
+                                      1e-3, name='query')
+  routing_checks.assert_one_per_input(updates['out']['kernel'], (0, 1), 2,
+                                      1e-3, name='out')
+  routing_checks.assert_adam_dense(updates['query']['bias'])
+
+
+def test_traced_routing_reads_a_transposed_use():
+  namespace = _run('trace_dimension_numbers')
+  updates = _one_update(namespace['tx'], namespace['params'])
+  routing_checks.assert_one_per_input(updates['w_in'], 1, 0, 1e-3,
+                                      name='w_in')
+  routing_checks.assert_one_per_input(updates['w_out'], 0, 1, 1e-3,
+                                      name='w_out')
+
+
 def test_readme_is_a_front_door():
-  """Short, its two python blocks the ones above, the rest in docs/ pages."""
+  """Short; its python blocks the ones above (use, then routing by
+  framework), the rest in docs/ pages."""
   assert len(README.read_text().splitlines()) <= 250
-  assert len(docs_pages.python_blocks('README.md')) == 2
+  assert len(docs_pages.python_blocks('README.md')) == 6
 
 
 @pytest.mark.parametrize(
