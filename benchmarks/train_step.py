@@ -16,7 +16,10 @@ Every path is compiled first (its compile seconds reported) and run
 path in turn, and the table gives the median (and fastest) step, so a slow
 spell of a shared machine falls on every path alike. One table per (dtype,
 batch); the last line is ``taco_layerwise_over_adamw=<tokens/s ratio> ...``
-with one key per optimizer, for the last (dtype, batch) measured.
+with one key per optimizer, for the last (dtype, batch) measured. Below each
+table, each path's program: lowering seconds, the StableHLO operations XLA
+gets, the optimised HLO's instructions and computations, and XLA's
+milliseconds per thousand of them (where compile time goes).
 
   python -m benchmarks.train_step [--dtypes float32,bfloat16]
       [--batches 4,16] [--seq 64] [--layers N] [--steps 2] [--rounds 3]
@@ -25,6 +28,7 @@ with one key per optimizer, for the last (dtype, batch) measured.
 """
 
 import argparse
+import re
 import statistics
 import sys
 import time
@@ -63,9 +67,12 @@ class _Path:
     self.params = jax.tree.map(jnp.copy, decoder.params)
     self.state = tx.init(self.params)
     start = time.perf_counter()
-    self.compiled = jax.jit(step, donate_argnums=(0, 1)).lower(
-        self.params, self.state, batch).compile()
-    self.compile_s = time.perf_counter() - start
+    lowered = jax.jit(step, donate_argnums=(0, 1)).lower(
+        self.params, self.state, batch)
+    self.lower_s = time.perf_counter() - start
+    self.compiled = lowered.compile()
+    self.compile_s = time.perf_counter() - start  # lowering included
+    self.program = program_size(lowered, self.compiled)
     self.step_s = []
     self.loss = None
 
@@ -78,6 +85,21 @@ class _Path:
       if timed:
         self.step_s.append(time.perf_counter() - start)
       self.loss = float(value)
+
+
+def program_size(lowered, compiled):
+  """``{'stablehlo_ops', 'hlo_instructions', 'hlo_computations'}``: what XLA
+  gets (the lowered StableHLO's operations) and what it made (the optimised
+  HLO's instructions and computations, fusions' bodies included)."""
+  hlo = compiled.as_text()
+  return {
+      'stablehlo_ops': len(re.findall(r'= "?[a-z_]+\.[a-z_]+',
+                                      lowered.as_text())),
+      'hlo_instructions': len(re.findall(r'^\s+(?:ROOT )?%?\S+ = ', hlo,
+                                         re.M)),
+      'hlo_computations': len(re.findall(r'^(?:ENTRY )?%?\S+ .*\{$', hlo,
+                                         re.M)),
+  }
 
 
 def time_paths(paths, decoder, config, batch, warmup, steps, rounds):
@@ -97,7 +119,8 @@ def time_paths(paths, decoder, config, batch, warmup, steps, rounds):
   results = {}
   for name, path in compiled.items():
     step_s = statistics.median(path.step_s)
-    results[name] = {'compile_s': path.compile_s, 'step_s': step_s,
+    results[name] = {'compile_s': path.compile_s, 'lower_s': path.lower_s,
+                     **path.program, 'step_s': step_s,
                      'min_step_s': min(path.step_s),
                      'tokens_per_s': tokens / step_s, 'loss': path.loss}
   return results
@@ -139,6 +162,18 @@ def main(argv=None):
     provenance.write_report(args.write, 'Whole train steps', command, text)
 
 
+def _program_table(results):
+  """Where compile time goes: each path's program, and seconds per size."""
+  print(f'{"program":<16}{"lower s":>9}{"stablehlo ops":>15}'
+        f'{"HLO instrs":>12}{"computations":>14}{"ms / 1k instrs":>16}')
+  for path, r in results.items():
+    per_k = 1e6 * (r['compile_s'] - r['lower_s']) / max(
+        r['hlo_instructions'], 1)
+    print(f'{path:<16}{r["lower_s"]:>9.1f}{r["stablehlo_ops"]:>15,}'
+          f'{r["hlo_instructions"]:>12,}{r["hlo_computations"]:>14,}'
+          f'{per_k:>16.1f}', flush=True)
+
+
 def _tables(args, paths):
   """One table per (dtype, batch), then the ratios of the last one."""
   print(f'SmolLM2-135M shapes, layers={args.layers or 30} (unrolled, as the '
@@ -159,6 +194,7 @@ def _tables(args, paths):
         print(f'{path:<16}{r["tokens_per_s"]:>10.1f}'
               f'{1e3 * r["step_s"]:>10.1f}{1e3 * r["min_step_s"]:>9.1f}'
               f'{r["compile_s"]:>11.1f}', flush=True)
+      _program_table(results)
   if 'adamw' in results:
     adamw = results['adamw']
     print(' '.join(

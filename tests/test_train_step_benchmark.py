@@ -26,3 +26,11 @@ def test_last_line_has_one_ratio_per_optimizer(capfd, tmp_path):
   assert '\nCommit ' in text and last in text
   assert re.search(r'\ntaco_layerwise +[\d.]+ +[\d.]+ +[\d.]+ +[\d.]+\n',
                    text)
+  # Where compile time goes: each path's program sizes, positive counts.
+  programs = re.findall(
+      r'\n(taco_layerwise|taco_optax|adamw) +([\d.]+) +([\d,]+) +([\d,]+) '
+      r'+([\d,]+) +([\d.]+)(?=\n)', text)
+  assert [p[0] for p in programs] == ['taco_layerwise', 'taco_optax', 'adamw']
+  for _, _, ops, instructions, computations, _ in programs:
+    assert min(int(c.replace(',', '')) for c in
+               (ops, instructions, computations)) > 0
