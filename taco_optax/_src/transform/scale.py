@@ -291,7 +291,8 @@ def scale_by_taco(
     leaves, treedef = jax.tree.flatten(updates)
     histories = leaf_histories(state, treedef)
     leaf_plans = plans(updates)
-    check_gradient_shapes(updates, params, histories, leaf_plans)
+    check_like_params(updates, params)
+    check_history_shapes(updates, histories, leaf_plans)
     out = [leaf_direction(grad, history, plan, mu) for grad, history, plan
            in zip(leaves, histories, leaf_plans)]
     return (treedef.unflatten([direction for direction, _ in out]),
@@ -319,15 +320,10 @@ def check_like_params(updates: Any, params: Any) -> None:
           'must be equal.')
 
 
-def check_gradient_shapes(updates: Any, params: Any,
-                          histories: list[kernels.History],
-                          plans: list[Optional[plan_lib.LeafPlan]]) -> None:
-  """Raises, naming the leaf, if a gradient's shape is not its parameter's.
-
-  The parameter's shape is ``params``' where given, else what the TACO
-  history (made by ``init`` from the parameters) was made for.
-  """
-  check_like_params(updates, params)
+def check_history_shapes(updates: Any, histories: list[kernels.History],
+                         plans: list[Optional[plan_lib.LeafPlan]]) -> None:
+  """Raises, naming the leaf, if a TACO gradient's shape is not the one its
+  history (made by ``init`` from the parameter) was made for."""
   paths = jax.tree_util.tree_leaves_with_path(updates)
   for (path, grad), history, plan in zip(paths, histories, plans):
     if plan is None or trees.is_masked(history.indices):
