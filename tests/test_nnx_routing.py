@@ -364,3 +364,38 @@ def test_tunix_models_leave_the_flax_flag_as_it_was():
   before = flax.config.flax_always_shard_variable
   _tunix_model('llama3', num_layers=1)
   assert flax.config.flax_always_shard_variable == before
+
+
+class _Block(nnx.Module):
+
+  def __init__(self):
+    rngs = nnx.Rngs(0)
+    self.dense = nnx.Linear(6, 4, rngs=rngs)
+    self.norm = nnx.LayerNorm(4, rngs=rngs)
+
+
+@pytest.mark.parametrize('which', ['taco', 'scale_by_taco'])
+def test_nnx_optimizer_state_has_no_variable_around_a_placeholder(which):
+  """nnx.Optimizer hands init the model's Variables: the masked leaves of
+  each branch are placeholders in place of the Variable, not inside one
+  (tunix 0.1.8 reads the dtype of every optimizer-state Variable), and the
+  state's arrays are those of init on the bare arrays."""
+  model = _Block()
+  tx = (taco_optax.taco(1e-2) if which == 'taco' else optax.chain(
+      taco_optax.scale_by_taco(weight_dimension_numbers=lambda p: jax.tree.map(
+          lambda x: taco_optax.TacoDimensionNumbers() if x.ndim == 2
+          else None, p)), optax.scale(-1e-2)))
+  optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+  boxed = jax.tree.leaves(nnx.state(optimizer, nnx.optimizer.OptState),
+                          is_leaf=lambda x: isinstance(x, nnx.Variable))
+  assert boxed and all(hasattr(v.get_value(), 'dtype') for v in boxed), [
+      type(v.get_value()).__name__ for v in boxed]
+  bare = tx.init(nnx.as_pure(nnx.state(model, nnx.Param)))
+  state = nnx.as_pure(optimizer.opt_state)
+  assert jax.tree.structure(state) == jax.tree.structure(bare)
+  for got, want in zip(jax.tree.leaves(state), jax.tree.leaves(bare),
+                       strict=True):
+    np.testing.assert_array_equal(got, want)
+  grads = nnx.grad(lambda m: jnp.sum(m.norm(m.dense(jnp.ones((2, 6))))))(
+      model)
+  optimizer.update(model, grads)  # and it steps

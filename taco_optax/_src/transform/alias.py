@@ -14,6 +14,7 @@ from taco_optax._src import kernels
 from taco_optax._src.transform import parts as parts_lib
 from taco_optax._src.transform import rounding as rounding_lib
 from taco_optax._src.transform import scale
+from taco_optax._src.transform import trees
 
 
 
@@ -168,8 +169,12 @@ def _parts(learning_rate: optax.ScalarOrSchedule, k: Optional[int],
     return jax.tree.structure(params).unflatten([fn(d) for d in dims])
 
   def param_labels(params):
-    return per_leaf(params, lambda d: (parts_lib.ADAM_LABEL if d is None
-                                       else parts_lib.TACO_LABEL))
+    # One label per box (see trees.box_structure): no Variable in the state
+    # around a placeholder.
+    dims = dn.entries(dims_tree(params), params)
+    return trees.box_structure(params).unflatten(
+        [parts_lib.ADAM_LABEL if d is None else parts_lib.TACO_LABEL
+         for d in dims])
 
   def masked_dims(params):
     # Inside the partition the TACO branch sees MaskedNode for other leaves.

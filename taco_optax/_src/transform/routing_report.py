@@ -9,6 +9,7 @@ import optax
 from taco_optax._src.transform import parts as parts_lib
 from taco_optax._src.transform import default_routing as default_routing_lib
 from taco_optax._src.transform import dimension_numbers as dn
+from taco_optax._src.transform import trees
 
 
 class LeafRoute(NamedTuple):
@@ -107,7 +108,7 @@ def _size(shape: tuple[int, ...]) -> int:
 
 def _abstract(params: Any) -> Any:
   """``params`` as ShapeDtypeStructs, Variables (Flax NNX) unwrapped."""
-  is_variable = lambda x: callable(getattr(x, 'get_value', None))
+  is_variable = trees.is_variable
   value = lambda x: x.get_value() if is_variable(x) else x
   return jax.tree.map(
       lambda x: jax.ShapeDtypeStruct(jnp.shape(value(x)), value(x).dtype),

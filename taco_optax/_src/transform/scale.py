@@ -283,9 +283,12 @@ def scale_by_taco(
     return history
 
   def init_fn(params):
-    leaves, treedef = jax.tree.flatten(params)
-    return taco_state(treedef, [init_leaf(p, plan) for p, plan in
-                                zip(leaves, plans(params))])
+    # A boxed parameter (an nnx.Variable, as nnx.Optimizer passes) gets bare
+    # histories in its place: no Variable around a masked placeholder, and
+    # no parameter sharding metadata on the (k, n) histories.
+    leaves, treedef = jax.tree.flatten(params, is_leaf=trees.is_variable)
+    return taco_state(treedef, [init_leaf(trees.unboxed(p), plan)
+                                for p, plan in zip(leaves, plans(params))])
 
   def update_fn(updates, state, params=None):
     leaves, treedef = jax.tree.flatten(updates)

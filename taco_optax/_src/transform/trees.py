@@ -22,3 +22,29 @@ def is_masked(x: Any) -> bool:
   """Whether ``x`` is the placeholder ``optax.partition`` (and
   ``optax.masked``) leaves where a branch does not apply."""
   return isinstance(x, optax.MaskedNode)
+
+
+def is_variable(x: Any) -> bool:
+  """Whether ``x`` boxes one parameter (a Flax ``nnx.Variable``).
+
+  ``nnx.Optimizer`` hands ``init`` the model's ``State`` of Variables (and
+  ``update`` their bare arrays).
+  """
+  return callable(getattr(x, 'get_value', None))
+
+
+def box_structure(params: Any) -> Any:
+  """``params``' structure with each :func:`is_variable` box one leaf.
+
+  Labels built on it make ``optax.partition`` mask whole boxes: a branch's
+  state then holds ``optax.MaskedNode`` where a Variable was, not a Variable
+  around a ``MaskedNode`` (which has no ``dtype``; tunix reads the dtype of
+  every optimizer-state Variable). Each box holds one array, so the leaf
+  order is the order of ``params``' leaves.
+  """
+  return jax.tree.structure(params, is_leaf=is_variable)
+
+
+def unboxed(x: Any) -> Any:
+  """The array an :func:`is_variable` box holds, or ``x`` itself."""
+  return x.get_value() if is_variable(x) else x
