@@ -40,7 +40,8 @@ def _layers(loss: LayeredLoss, step: leaves_lib.StepLeaves, layers: Any,
 def accumulated_step(loss: LayeredLoss, parts: transform.TacoParts,
                      steps: int, clip_global_norm: Optional[float],
                      column_block_elements: int,
-                     one_batch: Callable[..., Any]) -> Callable[..., Any]:
+                     one_batch: Callable[..., Any],
+                     with_grad_norm: bool = False) -> Callable[..., Any]:
   """The step on ``steps`` micro-batches; ``one_batch`` is the step on one
   batch, which ``steps == 1`` runs (and its memory)."""
 
@@ -62,7 +63,7 @@ def accumulated_step(loss: LayeredLoss, parts: transform.TacoParts,
         outer)
     value, head_means, d_hidden = accumulation.head_means(
         loss.head, outer, hidden, batches, head_reads, column_block_elements)
-    clip = None
+    clip = norm = None
     if clip_global_norm is not None:
       norm = clipping.accumulated_norm(
           loss, params, layer_inputs, d_hidden, batches, embed_reads,
@@ -70,7 +71,8 @@ def accumulated_step(loss: LayeredLoss, parts: transform.TacoParts,
       clip = clipping.clipper(norm, clip_global_norm)
       d_hidden = ordering.ordered_after(d_hidden, norm)
     step = leaves_lib.step_leaves(parts, params, opt_state, clip,
-                                  column_block_elements)
+                                  column_block_elements,
+                                  measure=with_grad_norm, norm=norm)
     roles = outer_lib.outer_roles(loss, step, outer, {}, first,
                                   two_phase_allowed=False)
     arrays = dict(leaves_lib.keyed(outer, leaves_lib.OUTER))

@@ -128,7 +128,7 @@ def scanned(layer_backward: LayerBackward, layers: Any,
   put = lambda x, v, l: jax.lax.dynamic_update_index_in_dim(x, v, l, 0)
 
   def body(carry, xs):
-    d_hidden, weights, histories = carry
+    d_hidden, weights, histories, squares = carry
     l, layer_input, adam_params = xs
     layer_params = {leaf.key: take(w, l) for (leaf, _), w in zip(taco,
                                                                    weights)}
@@ -139,21 +139,26 @@ def scanned(layer_backward: LayerBackward, layers: Any,
         layer_input, d_hidden)
     grad_of = dict(zip((leaf.key for leaf in records),
                        jax.tree.leaves(layer_grads)))
-    new_weights, new_histories = [], []
-    for (leaf, whole), weight, history in zip(taco, weights, histories):
+    new_weights, new_histories, new_squares = [], [], []
+    for (leaf, whole), weight, history, total in zip(taco, weights, histories,
+                                                     squares):
       sliced = _layer_slice(leaf._replace(history=history), l, whole.shape)
       result = step.update(sliced, layer_params[leaf.key], grad_of[leaf.key])
       new_weights.append(put(weight, result.param, l))
       new_histories.append(kernels.History(*(
           put(s, u, l) for s, u in zip(history, result.history))))
-    return ((d_hidden, new_weights, new_histories),
+      new_squares.append(total if result.square_sum is None
+                         else total + result.square_sum)
+    return ((d_hidden, new_weights, new_histories, new_squares),
             [grad_of[leaf.key] for leaf, _ in adam])
 
-  carry = (d_hidden, [p for _, p in taco], [leaf.history for leaf, _ in taco])
-  (d_hidden, weights, histories), adam_grads = jax.lax.scan(
+  carry = (d_hidden, [p for _, p in taco], [leaf.history for leaf, _ in taco],
+           [jnp.zeros((), jnp.float32) for _ in taco])
+  (d_hidden, weights, histories, squares), adam_grads = jax.lax.scan(
       body, carry, (jnp.arange(num_layers), layer_inputs,
                     [p for _, p in adam]), reverse=True)
-  updated = {leaf.key: leaves_lib.Updated(w, h)
-             for (leaf, _), w, h in zip(taco, weights, histories)}
+  updated = {leaf.key: leaves_lib.Updated(
+      w, h, s if step.sums_squares else None)
+             for (leaf, _), w, h, s in zip(taco, weights, histories, squares)}
   grads = {leaf.key: g for (leaf, _), g in zip(adam, adam_grads)}
   return d_hidden, updated, grads

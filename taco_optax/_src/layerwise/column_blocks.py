@@ -23,7 +23,8 @@ def chunked_leaf_update(param: jax.Array, grad: Any,
                         layout: transform.MatrixLayout, chunk: int,
                         write: winners_lib.WinnerWrite,
                         shards: Optional[kernels.LeafSharding]
-                        ) -> tuple[jax.Array, kernels.History]:
+                        ) -> tuple[jax.Array, kernels.History,
+                                   Optional[jax.Array]]:
   """``weight_update.local_leaf_update`` of a 2-D leaf, ``chunk`` columns at
   a time.
 
@@ -31,6 +32,11 @@ def chunked_leaf_update(param: jax.Array, grad: Any,
   judged on the whole leaf, as the optax path does. A ``TableGradient`` is
   formed a block at a time; its finiteness is known only after the last
   block, so the history is chosen then.
+
+  Returns:
+    ``(param, history, square_sum)``: with ``write.measure`` the
+    gradient's float32 ``sum(g**2)``, summed over the blocks for a
+    ``TableGradient`` (else ``None``).
   """
   blockwise = isinstance(grad, token_table.TableGradient)
   if blockwise:
@@ -46,13 +52,19 @@ def chunked_leaf_update(param: jax.Array, grad: Any,
     grad_bits = blocks.as_bits(grad)
     grad_rows = lambda start: blocks.rows(grad_bits, start, grad.dtype)
 
+  square_sum = jnp.zeros((), jnp.float32)
+  if write.measure and not blockwise:
+    square_sum = winners_lib.square_sum(grad)
+
   def body(carry, block):
-    param_bits, history, finite = carry
+    param_bits, history, finite, square_sum = carry
     start = block * chunk
     columns = lambda x: jax.lax.dynamic_slice_in_dim(x, start, chunk, axis=-1)
     block_grad = grad_rows(start)
     if blockwise:
       finite = finite & jnp.all(jnp.isfinite(block_grad))
+      if write.measure:
+        square_sum = square_sum + winners_lib.square_sum(block_grad)
     step, new_history = kernels.history_step(
         block_grad, kernels.History(*map(columns, history)),
         update_topk=write.plan.update_topk, mu=write.mu,
@@ -70,16 +82,17 @@ def chunked_leaf_update(param: jax.Array, grad: Any,
     put = lambda old, new: jax.lax.dynamic_update_slice_in_dim(
         old, keep(old, new), start, axis=-1)
     return (param_bits, kernels.History(*map(put, history, new_history)),
-            finite), None
+            finite, square_sum), None
 
-  (param_bits, new_history, finite), _ = jax.lax.scan(
-      body, (blocks.as_bits(param), history, finite),
+  (param_bits, new_history, finite, square_sum), _ = jax.lax.scan(
+      body, (blocks.as_bits(param), history, finite, square_sum),
       jnp.arange(layout.n // chunk, dtype=jnp.int32))
   if blockwise:  # the history is kept when the gradient was not finite
     new_history = kernels.History(*(
         jnp.where(finite, new, old) for new, old in zip(new_history, history)))
   param = blocks.from_bits(param_bits, param.dtype)
-  return jnp.where(finite, param, jnp.nan), new_history
+  return (jnp.where(finite, param, jnp.nan), new_history,
+          square_sum if write.measure else None)
 
 
 class _Blocks:

@@ -11,10 +11,12 @@ Adam on the Adam leaves, as ``optax.partition`` would, and packs the new
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import optax
 
 from taco_optax._src import transform
 from taco_optax._src.layerwise import leaves as leaves_lib
+from taco_optax._src.layerwise import winners
 
 Key = leaves_lib.Key
 
@@ -60,12 +62,32 @@ def check(step: leaves_lib.StepLeaves, params: Any,
                      + '\n'.join(f'  {p}' for p in sorted(problems)))
 
 
+def global_norm(step: leaves_lib.StepLeaves,
+                updated: dict[Key, leaves_lib.Updated],
+                grads: dict[Key, Any]) -> jax.Array:
+  """The whole gradient's norm: the clipping pass's, or from every TACO
+  leaf's ``sum(g**2)`` and the Adam leaves' (unclipped) ``grads``, in float32
+  as ``optax.global_norm`` of float32 gradients."""
+  if step.norm is not None:
+    return step.norm
+  missing = sorted(leaves_lib.name_of(key) for key, result in updated.items()
+                   if result.square_sum is None)
+  if missing:
+    raise ValueError('the layer-wise step did not measure the gradient of '
+                     + ', '.join(missing))
+  terms = [jnp.sum(result.square_sum) for result in updated.values()]
+  terms += [winners.square_sum(g) for g in grads.values()]
+  return jnp.sqrt(sum(terms, jnp.zeros((), jnp.float32)))
+
+
 def finish(step: leaves_lib.StepLeaves, params: Any, opt_state: Any,
            updated: dict[Key, leaves_lib.Updated], grads: dict[Key, Any],
-           value: jax.Array) -> tuple[Any, Any, jax.Array]:
+           value: jax.Array) -> tuple[Any, ...]:
   """Adam on the (clipped) Adam leaves' ``grads``, then the step's
-  ``(params, opt_state, value)``; ``updated`` holds every TACO leaf's."""
+  ``(params, opt_state, value)``, and the global gradient norm last when
+  ``step.measure``; ``updated`` holds every TACO leaf's."""
   check(step, params, updated, grads)
+  norm = global_norm(step, updated, grads) if step.measure else None
   if step.clip is not None:
     grads = {key: step.clip(g) for key, g in grads.items()}
   treedef = jax.tree.structure(params)
@@ -87,8 +109,9 @@ def finish(step: leaves_lib.StepLeaves, params: Any, opt_state: Any,
                 for leaf, x, a in zip(records, new_leaves, applied)]
   histories = [updated[leaf.key].history if leaf.plan is not None
                else leaf.history for leaf in records]
-  return (treedef.unflatten(new_leaves),
-          _packed(step, opt_state, treedef, histories, adam_state), value)
+  result = (treedef.unflatten(new_leaves),
+            _packed(step, opt_state, treedef, histories, adam_state), value)
+  return result if norm is None else result + (norm,)
 
 
 def _packed(step: leaves_lib.StepLeaves, opt_state: Any, treedef: Any,

@@ -65,9 +65,11 @@ class Leaf(NamedTuple):
 
 
 class Updated(NamedTuple):
-  """A TACO leaf's new value and history."""
+  """A TACO leaf's new value and history (and its gradient's ``sum(g**2)``
+  when the step measures the gradient norm)."""
   param: jax.Array
   history: kernels.History
+  square_sum: Optional[jax.Array] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,12 +82,24 @@ class StepLeaves:
     states: its pieces' states at the start of the step.
     clip: an elementwise transform of every gradient (clipping), or None.
     column_block_elements: ``train_step``'s argument.
+    norm: the global gradient norm when the step returns it: the clipping
+      pass's norm, or ``None`` while the leaves' ``sum(g**2)`` are summed
+      as their gradients appear (``measure``).
+    measure: whether the step returns the global gradient norm.
   """
   leaves: dict[Key, Leaf]
   parts: transform.TacoParts
   states: transform.TacoStates
   clip: Optional[Callable[[jax.Array], jax.Array]]
   column_block_elements: int
+  norm: Optional[jax.Array] = None
+  measure: bool = False
+
+  @property
+  def sums_squares(self) -> bool:
+    """Whether each leaf's gradient gives its ``sum(g**2)`` (the norm is
+    measured and no clipping pass has it already)."""
+    return self.measure and self.norm is None
 
   def of(self, tree: Any, prefix: Key) -> list[Leaf]:
     """The records of ``tree``'s leaves, ``tree`` being the subtree of the
@@ -109,20 +123,21 @@ class StepLeaves:
       grad = (dataclasses.replace(grad, transform=self.clip)
               if isinstance(grad, token_table.TableGradient)
               else self.clip(grad))
-    param, history = weight_update.taco_leaf_update(
+    return Updated(*weight_update.taco_leaf_update(
         param, grad, leaf.history, winners.WinnerWrite(
             plan=leaf.plan, mu=self.parts.mu,
             learning_rate=self.parts.learning_rate,
             learning_rate_state=self.states.learning_rate,
             block_elements=self.column_block_elements, after=after,
-            rounding=leaf.rounding))
-    return Updated(param, history)
+            rounding=leaf.rounding, measure=self.sums_squares)))
 
 
 def step_leaves(parts: transform.TacoParts, params: Any, opt_state: Any,
                 clip: Optional[Callable[[jax.Array], jax.Array]],
-                column_block_elements: int) -> StepLeaves:
-  """The :class:`StepLeaves` of ``params`` (the pair) and ``opt_state``."""
+                column_block_elements: int, *, measure: bool = False,
+                norm: Optional[jax.Array] = None) -> StepLeaves:
+  """The :class:`StepLeaves` of ``params`` (the pair) and ``opt_state``;
+  ``measure`` and ``norm`` as the fields."""
   states = transform.taco_states(opt_state)
   flat = list(keyed(params, ()))
   masked = jax.tree.structure(params, is_leaf=transform.is_masked)
@@ -135,7 +150,8 @@ def step_leaves(parts: transform.TacoParts, params: Any, opt_state: Any,
     if keys is not None and transform.is_low_precision(param.dtype):
       rounding = winners.LeafRounding(keys[index], param.shape)
     leaves[key] = Leaf(key, index, plan, history, rounding)
-  return StepLeaves(leaves, parts, states, clip, column_block_elements)
+  return StepLeaves(leaves, parts, states, clip, column_block_elements,
+                    norm=norm if measure else None, measure=measure)
 
 
 def _rounding_keys(parts: transform.TacoParts, states: transform.TacoStates,

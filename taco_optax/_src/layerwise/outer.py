@@ -179,7 +179,8 @@ def table_write(step: leaves_lib.StepLeaves,
       plan=leaf.plan, mu=step.parts.mu,
       learning_rate=step.parts.learning_rate,
       learning_rate_state=step.states.learning_rate,
-      block_elements=step.column_block_elements, rounding=leaf.rounding)
+      block_elements=step.column_block_elements, rounding=leaf.rounding,
+      measure=step.sums_squares)
 
 
 def after_head(loss: LayeredLoss, step: leaves_lib.StepLeaves, outer: Params,

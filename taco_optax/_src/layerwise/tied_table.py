@@ -19,7 +19,7 @@ The arithmetic of every candidate is the reference column step's, so the
 result equals the one-pass step on the summed gradient (tested bit for bit).
 """
 
-from typing import Callable, NamedTuple
+from typing import Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -40,11 +40,15 @@ class HeadCandidates(NamedTuple):
     inside: ``(n, U)`` the projection's gradient at the batch's tokens
       (:func:`batch_tokens`), in the table's dtype.
     finite: ``()`` whether the projection's gradient is finite everywhere.
+    square_sum: ``()`` float32 ``sum(g**2)`` of the projection's gradient
+      outside the batch's tokens (the whole gradient there), or ``None``
+      when not measured.
   """
   values: jax.Array
   indices: jax.Array
   inside: jax.Array
   finite: jax.Array
+  square_sum: Optional[jax.Array] = None
 
 
 def batch_tokens(ids: jax.Array, vocab: int) -> tuple[jax.Array, jax.Array]:
@@ -58,17 +62,21 @@ def batch_tokens(ids: jax.Array, vocab: int) -> tuple[jax.Array, jax.Array]:
 
 def select_outside(gradient: token_table.TableGradient, tokens: jax.Array,
                    history: kernels.History, plan: transform.LeafPlan, mu,
-                   chunk: int) -> HeadCandidates:
+                   chunk: int, measure: bool = False) -> HeadCandidates:
   """Phase 1, a block of ``chunk`` columns at a time (``plan``'s columns lie
-  along ``gradient.axis``)."""
+  along ``gradient.axis``); ``measure``: also the ``square_sum``."""
   values, indices, exponents = history
   vocab = gradient.shape[1 - gradient.axis]
   keep = max(values.shape[-2], plan.update_topk)
   excluded = jnp.zeros((vocab,), bool).at[tokens].set(True, mode='drop')
   n = gradient.shape[gradient.axis]
 
-  def body(finite, start):
+  def body(carry, start):
+    finite, square_sum = carry
     grads = gradient.columns(start, chunk)  # (chunk, m)
+    if measure:
+      square_sum = square_sum + winners.square_sum(
+          jnp.where(excluded, jnp.zeros((), grads.dtype), grads))
     columns = lambda x: jax.lax.dynamic_slice_in_dim(x, start, chunk, -1)
     candidates = kernels.merged_candidates(
         grads.astype(jnp.float32), kernels.history_rows(columns(values)),
@@ -76,14 +84,16 @@ def select_outside(gradient: token_table.TableGradient, tokens: jax.Array,
     magnitude = jnp.where(excluded, -1.0, jnp.abs(candidates))
     _, top = jax.lax.top_k(magnitude, keep)
     inside = jnp.take(grads, jnp.minimum(tokens, vocab - 1), axis=1)
-    return finite & jnp.all(jnp.isfinite(grads)), (
+    return (finite & jnp.all(jnp.isfinite(grads)), square_sum), (
         jnp.take_along_axis(candidates, top, -1), top, inside)
 
-  finite, (top_values, top_indices, inside) = jax.lax.scan(
-      body, jnp.array(True), jnp.arange(0, n, chunk, dtype=jnp.int32))
+  (finite, square_sum), (top_values, top_indices, inside) = jax.lax.scan(
+      body, (jnp.array(True), jnp.zeros((), jnp.float32)),
+      jnp.arange(0, n, chunk, dtype=jnp.int32))
   merge = lambda x: x.reshape((n,) + x.shape[2:])
   return HeadCandidates(merge(top_values), merge(top_indices),
-                        merge(inside), finite)
+                        merge(inside), finite,
+                        square_sum if measure else None)
 
 
 def merge_batch_tokens(outside: HeadCandidates, tokens: jax.Array,
@@ -172,13 +182,15 @@ def head_phase(gradient: token_table.TableGradient, ids: jax.Array,
   chunk = winners.column_chunk(write.plan.local_layout(param.shape),
                                write.block_elements)
   return HeadPhase(tokens, inverse, select_outside(
-      gradient, tokens, history, write.plan, write.mu, chunk))
+      gradient, tokens, history, write.plan, write.mu, chunk,
+      measure=write.measure))
 
 
 def update(param: jax.Array, phase: HeadPhase,
            gather: Callable[[jax.Array, jax.Array], jax.Array],
            d_rows: jax.Array, history: kernels.History,
-           write: winners.WinnerWrite) -> tuple[jax.Array, kernels.History]:
+           write: winners.WinnerWrite
+           ) -> tuple[jax.Array, kernels.History, Optional[jax.Array]]:
   """Phase 2 and the winners written into ``param`` (the table).
 
   Args:
@@ -190,7 +202,8 @@ def update(param: jax.Array, phase: HeadPhase,
     write: how its winners are written (``write.after`` is not used).
 
   Returns:
-    ``(param, history)``, updated.
+    ``(param, history, square_sum)``: updated, and with ``write.measure``
+    the whole gradient's float32 ``sum(g**2)`` (else ``None``).
   """
   plan = write.plan
   axis = winners.column_axis(plan.layout)
@@ -199,6 +212,11 @@ def update(param: jax.Array, phase: HeadPhase,
   (lookup_grads,) = gather_vjp(d_rows)  # (U, n): the lookup's share
   step = merge_batch_tokens(phase.outside, phase.tokens, lookup_grads.T,
                             history, plan, write.mu)
+  square_sum = None
+  if write.measure:  # the batch's tokens' rows: both shares, summed
+    inside = lookup_grads.T + phase.outside.inside
+    square_sum = phase.outside.square_sum + winners.square_sum(jnp.where(
+        phase.tokens < plan.layout.m, inside, jnp.zeros((), inside.dtype)))
   delta = winners.winner_delta(step, param.dtype, write._replace(after=None))
   columns = jnp.arange(param.shape[axis], dtype=jnp.int32)[:, None]
   where = ((step.winner_indices, columns) if axis == 1
@@ -210,4 +228,4 @@ def update(param: jax.Array, phase: HeadPhase,
           kernels.History(
               kernels.stored_history(step.values, history.values.shape),
               kernels.stored_history(step.indices, history.indices.shape),
-              step.exponents))
+              step.exponents), square_sum)

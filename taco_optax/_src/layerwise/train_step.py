@@ -35,7 +35,7 @@ from taco_optax._src.layerwise.layered_loss import LayeredLoss
 
 Params = Any
 Batch = Any
-# step(params, opt_state, batch) -> (params, opt_state, loss)
+# step(params, opt_state, batch) -> (params, opt_state, loss[, grad_norm])
 TrainStep = Callable[[tuple[Params, Params], Any, Batch],
                      tuple[tuple[Params, Params], Any, jax.Array]]
 
@@ -45,7 +45,8 @@ def train_step(loss: LayeredLoss,
                accumulation_steps: Optional[int] = None,
                clip_global_norm: Optional[float] = None,
                column_block_elements: int = (
-                   winners.DEFAULT_COLUMN_BLOCK_ELEMENTS)) -> TrainStep:
+                   winners.DEFAULT_COLUMN_BLOCK_ELEMENTS),
+               with_grad_norm: bool = False) -> TrainStep:
   r"""A memory-lean train step for :func:`taco`: gradients die as they appear.
 
   The step runs the forward pass saving only each layer's input, then a
@@ -115,10 +116,17 @@ def train_step(loss: LayeredLoss,
       updated a block of about this many elements of columns at a time
       (the column step's transients are gradient-sized; the result is the
       same). Smaller blocks lower the peak and cost a longer loop.
+    with_grad_norm: also return the global norm of the gradient (with
+      ``accumulation_steps``, of the mean gradient), ``optax.global_norm`` of
+      the float32 gradient to float order: each leaf's ``sum(g**2)`` is
+      taken where its gradient exists (a layer's in its backward, a token
+      table's a block of columns at a time), so no pass is added; with
+      ``clip_global_norm``, the clipping pass's norm (before clipping).
 
   Returns:
     ``step(params, opt_state, batch) -> (params, opt_state, loss)``, to be
-    wrapped in ``jax.jit(step, donate_argnums=(0, 1))``.
+    wrapped in ``jax.jit(step, donate_argnums=(0, 1))``; with
+    ``with_grad_norm``, ``(params, opt_state, loss, grad_norm)``.
 
   Raises:
     ValueError: if ``optimizer`` is not a :func:`taco` transformation (the
@@ -154,7 +162,8 @@ def train_step(loss: LayeredLoss,
   return step_from_parts(loss, transform.parts_of(optimizer),
                          accumulation_steps=accumulation_steps,
                          clip_global_norm=clip_global_norm,
-                         column_block_elements=column_block_elements)
+                         column_block_elements=column_block_elements,
+                         with_grad_norm=with_grad_norm)
 
 
 def _is_int_at_least(value: Any, minimum: int) -> bool:
@@ -166,8 +175,8 @@ def step_from_parts(loss: LayeredLoss, parts: transform.TacoParts, *,
                     accumulation_steps: Optional[int] = None,
                     clip_global_norm: Optional[float] = None,
                     column_block_elements: int = (
-                        winners.DEFAULT_COLUMN_BLOCK_ELEMENTS)
-                    ) -> TrainStep:
+                        winners.DEFAULT_COLUMN_BLOCK_ELEMENTS),
+                    with_grad_norm: bool = False) -> TrainStep:
   """:func:`train_step` from a :func:`taco` optimizer's :class:`TacoParts`.
 
   For callers that lay the same parameters out differently from the tree the
@@ -183,8 +192,10 @@ def step_from_parts(loss: LayeredLoss, parts: transform.TacoParts, *,
   if not _is_int_at_least(column_block_elements, 1):
     raise ValueError('column_block_elements must be an int >= 1; got '
                      f'{column_block_elements!r}.')
+  if not isinstance(with_grad_norm, bool):
+    raise ValueError(f'with_grad_norm must be a bool; got {with_grad_norm!r}.')
   one_batch = _one_batch_step(loss, parts, clip_global_norm,
-                              column_block_elements)
+                              column_block_elements, with_grad_norm)
   if accumulation_steps is None:
     return one_batch
   if not _is_int_at_least(accumulation_steps, 1):
@@ -193,7 +204,7 @@ def step_from_parts(loss: LayeredLoss, parts: transform.TacoParts, *,
                      f'{accumulation_steps!r}.')
   return accumulated_step.accumulated_step(
       loss, parts, accumulation_steps, clip_global_norm,
-      column_block_elements, one_batch)
+      column_block_elements, one_batch, with_grad_norm)
 
 
 def _layers_backward(loss: LayeredLoss, step: leaves_lib.StepLeaves,
@@ -208,13 +219,14 @@ def _layers_backward(loss: LayeredLoss, step: leaves_lib.StepLeaves,
 
 def _one_batch_step(loss: LayeredLoss, parts: transform.TacoParts,
                     clip_global_norm: Optional[float],
-                    column_block_elements: int) -> TrainStep:
+                    column_block_elements: int,
+                    with_grad_norm: bool = False) -> TrainStep:
   """The step on one batch (no micro-batch axis)."""
 
   def step_fn(params, opt_state, batch):
     outer, layers = params
     hidden = loss.embed(outer, batch)
-    clip = None
+    clip = norm = None
     if clip_global_norm is not None:
       norm = clipping.global_norm(
           params, clipping.squared_norms(loss, params, batch))
@@ -222,7 +234,8 @@ def _one_batch_step(loss: LayeredLoss, parts: transform.TacoParts,
       # The step's forward after the norm's pass: one pass alive at a time.
       hidden = ordering.ordered_after(hidden, norm)
     step = leaves_lib.step_leaves(parts, params, opt_state, clip,
-                                  column_block_elements)
+                                  column_block_elements,
+                                  measure=with_grad_norm, norm=norm)
     # Forward, keeping each layer's input (the only saved activations).
     hidden, layer_inputs = backward.forward(
         lambda p, h: loss.layer(p, h, batch), hidden, layers,

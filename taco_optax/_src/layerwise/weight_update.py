@@ -7,7 +7,7 @@ time for large matrices (``column_blocks``), and per shard under
 ``shard_map`` when the weight is split over an explicit mesh.
 """
 
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -19,9 +19,27 @@ from taco_optax._src.layerwise import winners as winners_lib
 from taco_optax._src.layerwise.winners import WinnerWrite
 
 
+class LeafUpdate(NamedTuple):
+  """One TACO leaf's update.
+
+  Attributes:
+    param: the new weight.
+    history: the new history.
+    square_sum: the gradient's float32 ``sum(g**2)`` when ``write.measure``,
+      else ``None``.
+  """
+  param: jax.Array
+  history: kernels.History
+  square_sum: Optional[jax.Array] = None
+
+
+def _measured(grad: jax.Array, write: WinnerWrite) -> Optional[jax.Array]:
+  return winners_lib.square_sum(grad) if write.measure else None
+
+
 def taco_leaf_update(param: jax.Array, grad: Any,
                      history: kernels.History, write: WinnerWrite
-                     ) -> tuple[jax.Array, kernels.History]:
+                     ) -> LeafUpdate:
   """One TACO leaf: the history step, then the winners scattered into param.
 
   Same arithmetic as ``scale_by_taco`` -> ``scale_by_learning_rate`` ->
@@ -33,20 +51,40 @@ def taco_leaf_update(param: jax.Array, grad: Any,
   columns at a time, never whole.
 
   Returns:
-    ``(param, history)``, updated.
+    The :class:`LeafUpdate`.
   """
   sharded = kernels.leaf_sharding_of(param, write.plan.axes(param.shape))
   if sharded is None:
-    return local_leaf_update(param, grad, history, write=write)
+    return _local_update(param, grad, history, write)
   if isinstance(grad, token_table.TableGradient):
     grad = grad.dense()
+  square_sum = _measured(grad, write)
+  write = write._replace(measure=False)
   if write.after is not None:  # the one element data_dependency reads
     write = write._replace(
         after=kernels.first_element(jax.tree.leaves(write.after)[0]))
   # map_over_shards keeps Python values of ``write`` (the plan, the
   # transformation's functions) constants; its arrays enter replicated.
-  return kernels.map_over_shards(local_leaf_update, *sharded, (param, grad),
-                                 history, write=write)
+  return LeafUpdate(*kernels.map_over_shards(
+      local_leaf_update, *sharded, (param, grad), history, write=write),
+                    square_sum)
+
+
+def _local_update(param: jax.Array, grad: Any, history: kernels.History,
+                  write: WinnerWrite) -> LeafUpdate:
+  """:func:`taco_leaf_update` on whole arrays."""
+  layout = write.plan.local_layout(param.shape)
+  chunk = winners_lib.column_chunk(layout, write.block_elements)
+  if isinstance(grad, token_table.TableGradient) and (
+      chunk is None or grad.axis != winners_lib.column_axis(layout)):
+    grad = grad.dense()
+  if isinstance(grad, token_table.TableGradient):  # formed block by block
+    return LeafUpdate(*column_blocks.chunked_leaf_update(
+        param, grad, history, layout, chunk, write, None))
+  square_sum = _measured(grad, write)
+  param, history = local_leaf_update(param, grad, history,
+                                     write=write._replace(measure=False))
+  return LeafUpdate(param, history, square_sum)
 
 
 def local_leaf_update(param: jax.Array, grad: Any, history: kernels.History,
@@ -67,7 +105,7 @@ def local_leaf_update(param: jax.Array, grad: Any, history: kernels.History,
     grad = grad.dense()
   if chunk is not None:
     return column_blocks.chunked_leaf_update(param, grad, history, layout,
-                                             chunk, write, shards)
+                                             chunk, write, shards)[:2]
   step, history = kernels.history_step(
       layout.to_rows(grad), history, update_topk=plan.update_topk,
       mu=write.mu, implementation=plan.implementation, shards=shards)

@@ -69,6 +69,8 @@ class WinnerWrite(NamedTuple):
     after: what the winners' delta is ordered after (``None``: nothing).
     rounding: the leaf's :class:`LeafRounding` when it is rounded
       stochastically.
+    measure: whether to return the gradient's ``sum(g**2)`` (float32), for
+      the step's global gradient norm.
   """
   plan: transform.LeafPlan
   mu: Union[float, jax.Array]
@@ -77,6 +79,12 @@ class WinnerWrite(NamedTuple):
   block_elements: int
   after: Any = None
   rounding: Optional[LeafRounding] = None
+  measure: bool = False
+
+
+def square_sum(grad: jax.Array) -> jax.Array:
+  """``sum(g**2)`` in float32 (``optax.global_norm``'s terms)."""
+  return jnp.sum(jnp.square(grad.astype(jnp.float32)))
 
 
 def winner_bits(rounding: LeafRounding, layout: transform.MatrixLayout,
