@@ -116,3 +116,28 @@ def test_a_callable_dtype_left_out_of_static_args_is_refused():
   state = tx.init(_params())
   values = state.inner_state.inner_states['taco'].inner_state[0].values
   assert values['w'].dtype == jnp.bfloat16
+
+
+def test_an_optax_caller_without_its_schedules_is_loud():
+  """An optax that renamed inject_hyperparams's local (or any optax function
+  that builds taco without it) makes the guard raise, never pass silently."""
+  namespace = {'__name__': 'optax.schedules._renamed',
+               'taco': taco_optax.taco, 'scale_by_taco':
+               taco_optax.scale_by_taco}
+  exec('def build_taco():\n  return taco(1e-2)\n'  # pylint: disable=exec-used
+       'def build_direction():\n  return scale_by_taco()\n', namespace)
+  for build in ('build_taco', 'build_direction'):
+    with pytest.raises(RuntimeError, match='no `sched_hps`.*pyproject.toml'):
+      namespace[build]()
+
+
+def test_runtime_optax_is_pinned_to_the_range_the_guard_knows():
+  import importlib.metadata  # pylint: disable=import-outside-toplevel
+  import re  # pylint: disable=import-outside-toplevel
+  requirements = importlib.metadata.requires('taco_optax')
+  (optax_pin,) = [r for r in requirements if re.match(r'optax\b', r)
+                  and 'extra' not in r]
+  specifiers = set(optax_pin[len('optax'):].replace(' ', '').split(','))
+  assert specifiers == {'>=0.2.6', '<0.2.9'}, optax_pin
+  release = tuple(int(x) for x in optax.__version__.split('.')[:3])
+  assert (0, 2, 6) <= release < (0, 2, 9), optax.__version__

@@ -8,7 +8,13 @@ routing silently falls back to a wrong one. :func:`taco` cannot see the
 callable it was meant to get, only that it is being rebuilt by
 ``inject_hyperparams`` with these arguments among its schedules: the frame
 that calls it is optax's, and holds them (``sched_hps``).
-``tests/test_inject_routing.py`` pins this against the installed optax.
+
+This reads optax's frame, an optax internal, so it is pinned and cannot go
+quiet: ``pyproject.toml`` allows the optax releases the tests pass on, and
+when an optax function calls :func:`taco` without that local (an optax that
+renamed it, or another caller) the guard raises instead of letting a
+callable be scheduled unseen. ``tests/test_inject_routing.py`` checks both
+against the installed optax.
 """
 
 import sys
@@ -16,6 +22,11 @@ import sys
 # taco()'s arguments that say what a leaf is, never a value over steps.
 ROUTING_ARGS = ('weight_dimension_numbers', 'update_scale', 'values_dtype',
                 'index_dtype')
+
+
+# The local of optax.inject_hyperparams's init and update that holds the
+# arguments it turned into schedules (optax 0.2.6 to 0.2.8).
+SCHEDULES_LOCAL = 'sched_hps'
 
 
 def refuse_scheduled_routing(factory: str, depth: int = 2) -> None:
@@ -27,16 +38,25 @@ def refuse_scheduled_routing(factory: str, depth: int = 2) -> None:
 
   Raises:
     ValueError: naming the arguments to add to ``static_args``.
+    RuntimeError: when an optax function calls the factory and its
+      schedules cannot be read (an optax this guard does not know).
   """
   try:
     frame = sys._getframe(depth)  # pylint: disable=protected-access
   except ValueError:  # pragma: no cover - no such frame
     return
-  if not frame.f_globals.get('__name__', '').startswith('optax'):
+  module = frame.f_globals.get('__name__', '')
+  if not module.startswith('optax'):
     return
-  schedules = frame.f_locals.get('sched_hps')
+  schedules = frame.f_locals.get(SCHEDULES_LOCAL)
   if not isinstance(schedules, dict):
-    return
+    raise RuntimeError(
+        f'{factory}() is called by {module}.{frame.f_code.co_name}, which has '
+        f'no `{SCHEDULES_LOCAL}` of scheduled arguments: taco_optax cannot '
+        'check that optax.inject_hyperparams left its routing arguments '
+        '(weight_dimension_numbers, update_scale, values_dtype, index_dtype) '
+        'unscheduled with this optax. taco_optax supports the optax releases '
+        'pyproject.toml names; install one of them.')
   scheduled = [name for name in ROUTING_ARGS if name in schedules]
   if scheduled:
     static = ', '.join(repr(name) for name in ('k', *scheduled))
