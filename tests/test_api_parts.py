@@ -264,6 +264,7 @@ def test_optional_modules_are_imported_by_their_public_module_only():
   assert importers == {'equinox_routes': {'equinox.py'},
                        'linen_routes': {'linen.py'},
                        'nnx_routes': {'nnx.py'},
+                       'tunix_api': {'tunix.py'},
                        'tunix_model': {'tunix.py'}}
 
 

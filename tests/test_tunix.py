@@ -3,6 +3,7 @@
 Needs ``pip install "taco_optax[tunix]"`` (the test extra installs it).
 """
 
+import inspect
 import logging
 
 import jax
@@ -18,6 +19,7 @@ from tunix.sft import peft_trainer  # pylint: disable=g-import-not-at-top
 
 from benchmarks import tunix_models  # pylint: disable=g-import-not-at-top
 import taco_optax  # pylint: disable=g-import-not-at-top
+from taco_optax._src.integrations import tunix_api as _tunix_api  # pylint: disable=g-import-not-at-top
 from taco_optax._src.integrations import tunix_model as _tunix_model  # pylint: disable=g-import-not-at-top
 from taco_optax import tunix as taco_tunix  # pylint: disable=g-import-not-at-top
 from tests import docs_pages  # pylint: disable=g-import-not-at-top
@@ -52,14 +54,26 @@ def _train(trainer_class, model, steps, data, optimizer=None, **config):
   return trainer
 
 
-def _losses(trainer):
+def _metric(trainer, name):
   return np.asarray(trainer.metrics_logger.get_metric_history(
-      '', 'loss', 'train'))
+      '', name, 'train'))
+
+
+def _losses(trainer):
+  return _metric(trainer, 'loss')
 
 
 def _leaves(trainer):
   return jax.tree.leaves((nnx.as_pure(nnx.state(trainer.model, nnx.Param)),
                           nnx.as_pure(trainer.optimizer.opt_state)))
+
+
+def _default_loss(model, inputs):
+  """tunix's default SFT loss (a mean; 0.1.8 returns it as a LossOutput)."""
+  trainer = peft_trainer.PeftTrainer(model, tunix_models.taco(model),
+                                     _config(1))
+  out = trainer.loss_fn(model, **inputs)
+  return out.primary_loss.compute() if hasattr(out, 'primary_loss') else out
 
 
 @pytest.mark.parametrize('name', sorted(MODELS))
@@ -69,8 +83,7 @@ def test_layered_loss_is_tunix_default_loss(name):
   layered = _tunix_model.layered(model)
   params = nnx.as_pure(nnx.state(model, nnx.Param))
   ours = layered.loss(layered.relayout.forward(params), inputs)
-  theirs = peft_trainer._default_loss_fn(model, **inputs)  # pylint: disable=protected-access
-  np.testing.assert_allclose(ours, theirs, rtol=2e-6)
+  np.testing.assert_allclose(ours, _default_loss(model, inputs), rtol=2e-6)
 
 
 @pytest.mark.parametrize('name', sorted(MODELS))
@@ -79,6 +92,11 @@ def test_layerwise_trainer_matches_peft_trainer(name):
   peft = _train(peft_trainer.PeftTrainer, MODELS[name](), 4, data)
   ours = _train(taco_tunix.LayerwisePeftTrainer, MODELS[name](), 4, data)
   np.testing.assert_allclose(_losses(ours), _losses(peft), rtol=1e-5)
+  # The global gradient norm, summed as the layer-wise step goes.
+  np.testing.assert_allclose(_metric(ours, 'grad_norm'),
+                             _metric(peft, 'grad_norm'), rtol=1e-5)
+  assert len(_metric(ours, 'grad_norm')) and np.isfinite(
+      _metric(ours, 'grad_norm')).all()
   theirs = _leaves(peft)
   for mine, other in zip(_leaves(ours), theirs, strict=True):
     if jnp.issubdtype(mine.dtype, jnp.integer):  # TACO's winners' rows
@@ -148,33 +166,104 @@ def _taco_winners(trainer):
   return taco_optax._src.transform.parts.taco_states(state).direction.indices  # pylint: disable=protected-access
 
 
-def test_accumulation_is_fused_and_matches_multisteps(caplog):
+def _params_of(trainer):
+  return jax.tree.leaves(nnx.as_pure(nnx.state(trainer.model, nnx.Param)))
+
+
+def _accumulation_bytes(trainer):
+  """What the trainer keeps for accumulation between micro-batches:
+  0.1.7's ``MultiSteps`` state, 0.1.8's ``GradientAccumulator``."""
+  state = nnx.as_pure(trainer.optimizer.opt_state)
+  kept = [getattr(state, 'acc_grads', None)]
+  kept.append(getattr(getattr(trainer, 'grad_accumulator', None), 'grads',
+                      None))
+  return sum(x.nbytes for x in jax.tree.leaves(nnx.as_pure(kept)))
+
+
+def _assert_same_training(ours, theirs):
+  np.testing.assert_allclose(_losses(ours), _losses(theirs), rtol=1e-5)
+  for mine, other in zip(jax.tree.leaves(_taco_winners(ours)),
+                         jax.tree.leaves(_taco_winners(theirs)), strict=True):
+    np.testing.assert_array_equal(mine, other)
+  for mine, other in zip(_params_of(ours), _params_of(theirs), strict=True):
+    np.testing.assert_allclose(mine, other, atol=1e-5)
+
+
+def test_accumulation_is_fused_and_matches_tunix_accumulator(caplog):
   """gradient_accumulation_steps=2 in the layer-wise step (no warning, no
-  MultiSteps buffer) = PeftTrainer's MultiSteps on the same 4 batches."""
+  gradient-sized buffer) = PeftTrainer's own accumulator on the same 4
+  (padded) batches: 0.1.7's MultiSteps, 0.1.8's token-weighted
+  GradientAccumulator."""
   data = tunix_models.batches(4)
   with caplog.at_level(logging.WARNING, logger='taco_optax'):
     ours = _train(taco_tunix.LayerwisePeftTrainer, MODELS['qwen3'](), 2,
                   data, gradient_accumulation_steps=2)
   assert not [r for r in caplog.records if r.name == 'taco_optax']
-  assert ours.train_steps == 2
+  assert ours.train_steps == 2 and ours.fused_accumulation_steps == 2
   peft = _train(peft_trainer.PeftTrainer, MODELS['qwen3'](), 2, data,
                 gradient_accumulation_steps=2)
-  np.testing.assert_allclose(_losses(ours), _losses(peft), rtol=1e-5)
-  chex_like = zip(jax.tree.leaves(_taco_winners(ours)),
-                  jax.tree.leaves(_taco_winners(peft)), strict=True)
-  for mine, theirs in chex_like:
-    np.testing.assert_array_equal(mine, theirs)
-  for mine, theirs in zip(
-      jax.tree.leaves(nnx.as_pure(nnx.state(ours.model, nnx.Param))),
-      jax.tree.leaves(nnx.as_pure(nnx.state(peft.model, nnx.Param))),
-      strict=True):
-    np.testing.assert_allclose(mine, theirs, atol=1e-5)
-  state_bytes = lambda t: sum(x.nbytes for x in jax.tree.leaves(
-      nnx.as_pure(t.optimizer.opt_state)))
-  params_bytes = sum(x.nbytes for x in jax.tree.leaves(
-      nnx.as_pure(nnx.state(ours.model, nnx.Param))))
-  # MultiSteps holds a float32 gradient-sized accumulator; the fused step not.
-  assert state_bytes(peft) - state_bytes(ours) >= params_bytes
+  _assert_same_training(ours, peft)
+  # tunix keeps a float32 gradient-sized accumulator; the fused step not.
+  params_bytes = sum(x.nbytes for x in _params_of(ours))
+  assert _accumulation_bytes(peft) >= params_bytes
+  assert _accumulation_bytes(ours) == 0
+
+
+def _concatenated(data, steps):
+  return [jax.tree.map(lambda *xs: np.concatenate(xs), *data[i:i + steps])
+          for i in range(0, len(data), steps)]
+
+
+def _mean_loss(default):
+  # Named arguments: tunix's step resolves the inputs to positions.
+  def loss(model, input_tokens, input_mask, positions, attention_mask):
+    out = default(model, input_tokens, input_mask, positions, attention_mask)
+    return out.primary_loss.compute() if hasattr(out, 'primary_loss') else out
+  return loss
+
+
+@pytest.mark.parametrize('weights', ['tokens', 'equal'])
+def test_micro_batch_weights(weights):
+  """'tokens': the gradient of the group's summed loss over its tokens,
+  which is PeftTrainer's on the group's batches concatenated. 'equal': the
+  mean of the micro-batches' mean-loss gradients, which is PeftTrainer's
+  accumulator on a loss returning the mean (0.1.7's default; 0.1.8 adds 1
+  per micro-batch to its denominator then). The batches are padded to other
+  lengths, so the two differ."""
+  data = tunix_models.batches(4)
+  model = MODELS['qwen3']()
+  ours = taco_tunix.LayerwisePeftTrainer(
+      model, tunix_models.taco(model),
+      _config(2, gradient_accumulation_steps=2), micro_batch_weights=weights)
+  ours.with_gen_model_input_fn(tunix_models.model_input).train(data)
+  model = MODELS['qwen3']()
+  if weights == 'tokens':
+    theirs = peft_trainer.PeftTrainer(model, tunix_models.taco(model),
+                                      _config(2))
+    batches = _concatenated(data, 2)
+  else:
+    theirs = peft_trainer.PeftTrainer(
+        model, tunix_models.taco(model),
+        _config(2, gradient_accumulation_steps=2))
+    theirs.with_loss_fn(_mean_loss(theirs.loss_fn))
+    batches = data
+  theirs.with_gen_model_input_fn(tunix_models.model_input).train(batches)
+  _assert_same_training(ours, theirs)
+  other = 'equal' if weights == 'tokens' else 'tokens'
+  model = MODELS['qwen3']()
+  different = taco_tunix.LayerwisePeftTrainer(
+      model, tunix_models.taco(model),
+      _config(2, gradient_accumulation_steps=2), micro_batch_weights=other)
+  different.with_gen_model_input_fn(tunix_models.model_input).train(data)
+  assert not np.allclose(_losses(different)[-1:], _losses(ours)[-1:],
+                         rtol=1e-6, atol=0)
+
+
+def test_micro_batch_weights_are_checked():
+  model = MODELS['qwen3']()
+  with pytest.raises(ValueError, match="'tokens', 'equal' or None"):
+    taco_tunix.LayerwisePeftTrainer(model, tunix_models.taco(model),
+                                    _config(1), micro_batch_weights='mean')
 
 
 def test_accumulation_with_a_later_custom_loss_is_refused():
@@ -249,3 +338,143 @@ def test_with_tunix_page_example_runs():
   ranks = {row.path: len(row.shape) for row in report.rows}
   assert taco_paths == {path for path, rank in ranks.items() if rank >= 2}
   assert any('q_proj' in path for path in taco_paths)
+
+
+# What the trainer relies on in tunix, each checked with a message that says
+# what changed (docs/tunix.md lists them).
+
+
+def test_the_train_step_form_is_one_the_trainer_knows():
+  model = MODELS['qwen3']()
+  peft = peft_trainer.PeftTrainer(model, tunix_models.taco(model), _config(1))
+  api = _tunix_api.check(peft.create_train_step_fn(),
+                         _tunix_api.installed_version())
+  assert api.step_parameters in (_tunix_api.STEP_0_1_7, _tunix_api.STEP_0_1_8)
+  ours = taco_tunix.LayerwisePeftTrainer(model, tunix_models.taco(model),
+                                         _config(1))
+  # The layer-wise step takes what tunix's step takes (tunix calls it so).
+  assert (tuple(inspect.signature(ours.create_train_step_fn()).parameters)
+          == api.step_parameters)
+  assert ours.donated_arguments == (
+      ('model', 'optimizer', 'grad_accumulator') if api.accumulator
+      else ('model', 'optimizer'))
+
+
+def test_an_unknown_train_step_is_refused_naming_the_range():
+  def step(model, optimizer, inputs, rng):
+    del model, optimizer, inputs, rng
+  with pytest.raises(ValueError, match=r'supports tunix 0\.1\.7 to 0\.1\.8.*'
+                     r'\(model, optimizer, inputs, rng\)'):
+    _tunix_api.check(step, '0.2.0')
+
+
+def test_a_known_step_outside_the_range_warns(caplog):
+  def step(model, optimizer, inputs):
+    del model, optimizer, inputs
+  with caplog.at_level(logging.WARNING, logger='taco_optax'):
+    api = _tunix_api.check(step, '0.1.9')
+  assert 'outside the tested range (tunix 0.1.7 to 0.1.8)' in caplog.text
+  assert not api.accumulator
+  caplog.clear()
+  for version in ('0.1.7', '0.1.8', '0.1.8.dev0'):
+    _tunix_api.check(step, version)
+  assert not caplog.text
+
+
+def test_the_extra_names_the_supported_range():
+  import importlib.metadata  # pylint: disable=import-outside-toplevel
+  (pin,) = [r for r in importlib.metadata.requires('taco_optax')
+            if r.startswith('google-tunix')]
+  specifiers = set(pin.split(';')[0][len('google-tunix'):].replace(
+      ' ', '').split(','))
+  low, high = _tunix_api.SUPPORTED
+  assert specifiers == {f'>={low}', f'<{high[:-1]}{int(high[-1]) + 1}'}, pin
+  assert _tunix_api.in_range(_tunix_api.installed_version())
+
+
+def test_the_tunix_surface_the_trainer_uses_exists():
+  """Public names of tunix the trainer builds on; a rename fails here."""
+  from tunix.sft import utils  # pylint: disable=import-outside-toplevel
+  for name in ('create_train_step_fn', 'create_eval_step_fn',
+               'jit_train_and_eval_step', 'clear_jit_cache', 'with_loss_fn',
+               'with_gen_model_input_fn', 'train'):
+    assert callable(getattr(peft_trainer.PeftTrainer, name, None)), (
+        f'tunix PeftTrainer has no {name}: taco_optax.tunix overrides it')
+  assert callable(getattr(utils, 'is_lora_enabled', None))
+  model = MODELS['qwen3']()
+  trainer = peft_trainer.PeftTrainer(model, tunix_models.taco(model),
+                                     _config(1))
+  for name in ('model', 'optimizer', 'config', 'loss_fn',
+               'gen_model_input_fn', 'data_hooks'):
+    assert hasattr(trainer, name), f'tunix PeftTrainer has no .{name}'
+  api = _tunix_api.check(trainer.create_train_step_fn(),
+                         _tunix_api.installed_version())
+  if api.accumulator:
+    assert hasattr(trainer, 'grad_accumulator')
+    assert callable(getattr(utils, 'LossOutput', None))
+    assert callable(getattr(utils, 'WeightedMetric', None))
+
+
+def test_an_unfamiliar_layer_call_falls_back_with_its_reason(caplog):
+  class OddLayer(nnx.Module):
+
+    def __init__(self, layer):
+      self.layer = layer
+
+    def __call__(self, x, positions, mask):  # no cache argument
+      return self.layer(x, positions, None, mask)
+
+  model = MODELS['qwen3']()
+  model.layers = nnx.List([OddLayer(layer) for layer in model.layers])
+  reason = _tunix_model.unsupported(model)
+  assert 'OddLayer is called as (x, positions, mask)' in reason
+  trainer = taco_tunix.LayerwisePeftTrainer(model, tunix_models.taco(model),
+                                            _config(1))
+  with caplog.at_level(logging.WARNING, logger='taco_optax'):
+    trainer.create_train_step_fn()
+  assert 'OddLayer is called as' in caplog.text
+
+
+def test_inputs_the_default_loss_does_not_take_are_refused():
+  model = MODELS['qwen3']()
+  trainer = taco_tunix.LayerwisePeftTrainer(model, tunix_models.taco(model),
+                                            _config(1))
+  trainer.with_gen_model_input_fn(
+      lambda batch: dict(tunix_models.model_input(batch),
+                         extra=batch['input_mask']))
+  with pytest.raises(ValueError, match=r"\['extra'\], which tunix's default"):
+    trainer.train(tunix_models.batches(1))
+
+
+def test_segment_ids_reach_the_layers_as_in_the_model_call():
+  """tunix 0.1.8's decoders pass ``segment_ids`` to every layer (its flash
+  attention reads them; the CPU path does not), and so does the layered
+  loss: layers that read them give the model's own loss."""
+  class SegmentedLayer(nnx.Module):
+
+    def __init__(self, layer):
+      self.layer = layer
+
+    def __call__(self, x, segment_pos, cache, attn_mask, segment_ids=None):
+      if segment_ids is not None:
+        x = x + 0.1 * segment_ids[..., None].astype(x.dtype)
+      return self.layer(x, segment_pos, cache, attn_mask)
+
+  model = MODELS['qwen3']()
+  if 'segment_ids' not in inspect.signature(model).parameters:
+    pytest.skip('this tunix Qwen3 takes no segment_ids')
+  model.layers = nnx.List([SegmentedLayer(layer) for layer in model.layers])
+  inputs = tunix_models.model_input(tunix_models.batches(1)[0])
+  segments = (np.arange(16)[None] >= 8).astype(np.int32).repeat(4, 0) + 1
+  logits, _ = model(inputs['input_tokens'], inputs['positions'], None,
+                    inputs['attention_mask'], segment_ids=segments)
+  plain, _ = model(inputs['input_tokens'], inputs['positions'], None,
+                   inputs['attention_mask'])
+  assert not np.allclose(logits, plain)  # the layers read them
+  layered = _tunix_model.layered(model)
+  params = nnx.as_pure(nnx.state(model, nnx.Param))
+  ours = layered.loss(layered.relayout.forward(params),
+                      dict(inputs, segment_ids=segments))
+  expected = _tunix_model.next_token_loss(
+      logits[:, :-1].reshape(-1, logits.shape[-1]), inputs)
+  np.testing.assert_allclose(ours, expected, rtol=2e-6)

@@ -7,8 +7,8 @@ an optional framework are imported by their public module only, after that
 framework (:data:`OPTIONAL_MODULES`): ``nnx_routes`` (Flax NNX; by
 :mod:`taco_optax.nnx`), ``linen_routes`` (Flax Linen; by
 :mod:`taco_optax.linen`), ``equinox_routes`` (Equinox; by
-:mod:`taco_optax.equinox`) and ``tunix_model`` (tunix; by
-:mod:`taco_optax.tunix`).
+:mod:`taco_optax.equinox`), and ``tunix_model`` and ``tunix_api`` (tunix;
+by :mod:`taco_optax.tunix`).
 """
 
 from taco_optax._src.integrations.einsum import AmbiguousEinsum
@@ -19,7 +19,7 @@ from taco_optax._src.integrations.relayout import Relayout
 
 # Modules of this package that import an optional framework at their top:
 # imported directly by the public module of that framework, never from here.
-OPTIONAL_MODULES = ('nnx_routes', 'tunix_model', 'linen_routes',
+OPTIONAL_MODULES = ('nnx_routes', 'tunix_model', 'tunix_api', 'linen_routes',
                     'equinox_routes')
 
 __all__ = (

@@ -11,6 +11,7 @@ log-likelihood over ``input_mask``), so the loss equals
 the model's parameter ``State`` and the step's ``(outer, layers)`` pair.
 """
 
+import inspect
 from typing import Any, NamedTuple, Optional
 
 from flax import nnx
@@ -21,6 +22,11 @@ from taco_optax._src import layerwise
 from taco_optax._src.integrations import relayout as relayout_lib
 
 TABLE = 'input_embedding'
+# A batch key the layer-wise trainer adds: the denominator of each
+# micro-batch's summed loss (token-weighted accumulation).
+DENOMINATOR = 'taco_loss_denominator'
+# How tunix's decoders call a layer (tunix 0.1.7 and 0.1.8).
+LAYER_PARAMETERS = ('x', 'segment_pos', 'cache', 'attn_mask')
 
 
 def unsupported(model: Any) -> Optional[str]:
@@ -34,10 +40,35 @@ def unsupported(model: Any) -> Optional[str]:
             f'`{TABLE}`')
   if not hasattr(model.layers, '__len__'):
     return f'{type(model).__name__}.layers is not a list of layers'
+  for layer in model.layers:
+    reason = _unfamiliar_call(layer)
+    if reason is not None:
+      return reason
   vision = getattr(getattr(model, 'config', None), 'vision_config', None)
   if vision is not None:
     return f'{type(model).__name__} has a vision encoder'
   return None
+
+
+def _unfamiliar_call(layer: Any) -> Optional[str]:
+  """Why ``layer`` is not called as tunix's decoders call theirs, or None."""
+  try:
+    parameters = list(inspect.signature(layer).parameters.values())
+  except (TypeError, ValueError):
+    return f'{type(layer).__name__} has no inspectable call'
+  positional = [p.name for p in parameters
+                if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+  required = [p.name for p in parameters[len(LAYER_PARAMETERS):]
+              if p.default is p.empty
+              and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+  if len(positional) < len(LAYER_PARAMETERS) or required:
+    return (f'{type(layer).__name__} is called as ({", ".join(positional)}), '
+            f'not as tunix\'s decoder layers ({", ".join(LAYER_PARAMETERS)})')
+  return None
+
+
+def _takes_segment_ids(layer: Any) -> bool:
+  return 'segment_ids' in inspect.signature(layer).parameters
 
 
 @jax.tree_util.register_pytree_node_class
@@ -92,7 +123,10 @@ def next_token_loss(logits: jax.Array, batch: dict[str, Any]) -> jax.Array:
   mask = batch['input_mask'][:, 1:].reshape(-1).astype(jnp.float32)
   log_probs = jax.nn.log_softmax(logits.astype(jnp.float32))
   picked = jnp.take_along_axis(log_probs, targets[:, None], axis=-1)[:, 0]
-  return -jnp.sum(picked * mask) / (jnp.sum(mask) + 1e-8)
+  denominator = batch.get(DENOMINATOR)
+  if denominator is None:
+    denominator = jnp.sum(mask) + 1e-8
+  return -jnp.sum(picked * mask) / denominator
 
 
 def layered(model: Any) -> Layered:
@@ -142,11 +176,16 @@ def layered(model: Any) -> Layered:
       logits = head(states[None])[0]
     return logits.astype(jnp.float32)
 
+  segment_ids = [_takes_segment_ids(layer) for layer in model.layers]
+
   def layer(params, hidden, batch):
     graphdef, rest = layer_defs[params.index]
     module = _module(graphdef, rest, params.params)
+    # As the model's own call: segment ids (tunix 0.1.8) when there are any.
+    extra = ({'segment_ids': batch['segment_ids']}
+             if segment_ids[params.index] and 'segment_ids' in batch else {})
     _, hidden = module(hidden, batch['positions'], None,
-                       batch['attention_mask'])
+                       batch['attention_mask'], **extra)
     return hidden
 
   head = layerwise.TableProjection(
