@@ -135,36 +135,36 @@ class LayerwisePeftTrainer(peft_trainer.PeftTrainer):
       raise ValueError("micro_batch_weights must be 'tokens', 'equal' or "
                        f'None; got {micro_batch_weights!r}.')
     steps = training_config.gradient_accumulation_steps
-    self._fused_steps = None
+    self._taco_fused_steps = None
     if (steps not in (None, 1) and _packing(training_config) is None
         and _fusable(model)):
-      self._fused_steps = steps
+      self._taco_fused_steps = steps
       training_config = dataclasses.replace(training_config,
                                             gradient_accumulation_steps=None)
     super().__init__(model, optimizer, training_config, *args, **kwargs)
-    self._tunix = tunix_api.check(super().create_train_step_fn(),
+    self._taco_tunix = tunix_api.check(super().create_train_step_fn(),
                                   tunix_api.installed_version())
-    self._default_loss = self.loss_fn
-    self._micro_batch_weights = micro_batch_weights or (
-        'tokens' if self._tunix.token_weighted else 'equal')
-    self._layerwise_steps = None
+    self._taco_default_loss = self.loss_fn
+    self._taco_micro_batch_weights = micro_batch_weights or (
+        'tokens' if self._taco_tunix.token_weighted else 'equal')
+    self._taco_jitted = None
 
   @property
   def fused_accumulation_steps(self) -> Optional[int]:
     """``A`` when gradient accumulation runs inside the layer-wise step."""
-    return self._fused_steps
+    return self._taco_fused_steps
 
   @property
   def donated_arguments(self) -> tuple[str, ...]:
     """The layer-wise train step's donated arguments."""
     return ('model', 'optimizer') + (
-        ('grad_accumulator',) if self._tunix.accumulator else ())
+        ('grad_accumulator',) if self._taco_tunix.accumulator else ())
 
   def fallback_reason(self) -> Optional[str]:
     """Why this trainer runs ``PeftTrainer``'s step, or ``None``."""
     if utils.is_lora_enabled(self.model):
       return 'the model has LoRA parameters'
-    if self.loss_fn is not self._default_loss:
+    if self.loss_fn is not self._taco_default_loss:
       return 'a custom loss was set with with_loss_fn'
     if _packing(self.config) is not None:
       return ('sequence packing (max_seq_token_per_tpu) sets the update '
@@ -173,10 +173,10 @@ class LayerwisePeftTrainer(peft_trainer.PeftTrainer):
 
   def create_train_step_fn(self):
     reason = self.fallback_reason()
-    if reason is not None and self._fused_steps:
+    if reason is not None and self._taco_fused_steps:
       raise ValueError(
           f'LayerwisePeftTrainer: {reason}, which needs PeftTrainer\'s step, '
-          f'but gradient_accumulation_steps={self._fused_steps} was fused '
+          f'but gradient_accumulation_steps={self._taco_fused_steps} was fused '
           'into the layer-wise step when the trainer was built; use '
           'PeftTrainer for this loss.')
     if reason is not None:
@@ -184,49 +184,49 @@ class LayerwisePeftTrainer(peft_trainer.PeftTrainer):
           'LayerwisePeftTrainer: %s; running PeftTrainer\'s train step '
           '(correct, with dense gradients).', reason)
       return super().create_train_step_fn()
-    if self._tunix.accumulator:
-      return self._layerwise_step_with_accumulator
-    return self._layerwise_step
+    if self._taco_tunix.accumulator:
+      return self._taco_step_with_accumulator
+    return self._taco_step
 
   def clear_jit_cache(self):
     super().clear_jit_cache()
-    self._layerwise_steps = None
+    self._taco_jitted = None
 
   def jit_train_and_eval_step(self, skip_jit: bool = False,
                               cache_nnx_graph: bool = False):
     """As ``PeftTrainer``'s, with the model donated on the layer-wise step."""
     if skip_jit or self.fallback_reason() is not None:
       return super().jit_train_and_eval_step(skip_jit, cache_nnx_graph)
-    if self._layerwise_steps is None:
+    if self._taco_jitted is None:
       # tunix's own: shards the optimizer state for the mesh, jits the eval
       # step (its train step, jitted without the model donated, is unused).
       _, evaluate = super().jit_train_and_eval_step(skip_jit, cache_nnx_graph)
       train = nnx.jit(self.create_train_step_fn(),
                       donate_argnames=self.donated_arguments)
       bound = (self.model, self.optimizer) + (
-          (self.grad_accumulator,) if self._tunix.accumulator else ())
+          (self.grad_accumulator,) if self._taco_tunix.accumulator else ())
       bind = nnx.cached_partial if cache_nnx_graph else functools.partial
       # functools.partial outside, as tunix reads ``.func.jitted_fn``.
-      self._layerwise_steps = (functools.partial(bind(train, *bound)),
+      self._taco_jitted = (functools.partial(bind(train, *bound)),
                                evaluate)
-    return self._layerwise_steps
+    return self._taco_jitted
 
   def train(self, train_ds, eval_ds=None, skip_jit=False, **kwargs):
     """tunix's loop; with fused accumulation, over groups of batches."""
-    if self._fused_steps:
+    if self._taco_fused_steps:
       if self.data_hooks is not None:
         raise ValueError('LayerwisePeftTrainer: data hooks with fused '
                          'gradient accumulation are not supported; pass the '
                          'batches as train_ds.')
-      train_ds = _Grouped(train_ds, self._fused_steps)
+      train_ds = _Grouped(train_ds, self._taco_fused_steps)
     return super().train(train_ds, eval_ds, skip_jit, **kwargs)
 
-  def _layerwise_step(self, model, optimizer, inputs):
+  def _taco_step(self, model, optimizer, inputs):
     """tunix 0.1.7's train step: ``(loss, aux, grad_norm)``."""
-    loss, grad_norm, _ = self._layerwise(model, optimizer, inputs)
+    loss, grad_norm, _ = self._taco_run(model, optimizer, inputs)
     return loss, None, grad_norm
 
-  def _layerwise_step_with_accumulator(self, model, optimizer,
+  def _taco_step_with_accumulator(self, model, optimizer,
                                        grad_accumulator, inputs,
                                        is_update_step):
     """tunix 0.1.8's train step: ``(loss, LossOutput, grad_norm)``.
@@ -236,24 +236,24 @@ class LayerwisePeftTrainer(peft_trainer.PeftTrainer):
     and ``is_update_step`` is always true.
     """
     del grad_accumulator, is_update_step
-    loss, grad_norm, tokens = self._layerwise(model, optimizer, inputs)
+    loss, grad_norm, tokens = self._taco_run(model, optimizer, inputs)
     total = utils.WeightedMetric(loss * tokens, tokens, eps=1e-8)
     return loss, utils.LossOutput(primary_loss=total, aux_metrics={}), grad_norm
 
-  def _layerwise(self, model, optimizer, inputs):
+  def _taco_run(self, model, optimizer, inputs):
     """``(loss, grad_norm, target tokens)`` of one layer-wise step."""
-    inputs = self._model_inputs(inputs)
+    inputs = self._taco_model_inputs(inputs)
     layered = tunix_model.layered(model)
     relayout = layered.relayout
     params = nnx.as_pure(nnx.state(model, nnx.Param))
     tokens = jnp.sum(inputs['input_mask'][..., 1:]).astype(jnp.float32)
-    if self._fused_steps and self._micro_batch_weights == 'tokens':
+    if self._taco_fused_steps and self._taco_micro_batch_weights == 'tokens':
       # A S_a / N per micro-batch: their mean gradient is sum_a dS_a / N.
       inputs = dict(inputs, **{tunix_model.DENOMINATOR: jnp.full(
-          (self._fused_steps,), tokens / self._fused_steps)})
+          (self._taco_fused_steps,), tokens / self._taco_fused_steps)})
     step = layerwise.step_from_parts(
         layered.loss, pair_parts(self._taco_parts, params, relayout),
-        accumulation_steps=self._fused_steps, with_grad_norm=True)
+        accumulation_steps=self._taco_fused_steps, with_grad_norm=True)
     new_params, new_state, loss, grad_norm = step(
         relayout.forward(params),
         relayout.forward_state(nnx.as_pure(optimizer.opt_state)), inputs)
@@ -263,17 +263,17 @@ class LayerwisePeftTrainer(peft_trainer.PeftTrainer):
     optimizer.step[...] += 1
     return loss, grad_norm, tokens
 
-  def _model_inputs(self, inputs):
+  def _taco_model_inputs(self, inputs):
     """The loss's inputs, checked against the keys the default loss takes."""
-    if not self._fused_steps:
+    if not self._taco_fused_steps:
       model_inputs = self.gen_model_input_fn(inputs)
     else:
       # A group stacked on axis 1 (tunix shards axis 0, the batch).
       micro = [self.gen_model_input_fn(
           jax.tree.map(lambda x, i=i: x[:, i], inputs))
-               for i in range(self._fused_steps)]
+               for i in range(self._taco_fused_steps)]
       model_inputs = jax.tree.map(lambda *xs: jnp.stack(xs), *micro)
-    accepted = inspect.signature(self._default_loss).parameters
+    accepted = inspect.signature(self._taco_default_loss).parameters
     unknown = sorted(set(model_inputs) - set(accepted))
     if unknown:
       raise ValueError(

@@ -1,7 +1,8 @@
 """The integration tests on the newest tunix, optax, flax and jax, one table.
 
   python -m tests.upgrade_check --tunix-source PATH [--tunix-commit SHA]
-      [--layer-on .venv] [--envs DIR] [--write docs/tunix.md]
+      [--layer-on .venv] [--envs DIR] [--rows release,...]
+      [--write docs/tunix.md]
 
 Builds one virtual environment per row and runs the integration tests in it:
 
@@ -68,9 +69,15 @@ def _make_env(env: pathlib.Path, layer_on: pathlib.Path | None) -> None:
 
 
 def _install(env: pathlib.Path, packages: list[str], layered: bool) -> None:
-  flags = ['--no-deps'] if layered else []
-  _run([_python(env), '-m', 'pip', 'install', '-q', '--upgrade', *flags,
-        *packages])
+  """The row's packages; a source tree without its dependencies (tunix's
+  main asks for ``jax[tpu]``, which would pull libtpu; the release's
+  dependencies, installed first, are the same otherwise)."""
+  sources = [p for p in packages if pathlib.Path(p).exists()]
+  released = [p for p in packages if p not in sources]
+  pip = [_python(env), '-m', 'pip', 'install', '-q', '--upgrade']
+  _run(pip + (['--no-deps'] if layered else []) + released)
+  if sources:
+    _run(pip + ['--no-deps'] + sources)
 
 
 def _versions(env: pathlib.Path) -> dict[str, str]:
@@ -101,11 +108,11 @@ def _test(env: pathlib.Path, tests: tuple[str, ...],
 def _rows(args) -> list[tuple[str, list[str], tuple[str, ...]]]:
   rows = [('release', list(NEWEST), TUNIX_TESTS)]
   if args.tunix_source:
-    rows.append(('tunix-source', [*NEWEST[:-1], str(args.tunix_source)],
+    rows.append(('tunix-source', [*NEWEST, str(args.tunix_source)],
                  TUNIX_TESTS))
   rows.append(('optax-floor', [*NEWEST[:-2], f'optax=={OPTAX_FLOOR}'],
                OPTAX_TESTS))
-  return rows
+  return [row for row in rows if not args.rows or row[0] in args.rows]
 
 
 def _table(results, args) -> str:
@@ -155,6 +162,8 @@ def main(argv=None) -> int:
   parser.add_argument('--envs', type=pathlib.Path,
                       default=pathlib.Path(tempfile.gettempdir(),
                                            'taco-upgrade-check'))
+  parser.add_argument('--rows', type=lambda text: text.split(','),
+                      help='the rows to run (default: all), e.g. release')
   parser.add_argument('--write', type=pathlib.Path,
                       help='the page whose upgrade-check block to replace')
   args = parser.parse_args(argv)
