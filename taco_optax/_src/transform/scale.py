@@ -283,12 +283,13 @@ def scale_by_taco(
     return history
 
   def init_fn(params):
-    # A boxed parameter (an nnx.Variable, as nnx.Optimizer passes) gets bare
-    # histories in its place: no Variable around a masked placeholder, and
-    # no parameter sharding metadata on the (k, n) histories.
-    leaves, treedef = jax.tree.flatten(params, is_leaf=trees.is_variable)
-    return taco_state(treedef, [init_leaf(trees.unboxed(p), plan)
-                                for p, plan in zip(leaves, plans(params))])
+    leaves, treedef = jax.tree.flatten(params)
+    state = taco_state(treedef, [init_leaf(p, plan) for p, plan in
+                                 zip(leaves, plans(params))])
+    # Boxed parameters (nnx.Variables, as nnx.Optimizer passes them) box
+    # their histories too; a masked leaf's box goes: no Variable around a
+    # placeholder (trees.box_structure says why).
+    return trees.without_masked_boxes(state)
 
   def update_fn(updates, state, params=None):
     leaves, treedef = jax.tree.flatten(updates)

@@ -45,6 +45,10 @@ def box_structure(params: Any) -> Any:
   return jax.tree.structure(params, is_leaf=is_variable)
 
 
-def unboxed(x: Any) -> Any:
-  """The array an :func:`is_variable` box holds, or ``x`` itself."""
-  return x.get_value() if is_variable(x) else x
+def without_masked_boxes(tree: Any) -> Any:
+  """``tree`` with each :func:`is_variable` box that holds a placeholder
+  replaced by the placeholder (the box has no array to give a ``dtype``)."""
+  return jax.tree.map(
+      lambda x: (optax.MaskedNode() if is_variable(x)
+                 and is_masked(x.get_value()) else x),
+      tree, is_leaf=is_variable)
