@@ -3,7 +3,9 @@
 Reads each run directory's ``results.json`` (as ``python -m examples.finetune``
 writes it), prints one table (optimizer, learning rate, steps, the task metric
 before and after, optimizer state, compiled and process peak memory, tokens/s,
-wall time, parameters and how 16-bit updates landed: ``--rounding``) and
+wall time, parameters and how 16-bit updates landed: ``--rounding``), then,
+for runs that differ only in ``--seed``, the metric's mean and standard error
+per setting and the difference between two optimizers (``seeds``), and
 writes a PNG of the training loss and the held-out metric against the step.
 The PNG needs matplotlib (``pip install -e ".[bench]"``); without it the
 table is still printed. Paths that hold no ``results.json``
@@ -15,6 +17,8 @@ import json
 import os
 import sys
 from typing import Optional, Sequence
+
+from examples.finetune import seeds
 
 _MIB = 1024 ** 2
 
@@ -112,6 +116,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print('error: no run directory with a results.json', file=sys.stderr)
     return 2
   print(table(runs))
+  over_seeds = seeds.table(runs)
+  if over_seeds is not None:
+    print(f'\nover seeds\n{over_seeds}')
   png = args.plot or os.path.join(
       os.path.dirname(os.path.normpath(runs[0][0])), 'compare.png')
   try:
