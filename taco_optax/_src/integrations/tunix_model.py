@@ -6,8 +6,8 @@ shape: ``embedder.encode(tokens)``, a Python list of ``layers`` each called as
 then ``embedder.decode`` (tied) or an ``lm_head``. :func:`layered` splits a
 live model into a :class:`~taco_optax.layerwise.LayeredLoss` built from the
 model's own submodules, with tunix's default SFT loss (next-token negative
-log-likelihood over ``input_mask``), so the loss equals
-``peft_trainer._default_loss_fn`` (tested), and a :class:`Relayout` between
+log-likelihood over ``input_mask``), so the loss equals the default
+``loss_fn`` of tunix's ``PeftTrainer`` (tested), and a :class:`Relayout` between
 the model's parameter ``State`` and the step's ``(outer, layers)`` pair.
 """
 
