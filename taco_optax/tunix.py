@@ -143,7 +143,7 @@ class LayerwisePeftTrainer(peft_trainer.PeftTrainer):
                                             gradient_accumulation_steps=None)
     super().__init__(model, optimizer, training_config, *args, **kwargs)
     self._taco_tunix = tunix_api.check(super().create_train_step_fn(),
-                                  tunix_api.installed_version())
+                                       tunix_api.installed_version())
     self._taco_default_loss = self.loss_fn
     self._taco_micro_batch_weights = micro_batch_weights or (
         'tokens' if self._taco_tunix.token_weighted else 'equal')
