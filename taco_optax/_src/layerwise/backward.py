@@ -38,8 +38,16 @@ def forward(run_layer: Callable[[Any, Any], Any], hidden: Any, layers: Any,
   if scan_layers:
     return jax.lax.scan(lambda h, p: (run_layer(p, h), h), hidden, layers)
   layer_inputs = []
+  previous = hidden
   for layer_params in layers:
     layer_inputs.append(hidden)
+    # A weight split over a mesh is gathered whole for its use, and XLA
+    # issues every gather as early as it can, which keeps every layer's
+    # whole weights alive through the forward. Reading the shards after the
+    # previous layer's input lets one layer's gather run ahead (the one in
+    # use and the next), no more.
+    layer_params = ordering.ordered_after_if_sharded(layer_params, previous)
+    previous = hidden
     hidden = run_layer(layer_params, hidden)
   return hidden, layer_inputs
 
@@ -81,9 +89,16 @@ def unrolled(layer_backward: LayerBackward, layers: list[Any],
     # side by side), at the cost of one layer's recomputation more alive
     # (docs/performance.md).
     layer_input = ordering.ordered_after(layer_inputs[l], previous_d_hidden)
+    # A weight split over a mesh is gathered whole for its use; the same
+    # gather in the forward and here would be merged by XLA, keeping every
+    # layer's whole weights alive from the forward to here. Reading the
+    # shards after a cotangent makes this gather its own.
+    layer_params = ordering.ordered_after_if_sharded(layers[l],
+                                                     previous_d_hidden)
     previous_d_hidden = d_hidden
-    layer_grads, d_hidden = layer_backward(layers[l], layer_input, d_hidden)
-    first = None
+    layer_grads, d_hidden = layer_backward(layer_params, layer_input,
+                                           d_hidden)
+    written = []
     for leaf, param, grad in zip(layer_leaves(step, layers, l),
                                  jax.tree.leaves(layers[l]),
                                  jax.tree.leaves(layer_grads)):
@@ -92,11 +107,17 @@ def unrolled(layer_backward: LayerBackward, layers: list[Any],
         continue
       result = step.update(leaf, param, grad, after=d_hidden)
       updated = leaves_lib.merged(updated, {leaf.key: result})
-      first = result.param if first is None else first
+      written.append(result.param)
     # The next layer's backward waits for this layer's update, so XLA cannot
-    # postpone the updates (keeping every gradient alive) to the end.
-    if first is not None:
-      d_hidden = ordering.ordered_after(d_hidden, first)
+    # postpone the updates (keeping every gradient alive) to the end. On a
+    # mesh it waits for every update of the layer: XLA otherwise combines the
+    # gradients' reductions of every layer into one at the end, keeping them
+    # all alive (on one device waiting for one is enough, and waiting for
+    # all made XLA:CPU keep more: docs/mesh_memory.md).
+    if any(kernels.explicit_sharding(p) is not None for p in written):
+      d_hidden = ordering.ordered_after_all(d_hidden, written)
+    elif written:
+      d_hidden = ordering.ordered_after(d_hidden, written[0])
   return d_hidden, updated, grads
 
 

@@ -33,3 +33,22 @@ def data_dependency(values: jax.Array, after: Any) -> jax.Array:
 def ordered_after(tree: Any, after: Any) -> Any:
   """Every leaf of ``tree`` made to depend on ``after``."""
   return jax.tree.map(lambda x: data_dependency(x, after), tree)
+
+
+def ordered_after_if_sharded(tree: Any, after: Any) -> Any:
+  """:func:`ordered_after` for the leaves split over explicit mesh axes
+  (whose uses gather them whole); the other leaves are returned as they
+  are, so no copy of an unsharded weight is made."""
+  return jax.tree.map(
+      lambda x: x if kernels.explicit_sharding(x) is None
+      else data_dependency(x, after), tree)
+
+
+def ordered_after_all(tree: Any, afters: list[Any]) -> Any:
+  """:func:`ordered_after` every array of ``afters`` (one scalar edge made
+  of each one's first element), not only the first."""
+  total = jnp.zeros((), jnp.float32)
+  for x in jax.tree.leaves(afters):
+    first = kernels.first_element(x).astype(jnp.float32)
+    total = total + jnp.where(jnp.isfinite(first), first, 0)
+  return ordered_after(tree, total)
