@@ -12,15 +12,22 @@ size for scale. Nothing is trained.
   XLA_FLAGS=--xla_force_host_platform_device_count=8 \\
     python -m benchmarks.mesh_memory --mesh data=2,fsdp=2,tensor=2
 
+  # every mesh of benchmarks/mesh_sweep.py, TACO on both paths and AdamW,
+  # with the buffers alive at each peak (XLA's dump), as Markdown:
+  python -m benchmarks.mesh_memory --sweep --write docs/mesh_memory.md
+
 Further words are the example's flags (``--batch-size``, ``--seq-len``, ...).
 """
 
 import collections
+import json
 import math
+import os
 import re
 import sys
 import tempfile
 
+from benchmarks import peak_buffers
 from benchmarks import provenance
 from examples.finetune import api
 
@@ -55,28 +62,59 @@ def large_buffers(hlo_text: str, at_least: int) -> collections.Counter:
   return found
 
 
-def main(argv) -> None:
+def _peak(memory) -> int:
+  return (memory.argument_size_in_bytes + memory.output_size_in_bytes
+          - memory.alias_size_in_bytes + memory.temp_size_in_bytes)
+
+
+def measure(argv) -> dict:
+  """The compiled step's per-device figures for the example's flags
+  ``argv`` (and, when XLA dumped it, its peak's buffers)."""
   with tempfile.TemporaryDirectory() as output_dir:
     compiled, prepared, mesh = api.compile_first_step(
         ['--eval-size', '8', '--no-progress', '--no-checkpoint',
          '--output-dir', output_dir] + list(argv))
   memory = compiled.memory_analysis()
-  mib = lambda n: f'{n / 2**20:.1f} MiB'
-  peak = (memory.argument_size_in_bytes + memory.output_size_in_bytes
-          - memory.alias_size_in_bytes + memory.temp_size_in_bytes)
   table = prepared.model.embed.embedding[...]
-  shards = math.prod(mesh.shape.values()) if mesh else 1
+  return dict(
+      mesh=dict(mesh.shape) if mesh else None,
+      devices=math.prod(mesh.shape.values()) if mesh else 1,
+      arguments=memory.argument_size_in_bytes,
+      outputs=memory.output_size_in_bytes,
+      aliased=memory.alias_size_in_bytes,
+      temporaries=memory.temp_size_in_bytes, peak=_peak(memory),
+      table_bytes=table.nbytes, table=f'{table.dtype}{list(table.shape)}',
+      hlo=compiled.as_text())
+
+
+def main(argv) -> None:
+  if argv[:1] == ['--sweep']:
+    from benchmarks import mesh_sweep
+    mesh_sweep.main(argv[1:])
+    return
+  if argv[:1] == ['--json']:  # one run of the sweep, in its own process
+    figures = measure(argv[1:])
+    dump = os.environ.get('TACO_MESH_MEMORY_DUMP')
+    breakdown = dump and peak_buffers.peak_breakdown(dump)
+    figures['breakdown'] = breakdown and peak_buffers.grouped(breakdown, 10)
+    figures['xla_peak'] = breakdown and breakdown.peak_bytes
+    del figures['hlo']
+    print('JSON ' + json.dumps(figures))
+    return
+  figures = measure(argv)
+  mib = lambda n: f'{n / 2**20:.1f} MiB'
+  shards = figures['devices']
   print(provenance.stamp())
-  print(f'mesh {dict(mesh.shape) if mesh else None}; per device: arguments '
-        f'{mib(memory.argument_size_in_bytes)}, outputs '
-        f'{mib(memory.output_size_in_bytes)}, aliased '
-        f'{mib(memory.alias_size_in_bytes)}, temporaries '
-        f'{mib(memory.temp_size_in_bytes)}; peak {mib(peak)} '
-        f'(x {shards} devices = {mib(peak * shards)})')
-  print(f'token table {table.dtype}{list(table.shape)} = {mib(table.nbytes)}; '
+  print(f'mesh {figures["mesh"]}; per device: arguments '
+        f'{mib(figures["arguments"])}, outputs '
+        f'{mib(figures["outputs"])}, aliased '
+        f'{mib(figures["aliased"])}, temporaries '
+        f'{mib(figures["temporaries"])}; peak {mib(figures["peak"])} '
+        f'(x {shards} devices = {mib(figures["peak"] * shards)})')
+  print(f'token table {figures["table"]} = {mib(figures["table_bytes"])}; '
         'buffers of at least a quarter of it, per device:')
   for (_, shape, op, where), count in sorted(
-      large_buffers(compiled.as_text(), table.nbytes // 4).items(),
+      large_buffers(figures['hlo'], figures['table_bytes'] // 4).items(),
       key=lambda item: (-item[0][0], item[0][1:])):
     print(f'  {count:3d} x {shape:<22} {op:<18} {where}')
 

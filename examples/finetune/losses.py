@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 
 from examples.finetune import data as data_lib
+from examples.finetune.model import vocab_parallel
 
 
 def next_token_log_probs(model, input_ids, attention_mask):
@@ -66,7 +67,11 @@ def completion_nll(logits, batch: data_lib.Batch):
   """
   rows = logits.shape[:-1]
   mask = batch.loss_mask[:, 1:].reshape(rows)
-  log_probs = _token_log_probs(logits, batch.input_ids[:, 1:].reshape(rows))
+  targets = batch.input_ids[:, 1:].reshape(rows)
+  if vocab_parallel.is_vocab_split(logits):  # on a mesh: the vocabulary's
+    log_probs = vocab_parallel.token_log_probs(logits, targets)  # slices
+  else:
+    log_probs = _token_log_probs(logits, targets)
   tokens = (jnp.maximum(mask.sum(), 1.0) if batch.loss_tokens is None
             else batch.loss_tokens)
   return -(log_probs * mask).sum() / tokens
@@ -107,7 +112,10 @@ def scored_states(hidden, batch):
 def logits_loss(logits, batch):
   """The loss of a batch from the logits of its :func:`scored_states`."""
   if isinstance(batch, data_lib.ChoiceBatch):
-    scores = jnp.take_along_axis(logits, batch.candidate_ids, axis=-1)
+    if vocab_parallel.is_vocab_split(logits):
+      scores = vocab_parallel.pick(logits, batch.candidate_ids)
+    else:
+      scores = jnp.take_along_axis(logits, batch.candidate_ids, axis=-1)
     return candidate_nll(scores, batch.labels)
   return completion_nll(logits, batch)
 
@@ -127,4 +135,5 @@ def batch_loss(hidden, project, batch):
 def completion_loss(model, batch):
   """The training loss of ``model`` on ``batch`` (see :func:`batch_loss`)."""
   return batch_loss(model.hidden_states(batch.input_ids, batch.attention_mask),
-                    model.project, batch)
+                    lambda states: model.project(states, vocab_split=True),
+                    batch)

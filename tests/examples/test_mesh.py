@@ -75,7 +75,7 @@ def test_loaded_model_and_batch_are_split_over_the_mesh(workspace):
     block = specs['layers'][0]
     assert block['attn']['q']['kernel'] == P('fsdp', 'tensor')
     assert block['mlp']['down']['kernel'] == P('tensor', 'fsdp')
-    assert specs['embed']['embedding'] == P('tensor', 'fsdp')
+    assert specs['embed']['embedding'] == P(('fsdp', 'tensor'), None)
     assert specs['final_norm']['scale'] == P()
     batch = sharding.shard_batch(
         data_lib.Batch(np.zeros((4, 8), np.int32), np.ones((4, 8), bool),
@@ -93,7 +93,8 @@ def test_a_tied_embedding_is_split_like_any_embedding(tied_model):
   with jax.set_mesh(sharding.make_mesh(MESH)):
     model, _, config = loading.load_pretrained(tied_model, dtype=jnp.float32)
     assert config.tie_word_embeddings and not hasattr(model, 'lm_head')
-    assert model.embed.embedding[...].sharding.spec == P('tensor', 'fsdp')
+    assert model.embed.embedding[...].sharding.spec == P(('fsdp', 'tensor'),
+                                                         None)
 
 
 def _run(workspace, name, *extra):

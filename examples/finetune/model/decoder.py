@@ -18,6 +18,7 @@ from flax import nnx
 import taco_optax
 from examples.finetune.model import config as config_lib
 from examples.finetune.model import layers
+from examples.finetune.model import vocab_parallel
 
 REMAT_POLICIES = ('nothing_saveable', 'dots_saveable',
                   'dots_with_no_batch_dims_saveable', 'everything_saveable')
@@ -140,11 +141,13 @@ class DecoderLM(nnx.Module):
     return self.final_norm(x)
 
   def project(self, hidden: jax.Array,
-              token_ids: Optional[jax.Array] = None) -> jax.Array:
+              token_ids: Optional[jax.Array] = None,
+              vocab_split: bool = False) -> jax.Array:
     """float32 logits of ``hidden`` (``[..., hidden]``) over the vocabulary,
     or over ``token_ids`` only (``[..., C]``, same leading shape: ``C``
-    tokens per row)."""
-    return project(hidden, self._output_matrix(), self.dtype, token_ids)
+    tokens per row); ``vocab_split``: see :func:`project`."""
+    return project(hidden, self._output_matrix(), self.dtype, token_ids,
+                   vocab_split)
 
   def _output_matrix(self) -> jax.Array:
     """``[vocab, hidden]``: the tied embedding or the head's kernel."""
@@ -256,20 +259,28 @@ def taco_update_scale(params_state: Any) -> Any:
 
 
 def project(hidden: jax.Array, table: jax.Array, dtype,
-            token_ids: Optional[jax.Array] = None) -> jax.Array:
+            token_ids: Optional[jax.Array] = None,
+            vocab_split: bool = False) -> jax.Array:
   """float32 logits ``hidden . table[v]`` for every ``v`` of the vocabulary,
   or for ``token_ids`` (``[..., C]``) only.
 
   On a mesh with ``Explicit`` axes (``--mesh``) XLA partitions the projection
   (:func:`layers.by_xla`): the logits come out split like ``hidden`` along
-  the batch axis, whole elsewhere.
+  the batch axis, whole elsewhere. With ``vocab_split`` and a table split
+  over the vocabulary they come out split over it instead, and the table is
+  not gathered (``vocab_parallel.project``; the training losses read such
+  logits).
 
   Args:
     hidden: ``[..., hidden]`` states.
     table: ``[vocab, hidden]`` output embedding.
     dtype: computation dtype of the model.
     token_ids: optional ``int32[..., C]`` tokens to score per row.
+    vocab_split: logits split over the vocabulary where the table is.
   """
+  if (vocab_split and token_ids is None and layers.explicit_mesh()
+      and vocab_parallel.vocab_split_axes(table)):
+    return vocab_parallel.project(hidden, table, dtype)
   def logits(hidden, table, token_ids):
     table = table.astype(dtype)
     if token_ids is None:

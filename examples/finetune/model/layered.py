@@ -98,7 +98,7 @@ def layered_model(model) -> LayeredModel:
       table=('embed', 'embedding') if tied else ('lm_head', 'kernel'),
       features=features, loss=losses_lib.logits_loss,
       project=lambda states, table: decoder_lib.project(
-          states, table if tied else table.T, model.dtype),
+          states, table if tied else table.T, model.dtype, vocab_split=True),
       table_axis=1 if tied else 0)
   embed = taco_optax.layerwise.TableLookup(table=('embed', 'embedding'),
                                  ids=lambda batch: batch.input_ids,

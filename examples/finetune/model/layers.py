@@ -16,6 +16,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from examples.finetune.model import config as config_lib
+from examples.finetune.model import vocab_parallel
 
 # Added to masked attention logits; finite so that a query with no visible
 # key (a left-padded row) gives a uniform average instead of NaN.
@@ -154,10 +155,9 @@ def partitioned_by_xla(call: Callable) -> Callable:
 class Embed(nnx.Embed):
   """:class:`nnx.Embed` that also runs on an explicit mesh.
 
-  There the table is gathered whole (as FSDP gathers a weight before use) and
-  the looked-up rows come out split like the token ids; XLA's own
-  partitioning of a lookup into a table split over the vocabulary replicates
-  the result.
+  A table split over the vocabulary (``sharding.param_spec``) is looked up
+  where its rows live (``vocab_parallel.lookup``), never gathered; any other
+  is gathered whole. The looked-up rows come out split like the token ids.
   """
 
   def __call__(self, inputs: jax.Array, out_sharding=None) -> jax.Array:
@@ -165,6 +165,8 @@ class Embed(nnx.Embed):
       return super().__call__(inputs, out_sharding)
     (table,) = self.promote_dtype((self.embedding[...],), dtype=self.dtype,
                                   inexact=False)
+    if vocab_parallel.vocab_split_axes(table):
+      return vocab_parallel.lookup(table, inputs)
     spec = tuple(jax.typeof(inputs).sharding.spec)
     spec += (None,) * (inputs.ndim + 1 - len(spec))
     return jax.sharding.reshard(table, P()).at[inputs].get(

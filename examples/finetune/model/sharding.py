@@ -11,10 +11,10 @@ Parameter rule, for kernels laid out ``(in, out)``:
 * ``q``/``k``/``v``/``qkv``/``gate``/``up``/``fc1``/``lm_head``:
   ``P('fsdp', 'tensor')`` (column parallel);
 * ``o``/``down``/``fc2``: ``P('tensor', 'fsdp')`` (row parallel);
-* embedding tables ``(vocab, d)``: ``P('tensor', 'fsdp')``, a token
-  embedding tied to the output head too (the output projection,
-  ``decoder.project``, is partitioned by XLA and gives logits split only
-  along the batch);
+* token tables ``(vocab, d)``, tied or not, and an untied ``lm_head``
+  kernel ``(d, vocab)``: the vocabulary over ``fsdp`` x ``tensor``, ``d``
+  whole (``vocab_parallel``: the lookup, the logits and the loss never
+  gather the table; a vocabulary those axes do not divide is refused);
 * norm scales and biases: replicated.
 
 A leading scanned-layer axis is never split, and an axis that its mesh axes do
@@ -30,11 +30,12 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from examples.finetune.model import vocab_parallel
+
 AXES = ('data', 'fsdp', 'tensor')
 BATCH_AXES = ('data', 'fsdp')
 
-_COLUMN_PARALLEL = frozenset({'q', 'k', 'v', 'qkv', 'gate', 'up', 'fc1',
-                              'lm_head'})
+_COLUMN_PARALLEL = frozenset({'q', 'k', 'v', 'qkv', 'gate', 'up', 'fc1'})
 _ROW_PARALLEL = frozenset({'o', 'down', 'fc2'})
 
 
@@ -107,12 +108,23 @@ def param_spec(names: tuple[str, ...], shape: tuple[int, ...],
     shape: its shape.
     mesh_shape: mesh axis name to size.
     tied_embedding: the token embedding is also the output head. Kept for
-      callers; a tied table is split like any embedding, since the output
-      projection (``decoder.project``) is partitioned by XLA and its logits
-      come out whole along the vocabulary.
+      callers; a tied table is split like any token table.
+
+  Raises:
+    MeshError: if a token table's vocabulary is not divisible by the mesh's
+      ``fsdp`` x ``tensor`` devices.
   """
   del tied_embedding
   module = names[-2] if len(names) >= 2 else ''
+  vocab_axis = {'embedding': 0}.get(names[-1], 1 if (
+      names[-1] == 'kernel' and module == 'lm_head') else None)
+  if vocab_axis is not None and (names[-1] != 'embedding'
+                                 or module == 'embed'):
+    try:
+      spec = vocab_parallel.table_spec(shape, vocab_axis, mesh_shape)
+    except ValueError as error:
+      raise MeshError(f'{"/".join(names)}: {error}') from None
+    return P() if spec is None else spec
   if names[-1] == 'embedding':
     trailing = ('tensor', 'fsdp')
   elif names[-1] == 'kernel' and module in _COLUMN_PARALLEL:

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 
 from taco_optax._src import kernels
 from taco_optax._src.layerwise import column_blocks
+from taco_optax._src.layerwise import sharded_table
 from taco_optax._src.layerwise import token_table
 from taco_optax._src.layerwise import winners as winners_lib
 from taco_optax._src.layerwise.winners import WinnerWrite
@@ -56,13 +57,17 @@ def taco_leaf_update(param: jax.Array, grad: Any,
   sharded = kernels.leaf_sharding_of(param, write.plan.axes(param.shape))
   if sharded is None:
     return _local_update(param, grad, history, write)
-  if isinstance(grad, token_table.TableGradient):
-    grad = grad.dense()
-  square_sum = _measured(grad, write)
-  write = write._replace(measure=False)
   if write.after is not None:  # the one element data_dependency reads
     write = write._replace(
         after=kernels.first_element(jax.tree.leaves(write.after)[0]))
+  if isinstance(grad, token_table.TableGradient):
+    chunk = sharded_table.chunk_of(param, grad, write, *sharded)
+    if chunk is not None:  # each device forms its rows, a block at a time
+      return LeafUpdate(*sharded_table.update(param, grad, history, write,
+                                              chunk))
+    grad = grad.dense()
+  square_sum = _measured(grad, write)
+  write = write._replace(measure=False)
   # map_over_shards keeps Python values of ``write`` (the plan, the
   # transformation's functions) constants; its arrays enter replicated.
   return LeafUpdate(*kernels.map_over_shards(
