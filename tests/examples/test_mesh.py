@@ -38,16 +38,25 @@ _MESH_SHAPE = {'data': 2, 'fsdp': 2, 'tensor': 2}
      P(None, 'tensor', 'fsdp')),  # scanned: the layer axis stays whole
     (('layers', 'attn', 'qkv', 'kernel'), (4, 32, 3, 64), False,
      P(None, 'fsdp', None, 'tensor')),
-    (('lm_head', 'kernel'), (32, 258), False, P('fsdp', 'tensor')),
-    (('lm_head', 'kernel'), (32, 257), False, P('fsdp', None)),  # odd vocab
-    (('embed', 'embedding'), (258, 32), False, P('tensor', 'fsdp')),
-    (('embed', 'embedding'), (258, 32), True, P('tensor', 'fsdp')),  # tied
+    # Token tables: the vocabulary over fsdp x tensor, d whole.
+    (('lm_head', 'kernel'), (32, 260), False, P(None, ('fsdp', 'tensor'))),
+    (('embed', 'embedding'), (260, 32), False, P(('fsdp', 'tensor'), None)),
+    (('embed', 'embedding'), (260, 32), True, P(('fsdp', 'tensor'), None)),
     (('positions', 'embedding'), (130, 32), True, P('tensor', 'fsdp')),
     (('final_norm', 'scale'), (32,), False, P()),
     (('layers', '1', 'attn', 'q', 'bias'), (64,), False, P()),
 ])
 def test_parameter_sharding_rule(names, shape, tied, spec):
   assert sharding.param_spec(names, shape, _MESH_SHAPE, tied) == spec
+
+
+@pytest.mark.parametrize('names, shape', [
+    (('lm_head', 'kernel'), (32, 258)), (('embed', 'embedding'), (257, 32))])
+def test_a_vocabulary_the_mesh_does_not_divide_is_refused(names, shape):
+  with pytest.raises(sharding.MeshError, match='not divisible by the 4 '
+                     'devices of mesh axes fsdpxtensor') as error:
+    sharding.param_spec(names, shape, _MESH_SHAPE)
+  assert len(str(error.value).splitlines()) == 1
 
 
 @pytest.mark.parametrize('mesh, message', [
