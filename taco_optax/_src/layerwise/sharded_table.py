@@ -15,7 +15,7 @@ independent, the finiteness of the whole gradient decides (as the optax path
 does) whether the weights become NaN and whether the history is kept.
 """
 
-from typing import Optional
+from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -52,10 +52,11 @@ def chunk_of(param: jax.Array, grad: token_table.TableGradient, write,
 
 def update(param: jax.Array, grad: token_table.TableGradient,
            history: kernels.History, write: winners_lib.WinnerWrite,
-           chunk: int):
+           chunk: int, local_update: Callable):
   """``(param, history, square_sum)``: the table's update, ``chunk``
   columns at a time (``square_sum``: the gradient's float32 ``sum(g**2)``
-  with ``write.measure``, else None)."""
+  with ``write.measure``, else None). ``local_update(param, grad, history,
+  write=...)`` updates one device's shard of a block of columns."""
   axis = grad.axis
   n = param.shape[axis]
   plan = write.plan
@@ -74,9 +75,8 @@ def update(param: jax.Array, grad: token_table.TableGradient,
     block_param = jax.lax.dynamic_slice_in_dim(table, start, chunk, axis)
     mesh, shards = kernels.leaf_sharding_of(block_param,
                                             plan.axes(block_param.shape))
-    from taco_optax._src.layerwise import weight_update  # a cycle otherwise
     block_param, block_history = kernels.map_over_shards(
-        weight_update.local_leaf_update, mesh, shards,
+        local_update, mesh, shards,
         (block_param, block_grad),
         kernels.History(*map(columns, new_history)), write=block_write)
     table = jax.lax.dynamic_update_slice_in_dim(table, block_param, start,

@@ -63,8 +63,8 @@ def taco_leaf_update(param: jax.Array, grad: Any,
   if isinstance(grad, token_table.TableGradient):
     chunk = sharded_table.chunk_of(param, grad, write, *sharded)
     if chunk is not None:  # each device forms its rows, a block at a time
-      return LeafUpdate(*sharded_table.update(param, grad, history, write,
-                                              chunk))
+      return LeafUpdate(*sharded_table.update(
+          param, grad, history, write, chunk, local_leaf_update))
     grad = grad.dense()
   square_sum = _measured(grad, write)
   write = write._replace(measure=False)
