@@ -4,10 +4,18 @@
 ``accumulation_steps`` on SmolLM2-135M's shapes cut to 4 layers (scanned,
 float32, micro-batches of 4 x 64) and reads ``memory_analysis()``, which is
 deterministic for a jax version. Measured with jax 0.10.2 on CPU: weights
-169890048 bytes; peaks 246454128 (A = 1: the one-batch step), 401049896
-(A = 4), 408155432 (A = 16); MultiSteps(taco) 582639136 (any A). Before the
-head's table share was accumulated a block of columns at a time: 463588136
-and 506083112 (a dense share of the 49152 x 576 table per micro-batch).
+169890048 bytes; peaks 246454128 (A = 1: the one-batch step), 358618024
+(A = 4), 401113000 (A = 16); MultiSteps(taco) 582639136 (any A). Before the
+embedding's table share was folded in a block of columns at a time: 401049896
+and 408155432 (a dense share of the 49152 x 576 table per micro-batch); before
+the head's was: 463588136 and 506083112.
+
+Unrolled layers (the CLI's default), micro-batches of 2 x 64, A = 4: 296513232
+bytes at 2 layers, 330382192 at 4 (one batch of 8: 284463608 and 321133208);
+each layer adds its weights (14155776 bytes) and 2.3 of the whole batch's
+hidden states. Before each layer's float32 accumulator was made from its own
+cotangents, XLA formed all of them at the start of the step: 11 MB more per
+layer (433 MB more than one batch of 8 at the CLI's 30 layers).
 """
 
 import functools
@@ -18,7 +26,7 @@ import jax.numpy as jnp
 from benchmarks import accumulation
 
 MICRO, SEQ, LAYERS, WIDTH = 4, 64, 4, 576
-MEASURED_A4 = 401049896
+MEASURED_A4 = 358618024
 MARGIN = 0.02  # of the weights' bytes
 
 
@@ -54,3 +62,25 @@ def test_twelve_more_micro_batches_cost_only_their_hidden_states():
 def test_below_multisteps_taco_at_sixteen():
   _, peaks = _peaks()
   assert peaks[16, 'taco layerwise'] < peaks[16, 'MultiSteps(taco)']
+
+
+@functools.lru_cache(maxsize=None)
+def _unrolled(num_layers):
+  """``(weight bytes, peak)`` of the unrolled step at A = 4 of 2 x 64."""
+  weights, _, rows = accumulation.measure(
+      dtype=jnp.dtype(jnp.float32), micro_batch=2, seq=SEQ,
+      num_layers=num_layers, scan_layers=False, steps=(4,),
+      paths=('taco layerwise',))
+  (_, _, peak, _), = rows
+  return weights, peak
+
+
+def test_unrolled_layers_each_cost_their_weights_and_hidden_states():
+  # Per layer: its float32 weights and a few of the whole batch's (4 x 2
+  # sequences) hidden states (measured 2.3), never a gradient-sized
+  # accumulator more (11 MB more when every layer's was formed up front).
+  (weights_2, peak_2), (weights_4, peak_4) = _unrolled(2), _unrolled(4)
+  layer_weights = (weights_4 - weights_2) / 2
+  growth = (peak_4 - peak_2) / 2
+  hidden = 4 * 2 * SEQ * WIDTH * 4
+  assert growth <= layer_weights + 3 * hidden, (growth, layer_weights, hidden)

@@ -67,7 +67,7 @@ def accumulated_step(loss: LayeredLoss, parts: transform.TacoParts,
     if clip_global_norm is not None:
       norm = clipping.accumulated_norm(
           loss, params, layer_inputs, d_hidden, batches, embed_reads,
-          head_means)
+          head_means, column_block_elements)
       clip = clipping.clipper(norm, clip_global_norm)
       d_hidden = ordering.ordered_after(d_hidden, norm)
     step = leaves_lib.step_leaves(parts, params, opt_state, clip,
@@ -83,7 +83,8 @@ def accumulated_step(loss: LayeredLoss, parts: transform.TacoParts,
     d_hidden, layer_updates, layer_grads = _layers(
         loss, step, layers, layer_inputs, d_hidden, batches)
     means = accumulation.embed_means(loss.embed, outer, d_hidden, batches,
-                                     embed_reads, head_means)
+                                     embed_reads, head_means,
+                                     column_block_elements)
     grads = {key: _mean_as(means.get(key), x) for key, x in arrays.items()
              if key not in early}
     late = {key: step.update(step.leaves[key], arrays[key], grads.pop(key))

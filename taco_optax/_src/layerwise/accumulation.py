@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from taco_optax._src.layerwise import leaves as leaves_lib
+from taco_optax._src.layerwise import ordering
 from taco_optax._src.layerwise import token_table
 from taco_optax._src.layerwise.outer import refuse_table_reads
 
@@ -91,8 +92,13 @@ def layer_backward(layer: Callable[[Params, Any, Batch], Any],
       grads, d_input = layer_vjp(d_output)
       return running_mean(acc, grads, index), d_input
     count = micro_batch_count(batches)
+    # Made from this layer's cotangents: XLA otherwise forms every unrolled
+    # layer's zero accumulator (one shared broadcast, a copy per loop) at the
+    # start of the step and keeps them all alive until their layer's turn.
+    zeros = ordering.ordered_after(zeros_like_float32(layer_params),
+                                   d_outputs)
     acc, d_inputs = jax.lax.scan(
-        body, zeros_like_float32(layer_params),
+        body, zeros,
         (jnp.arange(count, dtype=jnp.int32), layer_inputs, d_outputs,
          batches))
     return cast_like(acc, layer_params), d_inputs
@@ -150,8 +156,9 @@ def head_means(head: Callable[[Params, Any, Batch], jax.Array],
       by_key = {leaves_lib.OUTER + path: g
                 for path, g in result.grads.items()}
       grads, d_hidden = [by_key[key] for key in dense.keys], result.d_hidden
-      table_acc = _table_running_mean(table_acc, result.gradient, index,
-                                      block_elements)
+      table_acc = fold_table(
+          table_acc, result.gradient,
+          lambda acc, g: acc + (g - acc) / (index + 1), block_elements)
       value = result.value
     return (running_mean(acc, grads, index), table_acc), (value, d_hidden)
   count = micro_batch_count(batches)
@@ -168,10 +175,16 @@ def head_means(head: Callable[[Params, Any, Batch], jax.Array],
   return jnp.mean(values.astype(jnp.float32)), means, d_hidden
 
 
-def _table_running_mean(acc: jax.Array, gradient, index: jax.Array,
-                        block_elements: int) -> jax.Array:
-  """:func:`running_mean` of a ``TableGradient``, a block of columns at a
-  time (the same elementwise arithmetic; no dense share is formed)."""
+def fold_table(acc: jax.Array, gradient: token_table.TableGradient,
+               fold: Callable[[jax.Array, jax.Array], jax.Array],
+               block_elements: int) -> jax.Array:
+  """``fold(acc, gradient)`` elementwise, a block of columns at a time.
+
+  A block of ``gradient``'s columns is formed from its factors only (about
+  ``block_elements`` float32 elements), folded into the same block of the
+  float32 accumulator, which is updated in place: no dense share of the
+  table's gradient is formed (e.g. :func:`running_mean`'s arithmetic).
+  """
   axis = gradient.axis
   n, m = acc.shape[axis], acc.shape[1 - axis]
   target = max(1, block_elements // m)
@@ -180,8 +193,7 @@ def _table_running_mean(acc: jax.Array, gradient, index: jax.Array,
   def body(acc, start):
     rows = gradient.columns(start, chunk)  # (chunk, m)
     block = jax.lax.dynamic_slice_in_dim(acc, start, chunk, axis)
-    block = block if axis == 0 else block.T
-    block = block + (rows - block) / (index + 1)
+    block = fold(block if axis == 0 else block.T, rows)
     block = block if axis == 0 else block.T
     return jax.lax.dynamic_update_slice_in_dim(acc, block, start, axis), None
   acc, _ = jax.lax.scan(body, acc, jnp.arange(0, n, chunk, dtype=jnp.int32))
@@ -190,32 +202,69 @@ def _table_running_mean(acc: jax.Array, gradient, index: jax.Array,
 
 def embed_means(embed: Callable[[Params, Batch], Any], outer: Params,
                 d_hidden: Any, batches: Batch, reads: frozenset[Key],
-                head_means: dict[Key, jax.Array]) -> dict[Key, jax.Array]:
+                head_means: dict[Key, jax.Array], block_elements: int
+                ) -> dict[Key, jax.Array]:
   """Each outer leaf's whole mean gradient (float32), by key; a leaf
   nothing reads has none.
 
   The embedding's mean gradient of each leaf it ``reads``, added to the
   head's (``head_means``). A leaf only the embedding reads gets MultiSteps'
   running mean; one both read (a tied table) continues in the head's
-  accumulator, ``acc + g_a / A``, so no second table-sized buffer exists.
+  accumulator, ``acc + g_a / A``, so no second table-sized buffer exists. A
+  :class:`TableLookup`'s table is folded in from each micro-batch's looked-up
+  rows a block of columns at a time (:func:`fold_table`, ``block_elements``),
+  so no dense share of its gradient is formed either.
   """
-  read = _reads(embed, outer, reads)
-  shared = [key in head_means for key in read.keys]
-  start = [head_means[key] if key in head_means
-           else jnp.zeros(x.shape, jnp.float32)
-           for key, x in zip(read.keys, read.values)]
+  table = None
+  if isinstance(embed, token_table.TableLookup):
+    table = leaves_lib.OUTER + token_table.table_path(outer, embed.table)
+    first = jax.tree.map(lambda x: x[0], batches)
+    rows = embed.gather(token_table.table_at(outer, embed.table),
+                        embed.ids(first))
+    refuse_table_reads(lambda o: embed.apply(o, rows, first), outer,
+                       embed.table, 'TableLookup.apply')
+  read = _reads(embed, outer, reads - {table})
   count = micro_batch_count(batches)
 
-  def body(acc, xs):
+  def fold(key, index):
+    if key in head_means:
+      return lambda a, g: a + g / count
+    return lambda a, g: a + (g - a) / (index + 1)
+
+  def start(key, x):
+    return (head_means[key] if key in head_means
+            else jnp.zeros(x.shape, jnp.float32))
+
+  def body(carry, xs):
+    acc, table_acc = carry
     index, d, batch = xs
-    _, embed_vjp = jax.vjp(lambda o: read.restricted(o, batch), read.values)
-    (grads,) = embed_vjp(d)
-    return [a + g / count if both else a + (g - a) / (index + 1)
-            for a, g, both in zip(acc, grads, shared)], None
-  acc, _ = jax.lax.scan(body, start,
-                        (jnp.arange(count, dtype=jnp.int32), d_hidden,
-                         batches))
-  return {**head_means, **dict(zip(read.keys, acc))}
+    if table is None:
+      _, embed_vjp = jax.vjp(lambda o: read.restricted(o, batch),
+                             read.values)
+      (grads,) = embed_vjp(d)
+    else:
+      result = token_table.lookup_backward(embed, outer, batch)(d)
+      by_key = {leaves_lib.OUTER + path: g
+                for path, g in result.grads.items()}
+      grads = [by_key[key] for key in read.keys]
+      gradient = token_table.lookup_gradient(
+          embed, token_table.table_at(outer, embed.table), result.ids,
+          result.d_rows)
+      table_acc = fold_table(table_acc, gradient, fold(table, index),
+                             block_elements)
+    return ([fold(key, index)(a, g)
+             for key, a, g in zip(read.keys, acc, grads)], table_acc), None
+  table_start = None
+  if table is not None:
+    table_start = start(table, token_table.table_at(outer, embed.table))
+  (acc, table_acc), _ = jax.lax.scan(
+      body, ([start(key, x) for key, x in zip(read.keys, read.values)],
+             table_start),
+      (jnp.arange(count, dtype=jnp.int32), d_hidden, batches))
+  means = {**head_means, **dict(zip(read.keys, acc))}
+  if table is not None:
+    means[table] = table_acc
+  return means
 
 
 def embed_forward(embed: Callable[[Params, Batch], Any], outer: Params,

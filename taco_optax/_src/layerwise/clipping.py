@@ -102,7 +102,7 @@ def clipper(norm: jax.Array, max_norm: float) -> Callable[[Any], Any]:
 
 
 def accumulated_norm(loss, params, layer_inputs, d_hidden, batches,
-                     embed_reads, head_means) -> jax.Array:
+                     embed_reads, head_means, block_elements) -> jax.Array:
   """The global norm of the mean gradient (cast as ``MultiSteps`` casts it),
   from a backward pass over the layers that updates nothing."""
   outer, layers = params
@@ -110,7 +110,8 @@ def accumulated_norm(loss, params, layer_inputs, d_hidden, batches,
       accumulation.layer_backward(loss.layer, batches), layers,
       layer_inputs, d_hidden, loss.scan_layers)
   means = accumulation.embed_means(loss.embed, outer, d_first, batches,
-                                   embed_reads, dict(head_means))
+                                   embed_reads, dict(head_means),
+                                   block_elements)
   outer_sums = {key: square_sum(None if key not in means
                                 else means[key].astype(x.dtype))
                 for key, x in leaves_lib.keyed(outer, leaves_lib.OUTER)}
