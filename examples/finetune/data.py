@@ -321,10 +321,34 @@ def micro_batches(batch: Union[Batch, 'ChoiceBatch'], count: int):
   if count < 1 or rows % count:
     raise ValueError(f'{rows} sequences do not split into {count} '
                      'micro-batches')
-  split = lambda x: x.reshape((count, rows // count) + x.shape[1:])
+  split = lambda x: _split_rows(x, count)
   if isinstance(batch, Batch):
     tokens = jnp.maximum(jnp.sum(batch.loss_mask[:, 1:]), 1.0) / count
     batch = batch._replace(loss_tokens=None)
     return jax.tree.map(split, batch)._replace(
         loss_tokens=jnp.broadcast_to(tokens, (count,)).astype(jnp.float32))
   return jax.tree.map(split, batch)
+
+
+def _split_rows(x, count: int):
+  """``x``'s rows as ``count`` micro-batches along a new leading axis.
+
+  On a mesh (explicit axes) the rows are split over the batch axes; after the
+  reshape the new leading axis would carry them, so that each micro-batch
+  sits on some devices only (and slicing one out is refused). The micro-batch
+  axis is made whole and its rows split over the same axes, or left whole
+  where those do not divide a micro-batch's rows, as ``shard_batch`` leaves a
+  batch the axes do not divide.
+  """
+  split = x.reshape((count, x.shape[0] // count) + x.shape[1:])
+  if not isinstance(x, jax.Array):
+    return split
+  sharding = jax.typeof(x).sharding
+  spec = tuple(getattr(sharding, 'spec', ()) or ())
+  if not spec or spec[0] is None:
+    return split
+  names = spec[0] if isinstance(spec[0], tuple) else (spec[0],)
+  devices = int(np.prod([sharding.mesh.shape[name] for name in names]))
+  rows = spec[0] if split.shape[1] % devices == 0 else None
+  return jax.sharding.reshard(
+      split, jax.sharding.PartitionSpec(None, rows, *spec[1:]))

@@ -133,7 +133,14 @@ def tied_model(workspace):
 @needs_mesh
 @pytest.mark.parametrize('extra', [(), ('--scan-layers', 'on'),
                                    ('--taco-step', 'optax'), ('tied',),
-                                   ('tied', '--taco-step', 'optax')])
+                                   ('tied', '--taco-step', 'optax'),
+                                   # Micro-batches of 4 split over the
+                                   # batch axes (data x fsdp); of 2, whole.
+                                   ('--batch-size', '8', '--grad-accum', '2'),
+                                   ('tied', '--batch-size', '8',
+                                    '--grad-accum', '2'),
+                                   ('--optimizer', 'adamw', '--batch-size',
+                                    '4', '--grad-accum', '2')])
 def test_cli_on_a_mesh_matches_one_device(workspace, tied_model, extra):
   one_device, mesh = ('one-device-' + '-'.join(extra),
                       'mesh-' + '-'.join(extra))

@@ -57,8 +57,9 @@ def running_mean(acc: Any, grads: Any, index: jax.Array) -> Any:
 
 
 def zeros_like_float32(tree: Any) -> Any:
-  """The accumulator of ``tree``'s gradient (float32, as ``MultiSteps``)."""
-  return jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), tree)
+  """The accumulator of ``tree``'s gradient (float32, as ``MultiSteps``),
+  split over a mesh as each leaf is."""
+  return jax.tree.map(lambda x: jnp.zeros_like(x, jnp.float32), tree)
 
 
 def cast_like(tree: Any, like: Any) -> Any:
@@ -164,8 +165,8 @@ def head_means(head: Callable[[Params, Any, Batch], jax.Array],
   count = micro_batch_count(batches)
   table_acc = None
   if table is not None:
-    table_acc = jnp.zeros(dict(leaves_lib.keyed(
-        outer, leaves_lib.OUTER))[table].shape, jnp.float32)
+    table_acc = jnp.zeros_like(dict(leaves_lib.keyed(
+        outer, leaves_lib.OUTER))[table], jnp.float32)
   (acc, table_acc), (values, d_hidden) = jax.lax.scan(
       body, (zeros_like_float32(dense.values), table_acc),
       (jnp.arange(count, dtype=jnp.int32), hidden, batches))
@@ -233,7 +234,7 @@ def embed_means(embed: Callable[[Params, Batch], Any], outer: Params,
 
   def start(key, x):
     return (head_means[key] if key in head_means
-            else jnp.zeros(x.shape, jnp.float32))
+            else jnp.zeros_like(x, jnp.float32))
 
   def body(carry, xs):
     acc, table_acc = carry
