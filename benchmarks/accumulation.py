@@ -3,7 +3,8 @@
 For the example's decoder (SmolLM2-135M shapes, remat on, params and state
 donated), compiles on abstract shapes (nothing is allocated) and reads XLA's
 ``memory_analysis()`` of one optimizer step on ``A`` micro-batches of
-``--micro-batch`` sequences, for A = 1, 4, 16:
+``--micro-batch`` sequences, for A = 1, 4, 16, with the layers scanned
+(``lax.scan`` over stacked weights) and unrolled (the CLI's default):
 
 * ``taco layerwise``: ``layerwise.train_step(loss, taco, accumulation_steps=A)``
   (one call takes the ``A`` micro-batches);
@@ -18,7 +19,8 @@ line is ``layerwise_A16_over_A1=<peak ratio> multisteps_taco_over_layerwise_A16=
 <peak ratio>``.
 
   python -m benchmarks.accumulation [--dtype float32] [--micro-batch 4]
-      [--seq 64] [--layers N] [--write docs/accumulation.md]
+      [--seq 64] [--layers N] [--layouts scanned,unrolled]
+      [--write docs/accumulation.md]
 """
 
 import argparse
@@ -102,7 +104,9 @@ def print_table(weights, forward, rows):
   print(f'layerwise_A{largest}_over_A1='
         f'{layerwise / peaks[1, "taco layerwise"]:.3f}'
         f' multisteps_taco_over_layerwise_A{largest}='
-        f'{peaks[largest, "MultiSteps(taco)"] / layerwise:.3f}')
+        f'{peaks[largest, "MultiSteps(taco)"] / layerwise:.3f}'
+        f' layerwise_A{largest}_over_one_batch='
+        f'{layerwise / peaks[largest, "taco layerwise, one batch"]:.3f}')
 
 
 def main():
@@ -112,18 +116,28 @@ def main():
   parser.add_argument('--seq', type=int, default=64)
   parser.add_argument('--layers', type=int, default=None,
                       help='override the number of layers (default: 30)')
+  parser.add_argument('--layouts', default='scanned,unrolled',
+                      help='comma-separated: scanned (lax.scan over stacked '
+                      'layers), unrolled (the CLI default)')
   parser.add_argument('--write', metavar='PATH', default=None,
                       help='also write the output, with its provenance, as '
                       'Markdown')
   args = parser.parse_args()
   output = provenance.Tee()
+  layouts = args.layouts.split(',')
+  unknown = set(layouts) - {'scanned', 'unrolled'}
+  if unknown:
+    parser.error(f'unknown --layouts {sorted(unknown)}; use scanned, unrolled')
   with contextlib.redirect_stdout(output):
-    print(f'SmolLM2-135M shapes, dtype={args.dtype}, micro-batch='
-          f'{args.micro_batch}, seq={args.seq}, layers={args.layers or 30} '
-          f'(scanned), remat on, backend={jax.default_backend()}')
-    print_table(*measure(dtype=jnp.dtype(args.dtype),
-                         micro_batch=args.micro_batch, seq=args.seq,
-                         num_layers=args.layers))
+    for layout in layouts:
+      print(f'SmolLM2-135M shapes, dtype={args.dtype}, micro-batch='
+            f'{args.micro_batch}, seq={args.seq}, layers={args.layers or 30} '
+            f'({layout}), remat on, backend={jax.default_backend()}')
+      print_table(*measure(dtype=jnp.dtype(args.dtype),
+                           micro_batch=args.micro_batch, seq=args.seq,
+                           num_layers=args.layers,
+                           scan_layers=layout == 'scanned'))
+      print()
   if args.write:
     command = ' '.join(['python -m benchmarks.accumulation'] + sys.argv[1:])
     with open(args.write, 'w') as f:
@@ -163,17 +177,26 @@ micro-batches (as large as the whole batch's), the `A` cotangents of the
 current layer's output, one layer's float32 gradient accumulator, and a
 float32 accumulator per outer leaf (the token table: its two-phase update
 needs the batch's tokens at the head, which accumulation spreads over `A`
-calls, so with `A > 1` the table's gradient is accumulated dense).
+calls, so with `A > 1` the table's gradient is accumulated whole). Each
+micro-batch's share of the table, the head's and the lookup's, is folded into
+that accumulator a block of columns at a time from its factors; no dense
+share is formed. Each layer's accumulator is made from that layer's
+cotangents, so with unrolled layers XLA cannot form them all at the start of
+the step (it did: 11 MB more per layer, 433 MB more than the whole batch at
+the CLI's 30 layers).
 
-Where it stands (read from the table below): beyond `A = 1`, the step holds
+Where it stands (read from the tables below): beyond `A = 1`, the step holds
 a constant extra of about one float32 token table (the mean gradient's
-accumulator: 108 MiB for SmolLM2-135M's 49152 x 576 table; each micro-batch's
-share is folded into it a block of columns at a time from the head's
-factors), and each further micro-batch costs only its saved hidden states
-(the layers' inputs and the current layer's cotangent). What would remove
-the constant: select the tied table's candidates per micro-batch as the
-two-phase update does for one batch (not exact as it stands: a column's
-top-k of a sum is not the merge of per-part top-k's).
+accumulator: 108 MiB for SmolLM2-135M's 49152 x 576 table), and each further
+micro-batch costs only its saved hidden states (the layers' inputs and the
+current layer's cotangent). Against the whole batch in one step
+(`one batch`), accumulation saves the logits of all but one micro-batch
+(each `micro-batch x seq x vocab` floats, twice: the softmax and its
+cotangent) and pays the table's accumulator: it wins once the saved logits
+outweigh 108 MiB. What would remove the constant: select the tied table's
+candidates per micro-batch as the two-phase update does for one batch (not
+exact as it stands: a column's top-k of a sum is not the merge of per-part
+top-k's).
 
 `clip_global_norm=c` with accumulation clips the mean gradient, as
 `MultiSteps(chain(clip_by_global_norm(c), taco(...)), A)` does (tested).
