@@ -1,6 +1,7 @@
 """The landed-updates benchmark on a tiny Llama: the effect it reports is real."""
 
 import jax.numpy as jnp
+import pytest
 
 from benchmarks import landed_updates
 
@@ -38,6 +39,7 @@ def test_float32_weights_land_every_update():
       assert landed > 0.99 and abs(moved - 1) < 1e-3, (rounding, kind)
 
 
+@pytest.mark.long
 def test_rows_table_and_summary_line():
   rows = landed_updates.run(_TINY, 1, 1, dtypes=('bfloat16',))
   assert len(rows) == 8  # 2 optimizers x 2 rates x 2 roundings

@@ -2,9 +2,12 @@
 
 import re
 
+import pytest
+
 from benchmarks import train_step
 
 
+@pytest.mark.long
 def test_last_line_has_one_ratio_per_optimizer(capfd, tmp_path):
   written = tmp_path / 'train_step.md'
   train_step.main(['--layers', '1', '--dtypes', 'float32', '--batches', '1',

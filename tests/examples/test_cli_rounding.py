@@ -145,6 +145,7 @@ def _results(output_dir):
     return json.load(f)
 
 
+@pytest.mark.long
 @pytest.mark.parametrize('optimizer, extra, rounding', [
     ('adamw', (), 'master'),
     ('adamw', ('--rounding', 'stochastic'), 'stochastic'),
@@ -249,6 +250,7 @@ def _measured_trainer(taco_step, dtype, mode, lr=3e-3):
                                tx, measurement)
 
 
+@pytest.mark.long
 def test_both_taco_paths_count_the_same_landed_updates():
   """The layer-wise step counts moves from the shapes, the optax path from a
   float32 update: the same moves. What lands may differ by a weight or two:
@@ -270,6 +272,7 @@ def test_both_taco_paths_count_the_same_landed_updates():
       counts['optax']['matrices']['moved'])
 
 
+@pytest.mark.long
 def test_every_update_lands_in_float32_and_few_round_to_nearest():
   batch = _tiny_batch()
   shares = {}

@@ -60,6 +60,7 @@ def _run(workspace, name, optimizer, *extra):
   return results, weights
 
 
+@pytest.mark.long
 @pytest.mark.parametrize('optimizer', ['taco', 'adamw'])
 def test_split_batches_train_to_the_same_result(workspace, optimizer):
   whole, whole_weights = _run(workspace, f'accum-1-{optimizer}', optimizer)

@@ -90,6 +90,7 @@ def _dtypes(tree):
   return {np.asarray(leaf).dtype.name for leaf in jax.tree.leaves(tree)}
 
 
+@pytest.mark.long
 @pytest.mark.parametrize('optimizer, signal_number', [
     ('taco', signal.SIGINT), ('adamw', signal.SIGTERM)],
                          ids=['taco-SIGINT', 'adamw-SIGTERM'])
