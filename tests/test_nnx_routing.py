@@ -335,6 +335,7 @@ def test_one_tunix_step_moves_one_weight_per_column(family, sizes):
                                     dimension_numbers(model), steps=1)
 
 
+@pytest.mark.long
 def test_qwix_lora_factors_of_einsum_kernels():
   qwix = pytest.importorskip('qwix')
   model = _tunix_model('qwen3')

@@ -1,10 +1,10 @@
 """Careless flag values are refused before any model work, naming the flag.
 
-Each case runs ``python -m examples.finetune`` in a fresh, empty working
-directory: exit code 2, exactly one ``error:`` line on stderr naming the flag
-and its accepted range, and nothing written there. The refusal comes from
-building the ``RunConfig``, before the model or data are read, so each run
-takes about the time of importing JAX.
+Each case runs the CLI's ``main`` in an empty working directory: exit code
+2, exactly one ``error:`` line on stderr naming the flag and its accepted
+range, and nothing written there; two of them also as ``python -m
+examples.finetune`` in a fresh process. The refusal comes from building the
+``RunConfig``, before the model or data are read.
 """
 
 import dataclasses
@@ -17,6 +17,7 @@ import typing
 import docstring_parser
 import pytest
 
+from examples.finetune import __main__ as cli
 from examples.finetune import flags
 
 _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(
@@ -58,7 +59,21 @@ _MALFORMED = [
 @pytest.mark.parametrize('args,message', _REFUSALS + _MALFORMED,
                          ids=[' '.join(args) for args, _ in
                               _REFUSALS + _MALFORMED])
-def test_refused_before_anything_is_written(tmp_path, args, message):
+def test_refused_before_anything_is_written(tmp_path, monkeypatch, capsys,
+                                            args, message):
+  monkeypatch.chdir(tmp_path)
+  assert cli.main(args) == 2
+  out, err = capsys.readouterr()
+  assert err.splitlines() == [f'error: {message}']
+  assert out == ''
+  assert not list(tmp_path.iterdir()), 'nothing may be written'
+
+
+@pytest.mark.parametrize('args,message', [_REFUSALS[0], _MALFORMED[0]],
+                         ids=['refused', 'malformed'])
+def test_a_fresh_process_exits_2_with_one_line(tmp_path, args, message):
+  # As a user meets it: the process's exit code and streams (the cases above
+  # run the same main() in this process).
   process = subprocess.run(
       [sys.executable, '-m', 'examples.finetune', *args],
       cwd=tmp_path, capture_output=True, text=True, timeout=120,
