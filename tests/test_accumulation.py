@@ -107,8 +107,11 @@ def test_tied_table_matches_multisteps_winners_and_float64_reference(
     scan_layers):
   # The tied table's mean is mean(head) + mean(embedding), MultiSteps' is
   # mean(head + embedding): same value, other rounding. Its winners and
-  # indices must still be MultiSteps' and the float64 rule's; every other
-  # leaf is bit for bit.
+  # indices must still be MultiSteps' and the float64 rule's; the layers'
+  # matrices are bit for bit. Their norm scales' gradients are sums over
+  # tokens that XLA orders per program (per layer here, in one backward
+  # there): equal to the last bits (one element one ulp apart at step 3 on
+  # an AVX2 CPU).
   loss = LayeredLoss(case._embed, case._layer, case._head,
                      scan_layers=scan_layers)
   tx = taco_optax.taco(1e-2, mu=0.9, k=4,
@@ -116,7 +119,12 @@ def test_tied_table_matches_multisteps_winners_and_float64_reference(
   params = case._params(scan_layers, jnp.float32)
   expected = _multisteps_run(loss, tx, params, steps=3)
   got = _layerwise_run(loss, tx, params, steps=3)
-  assert_bitwise_equal(got[0][1], expected[0][1])  # the layers
+  layers = lambda p: p[0][1] if isinstance(p[0][1], list) else [p[0][1]]
+  for have, want in zip(layers(got), layers(expected), strict=True):
+    assert_bitwise_equal({k: v for k, v in have.items() if k != 'scale'},
+                         {k: v for k, v in want.items() if k != 'scale'})
+    np.testing.assert_array_max_ulp(np.asarray(have['scale']),
+                                    np.asarray(want['scale']), maxulp=2)
   got_dir = _alias.taco_states(got[1]).direction
   want_dir = _alias.taco_states(expected[1]).direction
   assert_bitwise_equal(got_dir.indices, want_dir.indices)
