@@ -340,15 +340,18 @@ def _split_rows(x, count: int):
   where those do not divide a micro-batch's rows, as ``shard_batch`` leaves a
   batch the axes do not divide.
   """
-  split = x.reshape((count, x.shape[0] // count) + x.shape[1:])
+  shape = (count, x.shape[0] // count) + x.shape[1:]
   if not isinstance(x, jax.Array):
-    return split
+    return x.reshape(shape)
   sharding = jax.typeof(x).sharding
   spec = tuple(getattr(sharding, 'spec', ()) or ())
   if not spec or spec[0] is None:
-    return split
+    return x.reshape(shape)
   names = spec[0] if isinstance(spec[0], tuple) else (spec[0],)
   devices = int(np.prod([sharding.mesh.shape[name] for name in names]))
-  rows = spec[0] if split.shape[1] % devices == 0 else None
-  return jax.sharding.reshard(
-      split, jax.sharding.PartitionSpec(None, rows, *spec[1:]))
+  rows = spec[0] if shape[1] % devices == 0 else None
+  # One reshape to the target sharding: a plain reshape first would have to
+  # put the rows' devices on the micro-batch axis, which fewer micro-batches
+  # than devices cannot carry (fsdp=8, 2 micro-batches).
+  return x.reshape(shape, out_sharding=jax.sharding.PartitionSpec(
+      None, rows, *spec[1:]))

@@ -169,3 +169,29 @@ def test_cli_on_a_mesh_matches_one_device(workspace, tied_model, extra):
     else:
       np.testing.assert_allclose(have, want, rtol=1e-4, atol=1e-7,
                                  err_msg=name)
+
+
+@needs_mesh
+@pytest.mark.parametrize('mesh_spec', ['fsdp=8', 'data=2,fsdp=4'])
+@pytest.mark.parametrize('rows, count', [(8, 2), (16, 2), (8, 4), (16, 8)])
+def test_micro_batches_keep_rows_over_the_batch_axes(mesh_spec, rows, count):
+  # Fewer micro-batches than batch devices: a plain reshape would have to
+  # put the rows' devices on the micro-batch axis (fsdp=8, 2 micro-batches
+  # failed to trace before).
+  mesh = sharding.make_mesh(mesh_spec)
+  host = np.arange(rows * 3, dtype=np.int32).reshape(rows, 3)
+  with jax.set_mesh(mesh):
+    x = sharding.shard_batch(data_lib.Batch(host, host > 0,
+                                            host.astype(np.float32)), mesh)
+    split = jax.jit(lambda b: data_lib.micro_batches(b, count))(x)
+  entry = x.input_ids.sharding.spec[0]
+  assert entry == sharding.BATCH_AXES
+  # Each micro-batch's rows over the batch axes when they divide them, else
+  # whole (as shard_batch leaves a batch they do not divide).
+  want = entry if (rows // count) % 8 == 0 else None
+  for got, whole in ((split.input_ids, x.input_ids),
+                     (split.attention_mask, x.attention_mask),
+                     (split.loss_mask, x.loss_mask)):
+    np.testing.assert_array_equal(
+        np.asarray(got), np.asarray(whole).reshape((count, -1, 3)))
+    assert tuple(got.sharding.spec)[:2] == (None, want), got.sharding.spec
