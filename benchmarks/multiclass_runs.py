@@ -32,7 +32,7 @@ from typing import Optional
 from benchmarks import lr_sweep
 from benchmarks import multiclass_task
 from benchmarks import provenance
-from examples.finetune import seeds as seeds_lib
+from examples.finetune import api
 
 ROOT = os.path.join('runs', 'multiclass')
 EVAL_SIZE = 200
@@ -88,7 +88,7 @@ def finished() -> dict:
 
 def mean_se(values) -> tuple[float, float]:
   """The mean and its standard error (NaN for one value)."""
-  summary = seeds_lib.summary(list(values))
+  summary = api.seed_summary(list(values))
   return summary.mean, float('nan') if summary.error is None else summary.error
 
 

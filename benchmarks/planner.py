@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import optax
 
 from benchmarks import memory
+from benchmarks import mesh_plan
 from benchmarks import presets
 from examples.finetune import api
 
@@ -73,6 +74,33 @@ def plan(hf_config, *, batch, seq, dtype=jnp.bfloat16, scan_layers=True,
           'adamw plain': formula.plain_peak(adamw_state),
           'adamw plain, f32 moments': formula.plain_peak(adamw_state_f32),
       },
+  }
+
+
+def plan_on_mesh(hf_config, mesh_shape, *, batch, seq, dtype=jnp.bfloat16):
+  """Predicted per-device peak bytes of TACO and AdamW on a mesh.
+
+  The CLI's layout (unrolled layers, remat) and sharding rule; each device's
+  weights and optimizer state are exact (shapes on an abstract mesh: no
+  devices needed), the rest is the example's formula
+  (``memory_plan.mesh_terms``).
+
+  Returns:
+    A dict of ``config``, ``terms`` (one device's ``MeshTerms``),
+    ``taco_state``, ``adamw_state`` (one device's bytes) and ``peaks``.
+  """
+  config = api.model_config(hf_config)
+  formula = api.plan_memory_on_mesh(config, mesh_shape, dtype=dtype,
+                                    batch=batch, seq=seq)
+  taco = api.optimizer('taco').build(3e-5, api.decoder_hints(config))
+  state = lambda tx: api.device_bytes(jax.eval_shape(tx.init,
+                                                     formula.params))
+  taco_state, adamw_state = state(taco), state(optax.adamw(1e-5))
+  return {
+      'config': config, 'terms': formula.terms, 'taco_state': taco_state,
+      'adamw_state': adamw_state,
+      'peaks': {'taco layerwise': formula.layerwise_peak(taco_state),
+                'adamw plain': formula.plain_peak(adamw_state)},
   }
 
 
@@ -128,6 +156,52 @@ def validate():
   return ratios
 
 
+# Reduced-layer versions of these are compiled on CPU meshes to check the
+# per-device formula (--validate-mesh).
+MESH_VALIDATION_MODELS = ('opt-13b', 'qwen3-32b', 'llama-3-70b')
+MESH_VALIDATION_MESHES = ('fsdp=2', 'fsdp=4', 'fsdp=8')
+
+
+def validate_mesh(layers=2, batch=8, seq=64, dtype=jnp.float32,
+                  models=MESH_VALIDATION_MODELS,
+                  meshes=MESH_VALIDATION_MESHES):
+  """Per-device formula vs XLA's compiled per-device peak, on ``layers``-layer
+  versions of ``models``, each mesh compiled in its own process with that
+  many CPU devices (shapes only: nothing is allocated)."""
+  print(f'\nvalidation on meshes: formula vs XLA compiled per-device peak '
+        f'({jnp.dtype(dtype).name}, {layers} layers, batch {batch}, '
+        f'seq {seq}, unrolled, remat)')
+  print(f'  {"model":<14}{"mesh":<9}{"method":<16}{"weights MB":>11}'
+        f'{"compiled MB":>12}{"formula MB":>12}{"ratio":>7}')
+  ratios = []
+  for name in models:
+    hf = dict(presets.PRESETS[name], num_hidden_layers=layers)
+    for mesh in meshes:
+      got = mesh_plan.compiled_in_subprocess(
+          hf, mesh, dtype=dtype, batch=batch, seq=seq, num_layers=None)
+      predicted = plan_on_mesh(hf, api.parse_mesh(mesh), batch=batch,
+                               seq=seq, dtype=dtype)
+      for method, formula in predicted['peaks'].items():
+        peak = got[method]['peak']
+        ratios.append(formula / peak)
+        print(f'  {name:<14}{mesh:<9}{method:<16}'
+              f'{got["weights"] / 1e6:>11.1f}{peak / 1e6:>12.1f}'
+              f'{formula / 1e6:>12.1f}{formula / peak:>7.3f}', flush=True)
+  return ratios
+
+
+def print_mesh_plan(name, mesh, result, gpu_gb):
+  t = result['terms']
+  print(f'\n{name} on {mesh}, per device (GB): weights {t.weights / GB:.2f}, '
+        f'TACO state {result["taco_state"] / GB:.3f}, AdamW state '
+        f'{result["adamw_state"] / GB:.2f}, layer inputs '
+        f'{t.layer_inputs / GB:.3f}, gathered block '
+        f'{t.gathered_block / GB:.3f}, logits {t.head_phase / GB:.3f}')
+  for method, peak in result['peaks'].items():
+    print(f'  {method:<28}{peak / GB:>9.2f}  fits {gpu_gb:g} GB: '
+          f'{"yes" if peak <= gpu_gb * GB else "no"}')
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
   parser.add_argument('--config', help='a Hugging Face config.json')
@@ -138,7 +212,18 @@ def main():
   parser.add_argument('--dtype', default='bfloat16')
   parser.add_argument('--gpu-gb', type=float, default=80.0)
   parser.add_argument('--validate', action='store_true')
+  parser.add_argument('--mesh', help='e.g. fsdp=8 or data=2,fsdp=4: '
+                      'predict one device\'s peak on that mesh (the CLI\'s '
+                      'unrolled layers and sharding rule)')
+  parser.add_argument('--validate-mesh', action='store_true',
+                      help='formula vs compiled per-device peak on reduced-'
+                      'layer models at fsdp = 2, 4, 8 (CPU devices)')
   args = parser.parse_args()
+  if args.validate_mesh:
+    ratios = validate_mesh()
+    print(f'mesh_formula_over_compiled_max={max(ratios):.3f} '
+          f'mesh_formula_over_compiled_min={min(ratios):.3f}')
+    return
   dtype = jnp.dtype(args.dtype)
   targets = []
   if args.config:
@@ -148,8 +233,12 @@ def main():
     targets.append((name, presets.PRESETS[name]))
   errors = {}
   for name, hf in targets:
-    result = plan(hf, batch=args.batch, seq=args.seq,
-                              dtype=dtype)
+    if args.mesh:
+      print_mesh_plan(name, args.mesh, plan_on_mesh(
+          hf, api.parse_mesh(args.mesh), batch=args.batch, seq=args.seq,
+          dtype=dtype), args.gpu_gb)
+      continue
+    result = plan(hf, batch=args.batch, seq=args.seq, dtype=dtype)
     print_plan(name, result, args.gpu_gb)
     if name in PAPER_TABLE5_GB:
       paper = PAPER_TABLE5_GB[name]

@@ -32,6 +32,16 @@ PRESETS = {
         'hidden_act': 'silu', 'attention_bias': False,
         'bos_token_id': 151643, 'eos_token_id': 151645,
     },
+    'llama-3-70b': {
+        'architectures': ['LlamaForCausalLM'], 'model_type': 'llama',
+        'vocab_size': 128256, 'hidden_size': 8192,
+        'intermediate_size': 28672, 'num_hidden_layers': 80,
+        'num_attention_heads': 64, 'num_key_value_heads': 8,
+        'head_dim': 128, 'max_position_embeddings': 8192,
+        'rms_norm_eps': 1e-5, 'rope_theta': 500000.0,
+        'tie_word_embeddings': False, 'hidden_act': 'silu',
+        'bos_token_id': 128000, 'eos_token_id': 128001,
+    },
     'smollm2-135m': {
         'architectures': ['LlamaForCausalLM'], 'model_type': 'llama',
         'vocab_size': 49152, 'hidden_size': 576, 'intermediate_size': 1536,

@@ -19,7 +19,13 @@ example:
 * memory: :func:`tree_bytes`, ``GB`` (10**9 bytes, the planner's unit),
   :func:`plan_memory` (the predicted peak: a :class:`MemoryPlan`),
   :func:`peak_memory` (a compiled step's), :class:`LayerwiseTacoTrainer`;
-* reports: :class:`StepTimes`, :func:`format_bytes`,
+* meshes: ``BATCH_AXES``, :func:`make_mesh`, :func:`parse_mesh`,
+  :func:`abstract_mesh`, :func:`with_shardings` (the sharding rule on
+  abstract parameters), :func:`device_bytes`, :func:`plan_memory_on_mesh`
+  (one device's predicted peak: a :class:`MeshMemoryPlan`),
+  ``COLUMN_BLOCK_ELEMENTS`` (the layer-wise step's column blocks);
+* reports: :class:`StepTimes`, :func:`seed_summary` (mean and standard
+  error over seeds), :func:`format_bytes`,
   :func:`write_json_atomic`;
 * a whole CLI run: :func:`compile_first_step` (a :class:`CompiledRun`).
 """
@@ -40,6 +46,7 @@ from examples.finetune import memory_plan
 from examples.finetune import optimizers as optimizers_lib
 from examples.finetune import preparation
 from examples.finetune import report as report_lib
+from examples.finetune import seeds as seeds_lib
 from examples.finetune import trainers as trainers_lib
 from examples.finetune.model import config as config_lib
 from examples.finetune.model import decoder as decoder_lib
@@ -51,6 +58,9 @@ __all__ = [
     'Batch', 'CompiledRun', 'GB', 'LayerwiseTacoTrainer', 'MemoryPlan',
     'ModelConfig', 'StepTimes', 'TWEETS_LABEL_WORDS', 'TacoSettings',
     'TokenizedExample', 'balanced_split', 'compile_first_step',
+    'BATCH_AXES', 'COLUMN_BLOCK_ELEMENTS', 'MeshMemoryPlan', 'abstract_mesh',
+    'device_bytes', 'make_mesh', 'parse_mesh', 'plan_memory_on_mesh',
+    'seed_summary', 'with_shardings',
     'completion_loss', 'decoder_hints', 'encode', 'evaluate', 'format_bytes',
     'held_out_set', 'layered_model', 'linear_schedule', 'load_model',
     'model_config', 'new_decoder', 'optimizer', 'peak_memory', 'plan_memory',
@@ -195,9 +205,55 @@ def plan_memory(config: ModelConfig, *, dtype: Any, batch: int, seq: int,
   return MemoryPlan(terms, params)
 
 
+# Meshes.
+
+BATCH_AXES = sharding_lib.BATCH_AXES
+COLUMN_BLOCK_ELEMENTS = memory_plan.COLUMN_BLOCK_ELEMENTS
+make_mesh = sharding_lib.make_mesh
+parse_mesh = sharding_lib.parse_mesh
+abstract_mesh = memory_plan.abstract_mesh
+with_shardings = memory_plan.with_shardings
+device_bytes = memory_plan.device_bytes
+
+
+class MeshMemoryPlan(NamedTuple):
+  """The memory formula per device on a mesh (``memory_plan.mesh_terms``).
+
+  Attributes:
+    terms: one device's terms in bytes (a ``memory_plan.MeshTerms``).
+    params: the abstract ``(outer, layers)`` parameters with their shardings
+      on an :func:`abstract_mesh`, for ``jax.eval_shape`` of an optimizer's
+      ``init`` (:func:`device_bytes` of it is one device's state).
+  """
+  terms: memory_plan.MeshTerms
+  params: Any
+
+  def layerwise_peak(self, state_bytes: int) -> int:
+    """One device's predicted peak of the layer-wise TACO step."""
+    return memory_plan.mesh_layerwise_peak(self.terms, state_bytes)
+
+  def plain_peak(self, state_bytes: int) -> int:
+    """One device's predicted peak of the plain step (remat)."""
+    return memory_plan.mesh_plain_peak(self.terms, state_bytes)
+
+
+def plan_memory_on_mesh(config: ModelConfig, mesh_shape: dict[str, int], *,
+                        dtype: Any, batch: int, seq: int) -> MeshMemoryPlan:
+  """The :class:`MeshMemoryPlan` of a ``config`` model on a ``data x fsdp x
+  tensor`` mesh of ``mesh_shape`` (the CLI's unrolled layers, remat); shapes
+  only, no devices needed."""
+  params = with_shardings(
+      layered_model(new_decoder(config, dtype=dtype, abstract=True)).params,
+      abstract_mesh(mesh_shape))
+  return MeshMemoryPlan(memory_plan.mesh_terms(
+      config, params, mesh_shape=mesh_shape, batch=batch, seq=seq,
+      itemsize=jnp.dtype(dtype).itemsize), params)
+
+
 # Reports.
 
 StepTimes = report_lib.StepTimes
+seed_summary = seeds_lib.summary
 format_bytes = report_lib.format_bytes
 write_json_atomic = report_lib.write_json_atomic
 

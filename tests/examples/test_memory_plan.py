@@ -1,11 +1,13 @@
 """The memory planner: its documented figures and its response to the batch."""
 
+import jax
 import jax.numpy as jnp
 import pytest
 
 from benchmarks import memory
 from benchmarks import planner
 from benchmarks import presets
+from examples.finetune import api
 from examples.finetune import memory_plan
 
 
@@ -54,3 +56,34 @@ def test_formula_tracks_the_compiled_plain_step_with_and_without_remat(remat):
   predicted = planner.plan(hf_config, batch=4, seq=64, dtype=jnp.float32,
                            remat=remat)['peaks']['adamw plain']
   assert 0.97 < predicted / compiled < 1.05, (predicted, compiled)
+
+
+def test_mesh_plan_counts_each_devices_shards():
+  # Shapes on an abstract mesh, no devices: every matrix and the token
+  # table split 8 ways over fsdp, the norm scales whole; the batch's rows,
+  # the layer inputs and the logits (rows over data, vocabulary over fsdp)
+  # an eighth; one device gathers nothing.
+  config = api.model_config(presets.PRESETS['smollm2-135m'], num_layers=2)
+  plan = lambda mesh: api.plan_memory_on_mesh(
+      config, mesh, dtype=jnp.float32, batch=8, seq=64)
+  whole, fsdp, mixed = plan({}), plan({'fsdp': 8}), plan({'data': 2,
+                                                          'fsdp': 4})
+  vectors = sum(x.size * 4 for x in jax.tree.leaves(whole.params)
+                if x.ndim == 1)
+  assert fsdp.terms.weights == (whole.terms.weights - vectors) // 8 + vectors
+  for name in ('layer_inputs', 'head_phase'):
+    assert getattr(fsdp.terms, name) * 8 == getattr(whole.terms, name), name
+  assert mixed.terms.layer_inputs == fsdp.terms.layer_inputs
+  assert mixed.terms.head_phase * 8 == whole.terms.head_phase
+  layer_bytes = api.tree_bytes(whole.params[1]) // 2
+  assert whole.terms.gathered_block == 0
+  assert fsdp.terms.gathered_block == layer_bytes
+  assert whole.terms.layer_gradient == fsdp.terms.layer_gradient == layer_bytes
+  state = lambda p: api.device_bytes(jax.eval_shape(
+      api.optimizer('taco').build(3e-5, api.decoder_hints(config)).init,
+      p.params))
+  # TACO's history of the table is replicated over the vocabulary's split
+  # (its rows), the Adam state of the norm scales whole.
+  assert state(whole) / 2 < state(fsdp) < state(whole)
+  assert fsdp.layerwise_peak(state(fsdp)) < whole.layerwise_peak(
+      state(whole)) / 3
