@@ -130,6 +130,16 @@ def tied_model(workspace):
   return directory
 
 
+@pytest.fixture(scope='module')
+def opt_model(workspace):
+  """A tiny OPT (learned positions, biases, LayerNorm) saved by transformers.
+  """
+  import hf_checkpoints  # pylint: disable=g-import-not-at-top
+  directory = str(workspace['root'] / 'tiny-opt')
+  hf_checkpoints.save_hf_model('opt', directory)
+  return directory
+
+
 @needs_mesh
 @pytest.mark.parametrize('extra', [(), ('--scan-layers', 'on'),
                                    ('--taco-step', 'optax'), ('tied',),
@@ -140,12 +150,19 @@ def tied_model(workspace):
                                    ('tied', '--batch-size', '8',
                                     '--grad-accum', '2'),
                                    ('--optimizer', 'adamw', '--batch-size',
-                                    '4', '--grad-accum', '2')])
-def test_cli_on_a_mesh_matches_one_device(workspace, tied_model, extra):
+                                    '4', '--grad-accum', '2'),
+                                   # Its position table is split over both
+                                   # axes: gathered for the lookup (the
+                                   # vocabulary-split lookup refused it).
+                                   ('opt',)])
+def test_cli_on_a_mesh_matches_one_device(workspace, tied_model, opt_model,
+                                          extra):
   one_device, mesh = ('one-device-' + '-'.join(extra),
                       'mesh-' + '-'.join(extra))
   if extra[:1] == ('tied',):  # the tied table is split over the mesh too
     extra = ('--model', tied_model) + extra[1:]
+  if extra[:1] == ('opt',):
+    extra = ('--model', opt_model) + extra[1:]
   expected = _run(workspace, one_device, *extra)
   got = _run(workspace, mesh, '--mesh', MESH, *extra)
   assert len(got['losses']) == 3

@@ -157,7 +157,7 @@ class Embed(nnx.Embed):
 
   A table split over the vocabulary (``sharding.param_spec``) is looked up
   where its rows live (``vocab_parallel.lookup``), never gathered; any other
-  is gathered whole. The looked-up rows come out split like the token ids.
+  (a learned position table, split over both axes) is gathered whole. The looked-up rows come out split like the token ids.
   """
 
   def __call__(self, inputs: jax.Array, out_sharding=None) -> jax.Array:
@@ -165,7 +165,7 @@ class Embed(nnx.Embed):
       return super().__call__(inputs, out_sharding)
     (table,) = self.promote_dtype((self.embedding[...],), dtype=self.dtype,
                                   inexact=False)
-    if vocab_parallel.vocab_split_axes(table):
+    if vocab_parallel.is_split_over_rows_only(table):
       return vocab_parallel.lookup(table, inputs)
     spec = tuple(jax.typeof(inputs).sharding.spec)
     spec += (None,) * (inputs.ndim + 1 - len(spec))

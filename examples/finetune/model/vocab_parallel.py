@@ -49,6 +49,15 @@ def vocab_split_axes(x: jax.Array, axis: int = 0) -> tuple[str, ...]:
   return _entries(spec, x.ndim)[axis]
 
 
+def is_split_over_rows_only(table: jax.Array) -> bool:
+  """Whether ``table`` is split over its rows by mesh axes and whole along
+  every other axis (what :func:`lookup` and :func:`project` take)."""
+  if not vocab_split_axes(table):
+    return False
+  spec = _entries(jax.typeof(table).sharding.spec, table.ndim)
+  return not any(spec[1:])
+
+
 def _without(entry: tuple[str, ...], axes: tuple[str, ...]) -> Any:
   kept = tuple(a for a in entry if a not in axes)
   return None if not kept else (kept[0] if len(kept) == 1 else kept)
