@@ -22,6 +22,7 @@ check).
 
 import argparse
 import json
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -30,6 +31,7 @@ import optax
 from benchmarks import memory
 from benchmarks import mesh_plan
 from benchmarks import presets
+from benchmarks import provenance
 from examples.finetune import api
 
 GB = api.GB
@@ -190,6 +192,41 @@ def validate_mesh(layers=2, batch=8, seq=64, dtype=jnp.float32,
   return ratios
 
 
+# The README's "will it fit" table: models, and (label, mesh, GB per GPU).
+FIT_MODELS = ('opt-13b', 'opt-30b', 'qwen3-32b', 'llama-3-70b')
+FIT_MACHINES = (('1 x 80 GB', {}, 80), ('8 x 24 GB', {'fsdp': 8}, 24),
+                ('8 x 80 GB', {'fsdp': 8}, 80))
+
+
+def fit_table(batch=8, seq=128, dtype=jnp.bfloat16):
+  """Prints one device's predicted peak of TACO and AdamW per model and
+  machine (FSDP over the GPUs), as Markdown."""
+  print(f'Predicted peak per GPU, GB ({jnp.dtype(dtype).name} weights and '
+        f'compute, batch {batch} x {seq} tokens, the CLI\'s unrolled layers '
+        'with remat, FSDP over the GPUs; TACO: the layer-wise step, AdamW: '
+        'the plain step with moments in the parameter dtype); "no": over the '
+        'GPU\'s memory.\n')
+  print('| model | ' + ' | '.join(f'{label}: TACO / AdamW'
+                                   for label, _, _ in FIT_MACHINES) + ' |')
+  print('| --- |' + ' --- |' * len(FIT_MACHINES))
+  for name in FIT_MODELS:
+    cells = []
+    for _, mesh, gpu_gb in FIT_MACHINES:
+      peaks = plan_on_mesh(presets.PRESETS[name], mesh, batch=batch, seq=seq,
+                           dtype=dtype)['peaks']
+      show = lambda peak: (f'{peak / GB:.1f}'
+                           + ('' if peak <= gpu_gb * GB else ' (no)'))
+      cells.append(f'{show(peaks["taco layerwise"])} / '
+                   f'{show(peaks["adamw plain"])}')
+    print(f'| {name} | ' + ' | '.join(cells) + ' |')
+
+
+def _validate_mesh_report():
+  ratios = validate_mesh()
+  print(f'mesh_formula_over_compiled_max={max(ratios):.3f} '
+        f'mesh_formula_over_compiled_min={min(ratios):.3f}')
+
+
 def print_mesh_plan(name, mesh, result, gpu_gb):
   t = result['terms']
   print(f'\n{name} on {mesh}, per device (GB): weights {t.weights / GB:.2f}, '
@@ -218,12 +255,22 @@ def main():
   parser.add_argument('--validate-mesh', action='store_true',
                       help='formula vs compiled per-device peak on reduced-'
                       'layer models at fsdp = 2, 4, 8 (CPU devices)')
+  parser.add_argument('--fit-table', action='store_true',
+                      help='the README\'s table: OPT-13B to Llama-3-70B on '
+                      '1 x 80 GB, 8 x 24 GB and 8 x 80 GB')
+  parser.add_argument('--write', metavar='PATH',
+                      help='with --fit-table or --validate-mesh: also write '
+                      'the output, with its provenance, as Markdown')
   args = parser.parse_args()
-  if args.validate_mesh:
-    ratios = validate_mesh()
-    print(f'mesh_formula_over_compiled_max={max(ratios):.3f} '
-          f'mesh_formula_over_compiled_min={min(ratios):.3f}')
+  if args.fit_table or args.validate_mesh:
+    command = 'python -m benchmarks.planner ' + ' '.join(sys.argv[1:])
+    text = provenance.captured(fit_table if args.fit_table else (
+        lambda: _validate_mesh_report()))
+    if args.write:
+      provenance.write_report(args.write, 'Memory per GPU on meshes',
+                              command, text)
     return
+
   dtype = jnp.dtype(args.dtype)
   targets = []
   if args.config:
