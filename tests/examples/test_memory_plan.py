@@ -79,6 +79,9 @@ def test_mesh_plan_counts_each_devices_shards():
   assert whole.terms.gathered_block == 0
   assert fsdp.terms.gathered_block == layer_bytes
   assert whole.terms.layer_gradient == fsdp.terms.layer_gradient == layer_bytes
+  table = whole.params[0]['embed']['embedding']
+  assert (whole.terms.table_copy, fsdp.terms.table_copy) == (
+      0, table.size * 4 // 8)
   state = lambda p: api.device_bytes(jax.eval_shape(
       api.optimizer('taco').build(3e-5, api.decoder_hints(config)).init,
       p.params))
