@@ -22,7 +22,7 @@ example:
 * meshes: ``BATCH_AXES``, :func:`make_mesh`, :func:`parse_mesh`,
   :func:`abstract_mesh`, :func:`with_shardings` (the sharding rule on
   abstract parameters), :func:`device_bytes`, :func:`plan_memory_on_mesh`
-  (one device's predicted peak: a :class:`MeshMemoryPlan`),
+  (one device's predicted peak: a :class:`MemoryPlan`),
   ``COLUMN_BLOCK_ELEMENTS`` (the layer-wise step's column blocks);
 * reports: :class:`StepTimes`, :func:`seed_summary` (mean and standard
   error over seeds), :func:`format_bytes`,
@@ -58,7 +58,7 @@ __all__ = [
     'Batch', 'CompiledRun', 'GB', 'LayerwiseTacoTrainer', 'MemoryPlan',
     'ModelConfig', 'StepTimes', 'TWEETS_LABEL_WORDS', 'TacoSettings',
     'TokenizedExample', 'balanced_split', 'compile_first_step',
-    'BATCH_AXES', 'COLUMN_BLOCK_ELEMENTS', 'MeshMemoryPlan', 'abstract_mesh',
+    'BATCH_AXES', 'COLUMN_BLOCK_ELEMENTS', 'abstract_mesh',
     'device_bytes', 'make_mesh', 'parse_mesh', 'plan_memory_on_mesh',
     'seed_summary', 'with_shardings',
     'completion_loss', 'decoder_hints', 'encode', 'evaluate', 'format_bytes',
@@ -174,7 +174,8 @@ class MemoryPlan(NamedTuple):
 
   Attributes:
     terms: the formula's terms in bytes (``weights``, ``saved_inputs``,
-      ``head_phase``, ``layer_phase``, ``embed_matrix_grads``, ...).
+      ``head_phase``, ``layer_phase``, ``embed_matrix_grads``, ...), or on a
+      mesh one device's (a ``memory_plan.MeshTerms``).
     params: the abstract ``(outer, layers)`` parameters it was computed
       from, for ``jax.eval_shape`` of an optimizer's ``init``.
   """
@@ -183,12 +184,12 @@ class MemoryPlan(NamedTuple):
 
   def layerwise_peak(self, state_bytes: int) -> int:
     """Predicted peak bytes of the layer-wise TACO step."""
-    return memory_plan.layerwise_peak(self.terms, state_bytes)
+    return self.terms.layerwise_peak(state_bytes)
 
   def plain_peak(self, state_bytes: int) -> int:
     """Predicted peak bytes of the plain ``value_and_grad -> update`` step.
     """
-    return memory_plan.plain_peak(self.terms, state_bytes)
+    return self.terms.plain_peak(state_bytes)
 
 
 def plan_memory(config: ModelConfig, *, dtype: Any, batch: int, seq: int,
@@ -216,36 +217,16 @@ with_shardings = memory_plan.with_shardings
 device_bytes = memory_plan.device_bytes
 
 
-class MeshMemoryPlan(NamedTuple):
-  """The memory formula per device on a mesh (``memory_plan.mesh_terms``).
-
-  Attributes:
-    terms: one device's terms in bytes (a ``memory_plan.MeshTerms``).
-    params: the abstract ``(outer, layers)`` parameters with their shardings
-      on an :func:`abstract_mesh`, for ``jax.eval_shape`` of an optimizer's
-      ``init`` (:func:`device_bytes` of it is one device's state).
-  """
-  terms: memory_plan.MeshTerms
-  params: Any
-
-  def layerwise_peak(self, state_bytes: int) -> int:
-    """One device's predicted peak of the layer-wise TACO step."""
-    return memory_plan.mesh_layerwise_peak(self.terms, state_bytes)
-
-  def plain_peak(self, state_bytes: int) -> int:
-    """One device's predicted peak of the plain step (remat)."""
-    return memory_plan.mesh_plain_peak(self.terms, state_bytes)
-
-
 def plan_memory_on_mesh(config: ModelConfig, mesh_shape: dict[str, int], *,
-                        dtype: Any, batch: int, seq: int) -> MeshMemoryPlan:
-  """The :class:`MeshMemoryPlan` of a ``config`` model on a ``data x fsdp x
+                        dtype: Any, batch: int, seq: int) -> MemoryPlan:
+  """The :class:`MemoryPlan` (one device's ``memory_plan.MeshTerms``, its
+  parameters with their shardings on an :func:`abstract_mesh`) of a ``config`` model on a ``data x fsdp x
   tensor`` mesh of ``mesh_shape`` (the CLI's unrolled layers, remat); shapes
   only, no devices needed."""
   params = with_shardings(
       layered_model(new_decoder(config, dtype=dtype, abstract=True)).params,
       abstract_mesh(mesh_shape))
-  return MeshMemoryPlan(memory_plan.mesh_terms(
+  return MemoryPlan(memory_plan.mesh_terms(
       config, params, mesh_shape=mesh_shape, batch=batch, seq=seq,
       itemsize=jnp.dtype(dtype).itemsize), params)
 

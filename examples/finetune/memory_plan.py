@@ -96,6 +96,12 @@ class Terms(NamedTuple):
   layer_phase: int
   embed_matrix_grads: int
 
+  def layerwise_peak(self, state_bytes: int) -> int:
+    return layerwise_peak(self, state_bytes)
+
+  def plain_peak(self, state_bytes: int) -> int:
+    return plain_peak(self, state_bytes)
+
 
 def terms(config: config_lib.ModelConfig, params, *, batch: int, seq: int,
           itemsize: int, scan_layers: bool, remat: bool = True) -> Terms:
@@ -265,6 +271,12 @@ class MeshTerms(NamedTuple):
   table_blocks: int
   position_grads: int
   table_copy: int
+
+  def layerwise_peak(self, state_bytes: int) -> int:
+    return mesh_layerwise_peak(self, state_bytes)
+
+  def plain_peak(self, state_bytes: int) -> int:
+    return mesh_plain_peak(self, state_bytes)
 
 
 def mesh_terms(config: config_lib.ModelConfig, params, *,
