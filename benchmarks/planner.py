@@ -267,8 +267,9 @@ def main():
     text = provenance.captured(fit_table if args.fit_table else (
         lambda: _validate_mesh_report()))
     if args.write:
-      provenance.write_report(args.write, 'Memory per GPU on meshes',
-                              command, text)
+      title = ('Will it fit: predicted memory per GPU' if args.fit_table
+               else 'Memory per GPU on meshes')
+      provenance.write_report(args.write, title, command, text)
     return
 
   dtype = jnp.dtype(args.dtype)
