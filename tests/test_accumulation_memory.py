@@ -22,8 +22,13 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import pytest
 
 from benchmarks import accumulation
+
+# Compiles five accumulated steps (35 s of the fast tier's 12 min): CI's long
+# tier guards them; tests/test_train_step.py keeps a peak guard in the fast one.
+pytestmark = pytest.mark.long
 
 MICRO, SEQ, LAYERS, WIDTH = 4, 64, 4, 576
 MEASURED_A4 = 358618024

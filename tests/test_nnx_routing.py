@@ -163,6 +163,7 @@ def _state_bytes(tree):
   return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
 
+@pytest.mark.long
 def test_tunix_qwen3_state_is_much_smaller_than_adamw():
   model = _tunix_model('qwen3', embed_dim=64, hidden_dim=128, num_heads=8,
                        head_dim=16, num_kv_heads=4, vocab_size=256)
@@ -328,6 +329,7 @@ def _step_moves_one_weight_per_column(model, wrt, dims, steps=2):
   assert checked > 0
 
 
+@pytest.mark.long
 @pytest.mark.parametrize('family,sizes', TUNIX, ids=TUNIX_IDS)
 def test_one_tunix_step_moves_one_weight_per_column(family, sizes):
   model = _tunix_model(family, **sizes)

@@ -76,6 +76,7 @@ def _default_loss(model, inputs):
   return out.primary_loss.compute() if hasattr(out, 'primary_loss') else out
 
 
+@pytest.mark.long
 @pytest.mark.parametrize('name', sorted(MODELS))
 def test_layered_loss_is_tunix_default_loss(name):
   model = MODELS[name]()
@@ -189,6 +190,7 @@ def _assert_same_training(ours, theirs):
     np.testing.assert_allclose(mine, other, atol=1e-5)
 
 
+@pytest.mark.long
 def test_accumulation_is_fused_and_matches_tunix_accumulator(caplog):
   """gradient_accumulation_steps=2 in the layer-wise step (no warning, no
   gradient-sized buffer) = PeftTrainer's own accumulator on the same 4
@@ -222,6 +224,7 @@ def _mean_loss(default):
   return loss
 
 
+@pytest.mark.long
 @pytest.mark.parametrize('weights', ['tokens', 'equal'])
 def test_micro_batch_weights(weights):
   """'tokens': the gradient of the group's summed loss over its tokens,

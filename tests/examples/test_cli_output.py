@@ -30,6 +30,7 @@ def _cli(args, cwd):
       env={**os.environ, 'JAX_PLATFORMS': 'cpu', 'PYTHONPATH': _REPO_ROOT})
 
 
+@pytest.mark.long
 def test_piped_run_says_what_each_phase_does(workspace):
   output_dir = workspace['root'] / 'run-phases'
   # With progress on: piped, there must be no bar and still every phase line.

@@ -74,6 +74,7 @@ def _bf16_params():
           'b': jnp.full((32,), 1.0, jnp.bfloat16)}
 
 
+@pytest.mark.long
 def test_stochastic_ends_an_optax_peer_with_stochastic_rounding():
   params = _bf16_params()
   hints = optimizers.ModelHints()
@@ -191,6 +192,7 @@ def test_results_and_summary_name_the_rounding_and_its_cost(
   assert '16-bit updates: ' in out  # the log line
 
 
+@pytest.mark.long
 def test_float32_runs_say_nothing_is_rounded(workspace, capsys):
   output_dir = workspace['root'] / 'rounding-float32'
   assert cli.main(test_cli._text_args(  # pylint: disable=protected-access

@@ -290,6 +290,7 @@ def _padded(sequences, length=64):
   return jnp.asarray(tokens), jnp.asarray(mask)
 
 
+@pytest.mark.long
 def test_smollm2_gguf_config_and_tokenizer(smollm2):
   model, tokenizer, config = smollm2
   assert (config.num_layers, config.hidden_size, config.num_heads,
@@ -305,6 +306,7 @@ def test_smollm2_gguf_config_and_tokenizer(smollm2):
   assert (config.bos_token_id, config.eos_token_id) == (1, 2)
 
 
+@pytest.mark.long
 def test_smollm2_gguf_predicts_english_and_paris(smollm2):
   model, tokenizer, _ = smollm2
   forward = nnx.jit(lambda model, tokens, mask: model(tokens, mask))

@@ -102,6 +102,7 @@ def test_sliding_window_limits_how_far_back_a_query_sees():
   np.testing.assert_allclose(difference[5:], 0.0, atol=1e-6)
 
 
+@pytest.mark.long
 def test_remat_and_scan_give_the_same_logits_and_gradients():
   # GPT-NeoX: fused QKV, partial rotary and parallel residual under scan.
   # test_loading checks scan + remat logits against transformers for all.

@@ -166,6 +166,7 @@ def _one_line_error(args, capsys) -> str:
   return lines[0]
 
 
+@pytest.mark.long
 def test_changed_settings_are_refused_by_name(workspace, capsys):
   output_dir = workspace['root'] / 'resume-refusals'
   args = _args(workspace, output_dir, 'adamw', '--no-progress')
