@@ -264,11 +264,11 @@ def main():
   args = parser.parse_args()
   if args.fit_table or args.validate_mesh:
     command = 'python -m benchmarks.planner ' + ' '.join(sys.argv[1:])
-    text = provenance.captured(fit_table if args.fit_table else (
-        lambda: _validate_mesh_report()))
+    report, title = ((fit_table, 'Will it fit: predicted memory per GPU')
+                     if args.fit_table else
+                     (_validate_mesh_report, 'Memory per GPU on meshes'))
+    text = provenance.captured(report)
     if args.write:
-      title = ('Will it fit: predicted memory per GPU' if args.fit_table
-               else 'Memory per GPU on meshes')
       provenance.write_report(args.write, title, command, text)
     return
 
