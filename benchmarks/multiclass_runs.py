@@ -7,17 +7,23 @@ embedded ``tweets``, scored on 200 held-out examples. The grid is the product
 of the flags; ``rule`` as a rate is the CLI's own budget rule (the rate it
 picked is read back from results.json).
 
-Each point goes to ``runs/multiclass/TASK-OPT-lrLR-stepsS-seedN`` and is
-skipped when its results.json exists, so a grid resumes where it stopped.
-The table reads every finished run under ``runs/multiclass/``: per (task,
+Each point goes to ``runs/multiclass/TASK-OPT-lrLR-stepsS-seedN`` (``LR``
+is ``ruleRATE`` for the rule's current rate) and is skipped when its
+results.json exists, so a grid resumes where it stopped. ``--record`` keeps
+every run's figures in ``benchmarks/data/multiclass_runs.json``, which the
+budget rule's test reads (runs/ is not committed). The tables read the
+recorded runs and every finished run under ``runs/multiclass/``: per (task,
 optimizer, rate, steps) the accuracy per seed, the mean and its standard
-error, and TACO minus AdamW (at the rule's rate, same task, steps and seed),
-paired over seeds.
+error; TACO minus AdamW (at the rule's rate, same task, steps and seed),
+paired over seeds; and per optimizer the rate that falls least short of each
+task's best mean over seeds (:func:`fitted_rate`).
 
     python -m benchmarks.multiclass_runs --tasks trec,bbc \\
         --optimizers taco,adamw --lrs rule --steps 40 --seeds 0,1,2
     python -m benchmarks.multiclass_runs --table
     python -m benchmarks.multiclass_runs --write docs/multiclass.md
+    python -m benchmarks.multiclass_runs --record \\
+        benchmarks/data/multiclass_runs.json
 """
 
 import argparse
@@ -48,7 +54,10 @@ class Point:
 
   @property
   def directory(self) -> str:
-    lr = 'rule' if self.lr is None else f'{self.lr:g}'
+    # A rule point is named with the rate the rule gives now, so a run of an
+    # earlier rule is not taken for one of the current rule.
+    lr = (f'rule{rule_rate(self.optimizer, self.steps):g}' if self.lr is None
+          else f'{self.lr:g}')
     return os.path.join(ROOT, f'{self.task}-{self.optimizer}-lr{lr}-steps'
                         f'{self.steps}-seed{self.seed}')
 
@@ -61,6 +70,11 @@ class Point:
     return flags + ([] if self.lr is None else ['--lr', repr(self.lr)])
 
 
+def rule_rate(optimizer: str, steps: int) -> float:
+  """The CLI's budget-rule rate for ``optimizer`` at ``steps``."""
+  return api.optimizer(optimizer).default_rate(steps).lr
+
+
 def grid(args) -> list[Point]:
   rates = [None if r == 'rule' else float(r) for r in args.lrs.split(',')]
   return [Point(task, optimizer, lr, int(steps), int(seed))
@@ -69,21 +83,99 @@ def grid(args) -> list[Point]:
               args.seeds.split(','), args.optimizers.split(','), rates)]
 
 
-def finished() -> dict:
-  """``{(task, optimizer, lr, lr_given, steps): {seed: (after, before)}}``
-  in percent, from every results.json under ROOT."""
-  table = {}
-  for path in sorted(glob.glob(os.path.join(ROOT, '*', 'results.json'))):
+DATA = os.path.join(os.path.dirname(__file__), 'data', 'multiclass_runs.json')
+
+
+def _key(row: dict) -> tuple:
+  return (row['task'], row['optimizer'], row['learning_rate'],
+          row['lr_given'], row['steps'], row['seed'])
+
+
+def finished_runs(root: Optional[str] = None) -> list[dict]:
+  """One row per results.json under ``root`` (default ROOT): the task, the
+  optimizer, its rate (and whether ``--lr`` gave it), steps, seed and the
+  held-out accuracy after and before training (fractions)."""
+  rows = []
+  for path in sorted(glob.glob(os.path.join(root or ROOT, '*',
+                                            'results.json'))):
     with open(path) as f:
       done = json.load(f)
     config = done['config']
-    task = (os.path.basename(config['train_file']).split('-')[0]
-            if config['task'] == 'text' else config['task'])
-    key = (task, done['optimizer'], done['learning_rate'],
-           config['lr'] is not None, config['steps'])
-    table.setdefault(key, {})[config['seed']] = (
-        100 * done['after']['accuracy'], 100 * done['before']['accuracy'])
+    rows.append({
+        'task': (os.path.basename(config['train_file']).split('-')[0]
+                 if config['task'] == 'text' else config['task']),
+        'optimizer': done['optimizer'],
+        'learning_rate': done['learning_rate'],
+        'lr_given': config['lr'] is not None, 'steps': config['steps'],
+        'seed': config['seed'],
+        'accuracy_after': done['after']['accuracy'],
+        'accuracy_before': done['before']['accuracy']})
+  return rows
+
+
+def recorded(path: Optional[str] = None) -> list[dict]:
+  """The committed rows (``DATA``; none when it does not exist)."""
+  path = path or DATA
+  if not os.path.exists(path):
+    return []
+  with open(path) as f:
+    return json.load(f)['runs']
+
+
+def rows() -> list[dict]:
+  """The recorded rows, each replaced by a finished run of the same point,
+  and the finished runs not yet recorded."""
+  merged = {_key(row): row for row in recorded()}
+  merged.update((_key(row), row) for row in finished_runs())
+  return [merged[key] for key in sorted(merged, key=repr)]
+
+
+def record(path: str, note: str) -> None:
+  """Writes :func:`rows` to ``path`` (what the budget rule is tested on)."""
+  runs = rows()  # read before the file is opened for writing
+  with open(path, 'w') as f:
+    json.dump({'source': note, 'runs': runs}, f, indent=0)
+    f.write('\n')
+
+
+def finished(table_rows: Optional[list[dict]] = None) -> dict:
+  """``{(task, optimizer, lr, lr_given, steps): {seed: (after, before)}}``
+  in percent, from ``table_rows`` (default :func:`rows`)."""
+  table = {}
+  for row in rows() if table_rows is None else table_rows:
+    task, optimizer, lr, given, steps, seed = _key(row)
+    table.setdefault((task, optimizer, lr, given, steps), {})[seed] = (
+        100 * row['accuracy_after'], 100 * row['accuracy_before'])
   return table
+
+
+def seed_means(table_rows: list[dict], optimizer: str, steps: int = 40,
+               min_seeds: int = 3) -> dict:
+  """``{task: {lr: (mean accuracy, zero-shot)}}`` over seeds, for the rates
+  run with at least ``min_seeds`` seeds (the rule's rate and the same rate
+  given with ``--lr`` are one rate)."""
+  by_rate = {}
+  for row in table_rows:
+    if row['optimizer'] == optimizer and row['steps'] == steps:
+      lr = float(f'{row["learning_rate"]:.2g}')
+      by_rate.setdefault(row['task'], {}).setdefault(lr, {})[row['seed']] = (
+          row['accuracy_after'], row['accuracy_before'])
+  means = {}
+  for task, rates in by_rate.items():
+    for lr, seeds in rates.items():
+      if len(seeds) >= min_seeds:
+        after = [a for a, _ in seeds.values()]
+        means.setdefault(task, {})[lr] = (sum(after) / len(after),
+                                          next(iter(seeds.values()))[1])
+  return means
+
+
+def fitted_rate(table_rows: list[dict], optimizer: str,
+                steps: int = 40) -> Optional[float]:
+  """The rate, among those run on every task over seeds, whose mean accuracy
+  falls least short of each task's best (:func:`lr_sweep.robust_rate`)."""
+  return lr_sweep.robust_rate(
+      list(seed_means(table_rows, optimizer, steps).values()))
 
 
 def mean_se(values) -> tuple[float, float]:
@@ -117,9 +209,7 @@ def report() -> None:
   print('| task | TACO lr | steps | seeds | differences | mean ± se |')
   print('| --- | ---: | ---: | --- | --- | ---: |')
   for (task, opt, lr, given, steps), seeds in sorted(data.items()):
-    base = data.get(next((k for k in data if k[0] == task and
-                          k[1] == 'adamw' and not k[3] and k[4] == steps),
-                         None))
+    base = data.get((task, 'adamw', rule_rate('adamw', steps), False, steps))
     common = sorted(set(seeds) & set(base or {}))
     if opt != 'taco' or not common:
       continue
@@ -128,6 +218,30 @@ def report() -> None:
     print(f'| {task} | {_rate(lr, given)} | {steps} | '
           f'{",".join(map(str, common))} | '
           f'{" ".join(f"{d:+.1f}" for d in diffs)} | {mean:+.1f} ± {se:.1f} |')
+  fit_report(rows())
+
+
+def fit_report(table_rows: list[dict], steps: int = 40) -> None:
+  """Per optimizer and task, the mean accuracy over seeds at each rate run
+  with three or more seeds, and the rate fitted over the tasks."""
+  print(f'\nMean accuracy (%) over three or more seeds at {steps} steps, and '
+        'the rate that falls least short of each task\'s best on average, '
+        'among the rates run on every task (`fitted_rate`):\n')
+  print('| optimizer | task | mean at each rate | best |')
+  print('| --- | --- | --- | ---: |')
+  for optimizer in ('taco', 'adamw'):
+    means = seed_means(table_rows, optimizer, steps)
+    for task, scores in sorted(means.items()):
+      cells = ', '.join(f'{lr:.2g}: {100 * a:.1f}'
+                        for lr, (a, _) in sorted(scores.items()))
+      best = max(scores, key=lambda lr: scores[lr][0])
+      print(f'| {optimizer} | {task} | {cells} | {best:.2g} |')
+  for optimizer in ('taco', 'adamw'):
+    tasks = ', '.join(sorted(seed_means(table_rows, optimizer, steps)))
+    rate = fitted_rate(table_rows, optimizer, steps)
+    print(f'\n{optimizer}: fitted over {tasks or "no task"}: '
+          f'{"none" if rate is None else f"{rate:.2g}"}; the rule gives '
+          f'{rule_rate(optimizer, steps):.2g}.')
 
 
 def main(argv=None) -> None:
@@ -144,7 +258,17 @@ def main(argv=None) -> None:
                       help='print the table of finished runs and stop')
   parser.add_argument('--write', metavar='PATH',
                       help='write the tables of finished runs and stop')
+  parser.add_argument('--record', metavar='PATH',
+                      help='write the recorded and finished runs as JSON '
+                      '(benchmarks/data/multiclass_runs.json: what the '
+                      'budget rule is tested against) and stop')
+  parser.add_argument('--note', default='',
+                      help='with --record: where the runs come from')
   args = parser.parse_args(argv)
+  if args.record:
+    record(args.record, args.note or
+           f'benchmarks/multiclass_runs.py runs, {provenance.stamp()}')
+    return
   if args.write:
     text = provenance.captured(report)
     with open(args.write, 'w') as f:

@@ -80,6 +80,10 @@ def _result(root, name, optimizer, lr, given, seed, after, task='trec'):
 def test_table_gives_means_errors_and_paired_differences(tmp_path,
                                                          monkeypatch, capsys):
   monkeypatch.setattr(multiclass_runs, 'ROOT', str(tmp_path))
+  monkeypatch.setattr(multiclass_runs, 'DATA', str(tmp_path / 'none.json'))
+  monkeypatch.setattr(multiclass_runs, 'rule_rate',
+                      lambda optimizer, steps: {'taco': 1e-4,
+                                                'adamw': 3.2e-5}[optimizer])
   for seed, (taco, adamw) in enumerate(((0.47, 0.48), (0.46, 0.55),
                                         (0.50, 0.50))):
     _result(tmp_path, f't{seed}', 'taco', 1e-4, False, seed, taco)
@@ -104,10 +108,64 @@ def test_grid_is_the_product_of_the_flags():
   points = multiclass_runs.grid(args)
   assert len(points) == 8
   assert points[0] == multiclass_runs.Point('trec', 'taco', None, 40, 0)
-  assert points[0].directory.endswith('trec-taco-lrrule-steps40-seed0')
+  # A rule point is named with the rule's rate now.
+  rate = multiclass_runs.rule_rate('taco', 40)
+  assert points[0].directory.endswith(
+      f'trec-taco-lrrule{rate:g}-steps40-seed0')
   assert points[1].lr == 2e-4
   tweets = multiclass_runs.Point('tweets', 'adamw', 3e-5, 160, 2)
   assert tweets.flags() == [
       '--eval-size', '200', '--no-checkpoint', '--no-progress',
       '--optimizer', 'adamw', '--steps', '160', '--seed', '2', '--lr',
       '3e-05']
+
+
+def _row(task, optimizer, lr, seed, after, given=True):
+  return {'task': task, 'optimizer': optimizer, 'learning_rate': lr,
+          'lr_given': given, 'steps': 40, 'seed': seed,
+          'accuracy_after': after, 'accuracy_before': 0.2}
+
+
+def test_recorded_rows_are_merged_with_runs_that_replace_them(tmp_path,
+                                                              monkeypatch):
+  monkeypatch.setattr(multiclass_runs, 'ROOT', str(tmp_path / 'runs'))
+  monkeypatch.setattr(multiclass_runs, 'DATA', str(tmp_path / 'data.json'))
+  assert multiclass_runs.rows() == []
+  _result(tmp_path / 'runs', 'a', 'taco', 1e-4, False, 0, 0.47)
+  _result(tmp_path / 'runs', 'b', 'taco', 1e-4, False, 1, 0.50)
+  multiclass_runs.record(multiclass_runs.DATA, 'test')
+  recorded = multiclass_runs.recorded()
+  assert [r['accuracy_after'] for r in recorded] == [0.47, 0.50]
+  assert recorded[0] == _row('trec', 'taco', 1e-4, 0, 0.47, given=False)
+  # A new run of a recorded point replaces it; the others stay.
+  (tmp_path / 'runs' / 'a' / 'results.json').unlink()
+  (tmp_path / 'runs' / 'a').rmdir()
+  _result(tmp_path / 'runs', 'c', 'taco', 1e-4, False, 1, 0.44)
+  _result(tmp_path / 'runs', 'd', 'adamw', 3e-5, False, 1, 0.52)
+  assert sorted((r['optimizer'], r['seed'], r['accuracy_after'])
+                for r in multiclass_runs.rows()) == [
+                    ('adamw', 1, 0.52), ('taco', 0, 0.47), ('taco', 1, 0.44)]
+
+
+def test_fitted_rate_is_the_least_mean_shortfall_over_seed_means():
+  rows = []
+  # bbc: 1e-4 -> 0.86, 3e-4 -> 0.90, 1e-3 -> 0.92 (means of three seeds);
+  # trec: 0.48, 0.47, 0.44. Shortfalls: 1e-4 (0.06 + 0) / 2, 3e-4
+  # (0.02 + 0.01) / 2, 1e-3 (0 + 0.04) / 2: 3e-4.
+  for task, means in (('bbc', (0.86, 0.90, 0.92)),
+                      ('trec', (0.48, 0.47, 0.44))):
+    for lr, mean in zip((1e-4, 3e-4, 1e-3), means):
+      for seed, offset in enumerate((-0.01, 0.0, 0.01)):
+        rows.append(_row(task, 'taco', lr, seed, mean + offset,
+                         given=lr != 1e-4))
+  # A rate with two seeds only does not count, however good.
+  rows += [_row('bbc', 'taco', 2e-3, s, 0.99) for s in (0, 1)]
+  rows += [_row('trec', 'taco', 2e-3, s, 0.99) for s in (0, 1)]
+  means = multiclass_runs.seed_means(rows, 'taco')
+  assert means['bbc'][3e-4][0] == pytest.approx(0.90)
+  assert set(means['trec']) == {1e-4, 3e-4, 1e-3}
+  assert multiclass_runs.fitted_rate(rows, 'taco') == 3e-4
+  assert multiclass_runs.fitted_rate(rows, 'adamw') is None
+  # On one task alone, its best rate.
+  assert multiclass_runs.fitted_rate(
+      [r for r in rows if r['task'] == 'trec'], 'taco') == 1e-4
