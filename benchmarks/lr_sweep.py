@@ -261,9 +261,15 @@ def write(path: str, note: str = '') -> None:
                  f'{before:.2f} | {peak(scores):.2g} | {rule.lr:.2g} |')
   lines += ['', 'Fit (`fit()`): at each budget the rate run on both tasks '
             'that falls least short of each task\'s best accuracy, on '
-            'average; the reference is that rate at 40 x 4 and the exponents '
-            'carry it to the 10-step budgets. The rule in '
-            '`examples/finetune/optimizers.py` is written from these numbers:',
+            'average; this sweep\'s reference is that rate at 40 x 4 and the '
+            'exponents carry it to the 10-step budgets. The rule in '
+            '`examples/finetune/optimizers.py` takes its 40 x 4 reference '
+            'from the runs over seeds instead (three tasks, three or more '
+            'seeds, 200 held out: [multiclass.md](multiclass.md), '
+            '`benchmarks/data/multiclass_runs.json`; one seed and 100 '
+            'held-out examples here cannot tell neighbouring rates apart) and '
+            'its steps exponent carries that reference to this sweep\'s '
+            'robust rate at 10 steps:',
             '', '| optimizer | robust rate per budget | reference | steps '
             'exponent | batch exponent | rule |',
             '| --- | --- | ---: | ---: | ---: | --- |']

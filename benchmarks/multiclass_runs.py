@@ -139,13 +139,14 @@ def record(path: str, note: str) -> None:
 
 
 def finished(table_rows: Optional[list[dict]] = None) -> dict:
-  """``{(task, optimizer, lr, lr_given, steps): {seed: (after, before)}}``
-  in percent, from ``table_rows`` (default :func:`rows`)."""
+  """``{(task, optimizer, lr, steps): {seed: (after, before)}}`` in
+  percent, from ``table_rows`` (default :func:`rows`); a rate the rule gave
+  and the same rate given with ``--lr`` are one rate."""
   table = {}
   for row in rows() if table_rows is None else table_rows:
-    task, optimizer, lr, given, steps, seed = _key(row)
-    table.setdefault((task, optimizer, lr, given, steps), {})[seed] = (
-        100 * row['accuracy_after'], 100 * row['accuracy_before'])
+    task, optimizer, lr, _, steps, seed = _key(row)
+    table.setdefault((task, optimizer, float(f'{lr:.2g}'), steps), {})[
+        seed] = (100 * row['accuracy_after'], 100 * row['accuracy_before'])
   return table
 
 
@@ -153,7 +154,9 @@ def seed_means(table_rows: list[dict], optimizer: str, steps: int = 40,
                min_seeds: int = 3) -> dict:
   """``{task: {lr: (mean accuracy, zero-shot)}}`` over seeds, for the rates
   run with at least ``min_seeds`` seeds (the rule's rate and the same rate
-  given with ``--lr`` are one rate)."""
+  given with ``--lr`` are one rate). A task's rates are averaged over the
+  seeds they all ran, so that no rate gains from easier seeds; where fewer
+  than ``min_seeds`` are common, each over its own."""
   by_rate = {}
   for row in table_rows:
     if row['optimizer'] == optimizer and row['steps'] == steps:
@@ -162,11 +165,16 @@ def seed_means(table_rows: list[dict], optimizer: str, steps: int = 40,
           row['accuracy_after'], row['accuracy_before'])
   means = {}
   for task, rates in by_rate.items():
+    rates = {lr: seeds for lr, seeds in rates.items()
+             if len(seeds) >= min_seeds}
+    if not rates:
+      continue
+    common = set.intersection(*(set(seeds) for seeds in rates.values()))
     for lr, seeds in rates.items():
-      if len(seeds) >= min_seeds:
-        after = [a for a, _ in seeds.values()]
-        means.setdefault(task, {})[lr] = (sum(after) / len(after),
-                                          next(iter(seeds.values()))[1])
+      used = sorted(common) if len(common) >= min_seeds else sorted(seeds)
+      after = [seeds[s][0] for s in used]
+      means.setdefault(task, {})[lr] = (sum(after) / len(after),
+                                        seeds[used[0]][1])
   return means
 
 
@@ -184,38 +192,68 @@ def mean_se(values) -> tuple[float, float]:
   return summary.mean, float('nan') if summary.error is None else summary.error
 
 
-def _rate(lr, given):
-  return f'{lr:.2g}' + ('' if given else ' (rule)')
+def _rate(lr, optimizer, steps):
+  rule = lr == float(f'{rule_rate(optimizer, steps):.2g}')
+  return f'{lr:.2g}' + (' (rule)' if rule else '')
+
+
+def _classes(task: str) -> int:
+  return 2 if task == 'tweets' else len(multiclass_task.TASKS[task].labels)
+
+
+def summary(data: dict, steps: int = 40) -> None:
+  """TACO against AdamW, each at its rule's rate, per task: the seeds both
+  ran, each one's mean ± se and their paired difference."""
+  print('| task | classes | seeds | TACO | AdamW | TACO − AdamW, paired |')
+  print('| --- | ---: | ---: | ---: | ---: | ---: |')
+  for task in sorted({key[0] for key in data}):
+    taco, adamw = (data.get((task, name, float(f'{rule_rate(name, steps):.2g}'),
+                             steps), {}) for name in ('taco', 'adamw'))
+    common = sorted(set(taco) & set(adamw))
+    if len(common) < 2:
+      continue
+    cells = [mean_se([arm[s][0] for s in common]) for arm in (taco, adamw)]
+    diff = mean_se([taco[s][0] - adamw[s][0] for s in common])
+    print(f'| {task} | {_classes(task)} | {len(common)} | '
+          + ' | '.join(f'{m:.1f} ± {e:.1f}' for m, e in cells)
+          + f' | {diff[0]:+.1f} ± {diff[1]:.1f} |')
 
 
 def report() -> None:
-  """Prints both tables of the finished runs."""
+  """Prints the tables of the recorded and finished runs."""
   data = finished()
+  print(f'TACO and AdamW at the CLI\'s defaults (40 steps x batch 4, each at '
+        f'its budget rule\'s rate: TACO {rule_rate("taco", 40):.2g}, AdamW '
+        f'{rule_rate("adamw", 40):.2g}), held-out accuracy (%), mean ± '
+        'standard error over seeds:\n')
+  summary(data)
+  print()
   seeds_seen = sorted({s for seeds in data.values() for s in seeds})
   print('Accuracy (%) on 200 held-out examples, one CLI run per cell.\n')
   print('| task | optimizer | lr | steps | ' +
         ' | '.join(f'seed {s}' for s in seeds_seen) +
         ' | mean ± se | zero-shot |')
   print('| --- | --- | ---: | ---: |' + ' ---: |' * (len(seeds_seen) + 2))
-  for (task, opt, lr, given, steps), seeds in sorted(data.items()):
+  for (task, opt, lr, steps), seeds in sorted(data.items()):
     mean, se = mean_se([a for a, _ in seeds.values()])
     cells = ' | '.join(f'{seeds[s][0]:.1f}' if s in seeds else '–'
                        for s in seeds_seen)
     before = '/'.join(sorted({f'{b:.1f}' for _, b in seeds.values()}))
-    print(f'| {task} | {opt} | {_rate(lr, given)} | {steps} | {cells} | '
+    print(f'| {task} | {opt} | {_rate(lr, opt, steps)} | {steps} | {cells} | '
           f'{mean:.1f} ± {se:.1f} | {before} |')
   print('\nTACO − AdamW (AdamW at the rule\'s rate), paired by task, steps '
         'and seed:\n')
   print('| task | TACO lr | steps | seeds | differences | mean ± se |')
   print('| --- | ---: | ---: | --- | --- | ---: |')
-  for (task, opt, lr, given, steps), seeds in sorted(data.items()):
-    base = data.get((task, 'adamw', rule_rate('adamw', steps), False, steps))
+  for (task, opt, lr, steps), seeds in sorted(data.items()):
+    base = data.get((task, 'adamw',
+                     float(f'{rule_rate("adamw", steps):.2g}'), steps))
     common = sorted(set(seeds) & set(base or {}))
     if opt != 'taco' or not common:
       continue
     diffs = [seeds[s][0] - base[s][0] for s in common]
     mean, se = mean_se(diffs)
-    print(f'| {task} | {_rate(lr, given)} | {steps} | '
+    print(f'| {task} | {_rate(lr, opt, steps)} | {steps} | '
           f'{",".join(map(str, common))} | '
           f'{" ".join(f"{d:+.1f}" for d in diffs)} | {mean:+.1f} ± {se:.1f} |')
   fit_report(rows())
@@ -224,9 +262,10 @@ def report() -> None:
 def fit_report(table_rows: list[dict], steps: int = 40) -> None:
   """Per optimizer and task, the mean accuracy over seeds at each rate run
   with three or more seeds, and the rate fitted over the tasks."""
-  print(f'\nMean accuracy (%) over three or more seeds at {steps} steps, and '
-        'the rate that falls least short of each task\'s best on average, '
-        'among the rates run on every task (`fitted_rate`):\n')
+  print(f'\nMean accuracy (%) over three or more seeds at {steps} steps (per '
+        'task over the seeds all its rates ran), and the rate that falls '
+        'least short of each task\'s best on average, among the rates run '
+        'on every task (`fitted_rate`):\n')
   print('| optimizer | task | mean at each rate | best |')
   print('| --- | --- | --- | ---: |')
   for optimizer in ('taco', 'adamw'):

@@ -97,6 +97,9 @@ def test_table_gives_means_errors_and_paired_differences(tmp_path,
   # TACO - AdamW: -1, -9, 0: mean -3.33, se 2.85.
   assert '| trec | 0.0001 (rule) | 40 | 0,1,2 | -1.0 -9.0 +0.0 | -3.3 ± 2.8 |' \
          in out
+  # The summary: each optimizer at its rule's rate, over the common seeds.
+  # TACO 47, 46, 50: mean 47.67, sd 2.08, se 1.20.
+  assert '| trec | 6 | 3 | 47.7 ± 1.2 | 51.0 ± 2.1 | -3.3 ± 2.8 |' in out
   # One seed: no error, the difference paired on that seed only.
   assert '| trec | 0.0002 | 40 | 0 | +12.0 | +12.0 ± nan |' in out
 
@@ -163,6 +166,10 @@ def test_fitted_rate_is_the_least_mean_shortfall_over_seed_means():
   rows += [_row('trec', 'taco', 2e-3, s, 0.99) for s in (0, 1)]
   means = multiclass_runs.seed_means(rows, 'taco')
   assert means['bbc'][3e-4][0] == pytest.approx(0.90)
+  # More seeds at one rate: the rates are compared on the seeds all ran.
+  extra = [_row('trec', 'taco', 1e-4, seed, 0.10) for seed in (3, 4, 5)]
+  assert multiclass_runs.seed_means(rows + extra, 'taco')['trec'][1e-4][
+      0] == pytest.approx(0.48)
   assert set(means['trec']) == {1e-4, 3e-4, 1e-3}
   assert multiclass_runs.fitted_rate(rows, 'taco') == 3e-4
   assert multiclass_runs.fitted_rate(rows, 'adamw') is None
