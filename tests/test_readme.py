@@ -111,3 +111,27 @@ def test_relative_links_name_files_that_exist(page):
       continue  # a web address
     target = target.split('#')[0]
     assert (path.parent / target).exists(), (page, target)
+
+
+def _tables(text):
+  """Each run of consecutive table lines of ``text``, joined."""
+  tables, current = [], []
+  for line in text.splitlines() + ['']:
+    if line.startswith('|'):
+      current.append(line)
+    elif current:
+      tables.append('\n'.join(current))
+      current = []
+  return tables
+
+
+def test_quality_table_is_the_one_the_runs_script_wrote():
+  # The README's TACO-against-AdamW table is the summary that
+  # `python -m benchmarks.multiclass_runs --write docs/multiclass.md` wrote,
+  # so it cannot drift from the recorded runs.
+  text = README.read_text()
+  section = text.split('## How well it trains')[1].split('\n## ')[0]
+  table, = _tables(section)
+  assert '| TACO − AdamW, paired |' in table.splitlines()[0]
+  assert table in _tables(
+      (docs_pages.ROOT / 'docs' / 'multiclass.md').read_text())

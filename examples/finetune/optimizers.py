@@ -267,9 +267,9 @@ def _galore(schedule, hints, taco):
 # them to the robust rate of the single-seed sweep at 10 steps
 # (docs/learning_rate.md, ``benchmarks.lr_sweep``: TACO 3.2e-4, AdamW 1e-5),
 # so both rates are lower for a shorter run (AdamW's first steps move every
-# weight by about the rate; TACO's 1e-3 fell to chance at 10 steps). Neither moved with the batch:
-# the rule has no batch term. tests/test_lr_sweep.py ties these constants to
-# the recorded runs.
+# weight by about the rate; TACO's 1e-3 fell to chance on the tweets at 10
+# steps). Neither moved with the batch: the rule has no batch term.
+# tests/test_lr_sweep.py ties these constants to the recorded runs.
 _SOURCE = 'docs/multiclass.md (40 steps), docs/learning_rate.md (10 steps)'
 TACO_RULE = BudgetRule(5.6e-4, -0.41, _SOURCE,
                        long_run=(2000, 3e-5))  # the paper's rate at 2000 steps
