@@ -145,7 +145,7 @@ def finished(table_rows: Optional[list[dict]] = None) -> dict:
   table = {}
   for row in rows() if table_rows is None else table_rows:
     task, optimizer, lr, _, steps, seed = _key(row)
-    table.setdefault((task, optimizer, float(f'{lr:.2g}'), steps), {})[
+    table.setdefault((task, optimizer, _round(lr), steps), {})[
         seed] = (100 * row['accuracy_after'], 100 * row['accuracy_before'])
   return table
 
@@ -160,7 +160,7 @@ def seed_means(table_rows: list[dict], optimizer: str, steps: int = 40,
   by_rate = {}
   for row in table_rows:
     if row['optimizer'] == optimizer and row['steps'] == steps:
-      lr = float(f'{row["learning_rate"]:.2g}')
+      lr = _round(row['learning_rate'])
       by_rate.setdefault(row['task'], {}).setdefault(lr, {})[row['seed']] = (
           row['accuracy_after'], row['accuracy_before'])
   means = {}
@@ -186,6 +186,18 @@ def fitted_rate(table_rows: list[dict], optimizer: str,
       list(seed_means(table_rows, optimizer, steps).values()))
 
 
+def _round(lr: float) -> float:
+  """A rate to the two digits it is named by (a rate the rule gave and the
+  same rate given with ``--lr`` are one rate)."""
+  return float(f'{lr:.2g}')
+
+
+def _pm(mean: float, se: float, sign: str = '') -> str:
+  """``mean ± se`` to a tenth (``mean`` alone for one seed)."""
+  return (f'{mean:{sign}.1f}' if se != se else
+          f'{mean:{sign}.1f} ± {se:.1f}')
+
+
 def mean_se(values) -> tuple[float, float]:
   """The mean and its standard error (NaN for one value)."""
   summary = api.seed_summary(list(values))
@@ -193,7 +205,7 @@ def mean_se(values) -> tuple[float, float]:
 
 
 def _rate(lr, optimizer, steps):
-  rule = lr == float(f'{rule_rate(optimizer, steps):.2g}')
+  rule = lr == _round(rule_rate(optimizer, steps))
   return f'{lr:.2g}' + (' (rule)' if rule else '')
 
 
@@ -207,7 +219,7 @@ def summary(data: dict, steps: int = 40) -> None:
   print('| task | classes | seeds | TACO | AdamW | TACO − AdamW, paired |')
   print('| --- | ---: | ---: | ---: | ---: | ---: |')
   for task in sorted({key[0] for key in data}):
-    taco, adamw = (data.get((task, name, float(f'{rule_rate(name, steps):.2g}'),
+    taco, adamw = (data.get((task, name, _round(rule_rate(name, steps)),
                              steps), {}) for name in ('taco', 'adamw'))
     common = sorted(set(taco) & set(adamw))
     if len(common) < 2:
@@ -215,8 +227,8 @@ def summary(data: dict, steps: int = 40) -> None:
     cells = [mean_se([arm[s][0] for s in common]) for arm in (taco, adamw)]
     diff = mean_se([taco[s][0] - adamw[s][0] for s in common])
     print(f'| {task} | {_classes(task)} | {len(common)} | '
-          + ' | '.join(f'{m:.1f} ± {e:.1f}' for m, e in cells)
-          + f' | {diff[0]:+.1f} ± {diff[1]:.1f} |')
+          + ' | '.join(_pm(*cell) for cell in cells)
+          + f' | {_pm(*diff, sign="+")} |')
 
 
 def report() -> None:
@@ -227,6 +239,11 @@ def report() -> None:
         f'{rule_rate("adamw", 40):.2g}), held-out accuracy (%), mean ± '
         'standard error over seeds:\n')
   summary(data)
+  for steps in sorted({key[3] for key in data} - {40}):
+    print(f'\nThe same at {steps} steps (TACO {rule_rate("taco", steps):.2g}, '
+          f'AdamW {rule_rate("adamw", steps):.2g} by the rule; the warm-up '
+          f'is {api.default_warmup(steps)} steps):\n')
+    summary(data, steps)
   print()
   seeds_seen = sorted({s for seeds in data.values() for s in seeds})
   print('Accuracy (%) on 200 held-out examples, one CLI run per cell.\n')
@@ -240,14 +257,14 @@ def report() -> None:
                        for s in seeds_seen)
     before = '/'.join(sorted({f'{b:.1f}' for _, b in seeds.values()}))
     print(f'| {task} | {opt} | {_rate(lr, opt, steps)} | {steps} | {cells} | '
-          f'{mean:.1f} ± {se:.1f} | {before} |')
+          f'{_pm(mean, se)} | {before} |')
   print('\nTACO − AdamW (AdamW at the rule\'s rate), paired by task, steps '
         'and seed:\n')
   print('| task | TACO lr | steps | seeds | differences | mean ± se |')
   print('| --- | ---: | ---: | --- | --- | ---: |')
   for (task, opt, lr, steps), seeds in sorted(data.items()):
     base = data.get((task, 'adamw',
-                     float(f'{rule_rate("adamw", steps):.2g}'), steps))
+                     _round(rule_rate('adamw', steps)), steps))
     common = sorted(set(seeds) & set(base or {}))
     if opt != 'taco' or not common:
       continue
@@ -255,7 +272,7 @@ def report() -> None:
     mean, se = mean_se(diffs)
     print(f'| {task} | {_rate(lr, opt, steps)} | {steps} | '
           f'{",".join(map(str, common))} | '
-          f'{" ".join(f"{d:+.1f}" for d in diffs)} | {mean:+.1f} ± {se:.1f} |')
+          f'{" ".join(f"{d:+.1f}" for d in diffs)} | {_pm(mean, se, "+")} |')
   fit_report(rows())
 
 

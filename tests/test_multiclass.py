@@ -66,14 +66,15 @@ def test_files_are_a_balanced_held_out_split_written_once(tmp_path,
       '--label-words', '0=a,1=b,2=c', '--template', '{text}\nX:']
 
 
-def _result(root, name, optimizer, lr, given, seed, after, task='trec'):
+def _result(root, name, optimizer, lr, given, seed, after, task='trec',
+            steps=40):
   directory = os.path.join(root, name)
   os.makedirs(directory)
   with open(os.path.join(directory, 'results.json'), 'w') as f:
     json.dump({'optimizer': optimizer, 'learning_rate': lr,
                'after': {'accuracy': after}, 'before': {'accuracy': 0.2},
                'config': {'task': 'text', 'lr': lr if given else None,
-                          'steps': 40, 'seed': seed,
+                          'steps': steps, 'seed': seed,
                           'train_file': f'data/{task}-train.jsonl'}}, f)
 
 
@@ -81,14 +82,21 @@ def test_table_gives_means_errors_and_paired_differences(tmp_path,
                                                          monkeypatch, capsys):
   monkeypatch.setattr(multiclass_runs, 'ROOT', str(tmp_path))
   monkeypatch.setattr(multiclass_runs, 'DATA', str(tmp_path / 'none.json'))
-  monkeypatch.setattr(multiclass_runs, 'rule_rate',
-                      lambda optimizer, steps: {'taco': 1e-4,
-                                                'adamw': 3.2e-5}[optimizer])
+  monkeypatch.setattr(
+      multiclass_runs, 'rule_rate',
+      lambda optimizer, steps: {'taco': 1e-4 if steps == 40 else 5e-5,
+                                'adamw': 3.2e-5}[optimizer])
   for seed, (taco, adamw) in enumerate(((0.47, 0.48), (0.46, 0.55),
                                         (0.50, 0.50))):
     _result(tmp_path, f't{seed}', 'taco', 1e-4, False, seed, taco)
     _result(tmp_path, f'a{seed}', 'adamw', 3.2e-5, False, seed, adamw)
   _result(tmp_path, 'other', 'taco', 2e-4, True, 0, 0.60)
+  # A longer budget: the rule's rates there, a rate given with --lr apart.
+  for seed, (taco, adamw) in enumerate(((0.70, 0.76), (0.64, 0.74))):
+    _result(tmp_path, f'l{seed}', 'taco', 5e-5, False, seed, taco, steps=160)
+    _result(tmp_path, f'm{seed}', 'adamw', 3.2e-5, False, seed, adamw,
+            steps=160)
+  _result(tmp_path, 'n0', 'taco', 1e-4, True, 0, 0.99, steps=160)
   multiclass_runs.report()
   out = capsys.readouterr().out
   # AdamW 48, 55, 50: mean 51.0, sd sqrt(13), se 2.08.
@@ -101,7 +109,14 @@ def test_table_gives_means_errors_and_paired_differences(tmp_path,
   # TACO 47, 46, 50: mean 47.67, sd 2.08, se 1.20.
   assert '| trec | 6 | 3 | 47.7 ± 1.2 | 51.0 ± 2.1 | -3.3 ± 2.8 |' in out
   # One seed: no error, the difference paired on that seed only.
-  assert '| trec | 0.0002 | 40 | 0 | +12.0 | +12.0 ± nan |' in out
+  assert '| trec | 0.0002 | 40 | 0 | +12.0 | +12.0 |' in out
+  # The summary at 160 steps comes after the one at 40 and its own heading:
+  # TACO 70, 64 (67.0 ± 3.0), AdamW 76, 74 (75.0 ± 1.0), -6, -10 (-8.0 ± 2.0).
+  longer = out.split('The same at 160 steps (TACO 5e-05, AdamW 3.2e-05 by '
+                     'the rule; the warm-up is 16 steps)')[1]
+  assert longer.split('\n\n')[1].splitlines()[2] == (
+      '| trec | 6 | 2 | 67.0 ± 3.0 | 75.0 ± 1.0 | -8.0 ± 2.0 |')
+  assert '| trec | 0.0001 | 160 | 0 | +23.0 | +23.0 |' in out
 
 
 def test_grid_is_the_product_of_the_flags():

@@ -119,6 +119,7 @@ def smollm2_tokenizer():
 TacoSettings = optimizers_lib.TacoSettings
 decoder_hints = optimizers_lib.decoder_hints
 linear_schedule = optimizers_lib.linear_schedule
+default_warmup = preparation.default_warmup
 
 
 def optimizer(name: str) -> optimizers_lib.OptimizerSpec:

@@ -239,8 +239,14 @@ def _learning_rate(config: flags_lib.RunConfig) -> tuple[float, str, int]:
     lr, lr_source = optimizers_lib.get(config.optimizer).default_rate(
         config.steps)
   warmup = (config.warmup_steps if config.warmup_steps is not None
-            else min(50, config.steps // 10))
+            else default_warmup(config.steps))
   return lr, lr_source, warmup
+
+
+def default_warmup(steps: int) -> int:
+  """The warm-up without ``--warmup-steps``: a tenth of the run, at most
+  50 steps."""
+  return min(50, steps // 10)
 
 
 def _stop_ids(model_config, tokenizer) -> list[int]:
