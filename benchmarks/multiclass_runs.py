@@ -7,8 +7,13 @@ embedded ``tweets``, scored on 200 held-out examples. The grid is the product
 of the flags; ``rule`` as a rate is the CLI's own budget rule (the rate it
 picked is read back from results.json).
 
+``--settings`` adds variants of TACO's or the schedule's settings (``k``,
+``mu``, ``warmup``: ``--taco-k``, ``--taco-mu``, ``--warmup-steps``); their
+runs are shown apart and left out of the rule's fit.
+
 Each point goes to ``runs/multiclass/TASK-OPT-lrLR-stepsS-seedN`` (``LR``
-is ``ruleRATE`` for the rule's current rate) and is skipped when its
+is ``ruleRATE`` for the rule's current rate; a variant appends
+``-NAME=VALUE``) and is skipped when its
 results.json exists, so a grid resumes where it stopped. ``--record`` keeps
 every run's figures in ``benchmarks/data/multiclass_runs.json``, which the
 budget rule's test reads (runs/ is not committed). The tables read the
@@ -20,6 +25,8 @@ task's best mean over seeds (:func:`fitted_rate`).
 
     python -m benchmarks.multiclass_runs --tasks trec,bbc \\
         --optimizers taco,adamw --lrs rule --steps 40 --seeds 0,1,2
+    python -m benchmarks.multiclass_runs --tasks trec --optimizers taco \
+        --steps 160 --settings 'mu=0.9,warmup=0'
     python -m benchmarks.multiclass_runs --table
     python -m benchmarks.multiclass_runs --write docs/multiclass.md
     python -m benchmarks.multiclass_runs --record \\
@@ -51,6 +58,7 @@ class Point:
   lr: Optional[float]  # None: the CLI's budget rule
   steps: int
   seed: int
+  settings: str = ''  # e.g. 'k=32 mu=0.9' (see SETTINGS); '': the CLI's
 
   @property
   def directory(self) -> str:
@@ -58,8 +66,9 @@ class Point:
     # earlier rule is not taken for one of the current rule.
     lr = (f'rule{rule_rate(self.optimizer, self.steps):g}' if self.lr is None
           else f'{self.lr:g}')
+    variant = ''.join(f'-{setting}' for setting in self.settings.split())
     return os.path.join(ROOT, f'{self.task}-{self.optimizer}-lr{lr}-steps'
-                        f'{self.steps}-seed{self.seed}')
+                        f'{self.steps}-seed{self.seed}{variant}')
 
   def flags(self) -> list[str]:
     task = ([] if self.task == 'tweets' else
@@ -67,7 +76,25 @@ class Point:
     flags = [*task, '--eval-size', str(EVAL_SIZE), '--no-checkpoint',
              '--no-progress', '--optimizer', self.optimizer,
              '--steps', str(self.steps), '--seed', str(self.seed)]
+    for setting in self.settings.split():
+      name, value = setting.split('=')
+      flags += [SETTINGS[name][0], value]
     return flags + ([] if self.lr is None else ['--lr', repr(self.lr)])
+
+
+# A setting a point may change: its name -> (the CLI's flag, the field of
+# results.json's config, the CLI's default).
+SETTINGS = {'k': ('--taco-k', 'taco_k', 16),
+            'mu': ('--taco-mu', 'taco_mu', 0.95),
+            'warmup': ('--warmup-steps', 'warmup_steps', None)}
+
+
+def settings_of(config: dict) -> str:
+  """The settings a run's config changed from the CLI's defaults, as a
+  :class:`Point` names them (``''`` for none)."""
+  return ' '.join(f'{name}={config[field]:g}'
+                  for name, (_, field, default) in SETTINGS.items()
+                  if config.get(field, default) != default)
 
 
 def rule_rate(optimizer: str, steps: int) -> float:
@@ -77,10 +104,18 @@ def rule_rate(optimizer: str, steps: int) -> float:
 
 def grid(args) -> list[Point]:
   rates = [None if r == 'rule' else float(r) for r in args.lrs.split(',')]
-  return [Point(task, optimizer, lr, int(steps), int(seed))
-          for task, steps, seed, optimizer, lr in itertools.product(
+  variants = [] if args.settings == 'default' else args.settings.split(',')
+  for variant in variants:
+    for setting in variant.split():
+      name, _, value = setting.partition('=')
+      if name not in SETTINGS or not value:
+        raise SystemExit(f'--settings: {setting!r} is not NAME=VALUE with '
+                         f'NAME one of {", ".join(SETTINGS)}')
+  return [Point(task, optimizer, lr, int(steps), int(seed), variant)
+          for task, steps, seed, optimizer, lr, variant in itertools.product(
               args.tasks.split(','), args.steps.split(','),
-              args.seeds.split(','), args.optimizers.split(','), rates)]
+              args.seeds.split(','), args.optimizers.split(','), rates,
+              [''] + variants if args.with_default else variants or [''])]
 
 
 DATA = os.path.join(os.path.dirname(__file__), 'data', 'multiclass_runs.json')
@@ -88,13 +123,14 @@ DATA = os.path.join(os.path.dirname(__file__), 'data', 'multiclass_runs.json')
 
 def _key(row: dict) -> tuple:
   return (row['task'], row['optimizer'], row['learning_rate'],
-          row['lr_given'], row['steps'], row['seed'])
+          row['lr_given'], row['steps'], row['seed'], row.get('settings', ''))
 
 
 def finished_runs(root: Optional[str] = None) -> list[dict]:
   """One row per results.json under ``root`` (default ROOT): the task, the
-  optimizer, its rate (and whether ``--lr`` gave it), steps, seed and the
-  held-out accuracy after and before training (fractions)."""
+  optimizer, its rate (and whether ``--lr`` gave it), steps, seed, the
+  settings changed (only where some were) and the held-out accuracy after
+  and before training (fractions)."""
   rows = []
   for path in sorted(glob.glob(os.path.join(root or ROOT, '*',
                                             'results.json'))):
@@ -110,6 +146,8 @@ def finished_runs(root: Optional[str] = None) -> list[dict]:
         'seed': config['seed'],
         'accuracy_after': done['after']['accuracy'],
         'accuracy_before': done['before']['accuracy']})
+    if settings_of(config):
+      rows[-1]['settings'] = settings_of(config)
   return rows
 
 
@@ -139,13 +177,13 @@ def record(path: str, note: str) -> None:
 
 
 def finished(table_rows: Optional[list[dict]] = None) -> dict:
-  """``{(task, optimizer, lr, steps): {seed: (after, before)}}`` in
-  percent, from ``table_rows`` (default :func:`rows`); a rate the rule gave
-  and the same rate given with ``--lr`` are one rate."""
+  """``{(task, optimizer, lr, steps, settings): {seed: (after, before)}}``
+  in percent, from ``table_rows`` (default :func:`rows`); a rate the rule
+  gave and the same rate given with ``--lr`` are one rate."""
   table = {}
   for row in rows() if table_rows is None else table_rows:
-    task, optimizer, lr, _, steps, seed = _key(row)
-    table.setdefault((task, optimizer, _round(lr), steps), {})[
+    task, optimizer, lr, _, steps, seed, settings = _key(row)
+    table.setdefault((task, optimizer, _round(lr), steps, settings), {})[
         seed] = (100 * row['accuracy_after'], 100 * row['accuracy_before'])
   return table
 
@@ -156,10 +194,12 @@ def seed_means(table_rows: list[dict], optimizer: str, steps: int = 40,
   run with at least ``min_seeds`` seeds (the rule's rate and the same rate
   given with ``--lr`` are one rate). A task's rates are averaged over the
   seeds they all ran, so that no rate gains from easier seeds; where fewer
-  than ``min_seeds`` are common, each over its own."""
+  than ``min_seeds`` are common, each over its own. Runs that changed a
+  setting are left out: the rule is for the CLI's settings."""
   by_rate = {}
   for row in table_rows:
-    if row['optimizer'] == optimizer and row['steps'] == steps:
+    if (row['optimizer'] == optimizer and row['steps'] == steps
+        and not row.get('settings')):
       lr = _round(row['learning_rate'])
       by_rate.setdefault(row['task'], {}).setdefault(lr, {})[row['seed']] = (
           row['accuracy_after'], row['accuracy_before'])
@@ -220,7 +260,7 @@ def summary(data: dict, steps: int = 40) -> None:
   print('| --- | ---: | ---: | ---: | ---: | ---: |')
   for task in sorted({key[0] for key in data}):
     taco, adamw = (data.get((task, name, _round(rule_rate(name, steps)),
-                             steps), {}) for name in ('taco', 'adamw'))
+                             steps, ''), {}) for name in ('taco', 'adamw'))
     common = sorted(set(taco) & set(adamw))
     if len(common) < 2:
       continue
@@ -247,31 +287,33 @@ def report() -> None:
   print()
   seeds_seen = sorted({s for seeds in data.values() for s in seeds})
   print('Accuracy (%) on 200 held-out examples, one CLI run per cell.\n')
-  print('| task | optimizer | lr | steps | ' +
+  print('| task | optimizer | lr | steps | settings | ' +
         ' | '.join(f'seed {s}' for s in seeds_seen) +
         ' | mean ± se | zero-shot |')
-  print('| --- | --- | ---: | ---: |' + ' ---: |' * (len(seeds_seen) + 2))
-  for (task, opt, lr, steps), seeds in sorted(data.items()):
+  print('| --- | --- | ---: | ---: | --- |'
+        + ' ---: |' * (len(seeds_seen) + 2))
+  for (task, opt, lr, steps, settings), seeds in sorted(data.items()):
     mean, se = mean_se([a for a, _ in seeds.values()])
     cells = ' | '.join(f'{seeds[s][0]:.1f}' if s in seeds else '–'
                        for s in seeds_seen)
     before = '/'.join(sorted({f'{b:.1f}' for _, b in seeds.values()}))
-    print(f'| {task} | {opt} | {_rate(lr, opt, steps)} | {steps} | {cells} | '
-          f'{_pm(mean, se)} | {before} |')
-  print('\nTACO − AdamW (AdamW at the rule\'s rate), paired by task, steps '
-        'and seed:\n')
-  print('| task | TACO lr | steps | seeds | differences | mean ± se |')
-  print('| --- | ---: | ---: | --- | --- | ---: |')
-  for (task, opt, lr, steps), seeds in sorted(data.items()):
+    print(f'| {task} | {opt} | {_rate(lr, opt, steps)} | {steps} | '
+          f'{settings or "–"} | {cells} | {_pm(mean, se)} | {before} |')
+  print('\nTACO − AdamW (AdamW at the rule\'s rate and the CLI\'s '
+        'settings), paired by task, steps and seed:\n')
+  print('| task | TACO lr | steps | TACO settings | seeds | differences | '
+        'mean ± se |')
+  print('| --- | ---: | ---: | --- | --- | --- | ---: |')
+  for (task, opt, lr, steps, settings), seeds in sorted(data.items()):
     base = data.get((task, 'adamw',
-                     _round(rule_rate('adamw', steps)), steps))
+                     _round(rule_rate('adamw', steps)), steps, ''))
     common = sorted(set(seeds) & set(base or {}))
     if opt != 'taco' or not common:
       continue
     diffs = [seeds[s][0] - base[s][0] for s in common]
     mean, se = mean_se(diffs)
     print(f'| {task} | {_rate(lr, opt, steps)} | {steps} | '
-          f'{",".join(map(str, common))} | '
+          f'{settings or "–"} | {",".join(map(str, common))} | '
           f'{" ".join(f"{d:+.1f}" for d in diffs)} | {_pm(mean, se, "+")} |')
   fit_report(rows())
 
@@ -308,6 +350,12 @@ def main(argv=None) -> None:
                       help='comma-separated rates; "rule" is the CLI\'s own')
   parser.add_argument('--steps', default='40')
   parser.add_argument('--seeds', default='0,1,2')
+  parser.add_argument('--settings', default='default',
+                      help='comma-separated variants, each space-separated '
+                      'NAME=VALUE settings (k, mu, warmup: --taco-k, '
+                      '--taco-mu, --warmup-steps); "default": the CLI\'s')
+  parser.add_argument('--with-default', action='store_true',
+                      help='with --settings: run the CLI\'s settings too')
   parser.add_argument('--deadline', type=float, default=None,
                       help='unix time after which no new point starts')
   parser.add_argument('--table', action='store_true',

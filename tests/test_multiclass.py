@@ -67,7 +67,7 @@ def test_files_are_a_balanced_held_out_split_written_once(tmp_path,
 
 
 def _result(root, name, optimizer, lr, given, seed, after, task='trec',
-            steps=40):
+            steps=40, **config):
   directory = os.path.join(root, name)
   os.makedirs(directory)
   with open(os.path.join(directory, 'results.json'), 'w') as f:
@@ -75,7 +75,9 @@ def _result(root, name, optimizer, lr, given, seed, after, task='trec',
                'after': {'accuracy': after}, 'before': {'accuracy': 0.2},
                'config': {'task': 'text', 'lr': lr if given else None,
                           'steps': steps, 'seed': seed,
-                          'train_file': f'data/{task}-train.jsonl'}}, f)
+                          'train_file': f'data/{task}-train.jsonl',
+                          'taco_k': 16, 'taco_mu': 0.95,
+                          'warmup_steps': None, **config}}, f)
 
 
 def test_table_gives_means_errors_and_paired_differences(tmp_path,
@@ -97,32 +99,38 @@ def test_table_gives_means_errors_and_paired_differences(tmp_path,
     _result(tmp_path, f'm{seed}', 'adamw', 3.2e-5, False, seed, adamw,
             steps=160)
   _result(tmp_path, 'n0', 'taco', 1e-4, True, 0, 0.99, steps=160)
+  _result(tmp_path, 'v1', 'taco', 5e-5, False, 1, 0.85, steps=160,
+          taco_mu=0.9)
   multiclass_runs.report()
   out = capsys.readouterr().out
   # AdamW 48, 55, 50: mean 51.0, sd sqrt(13), se 2.08.
-  assert '| trec | adamw | 3.2e-05 (rule) | 40 | 48.0 | 55.0 | 50.0 | ' \
+  assert '| trec | adamw | 3.2e-05 (rule) | 40 | – | 48.0 | 55.0 | 50.0 | ' \
          '51.0 ± 2.1 | 20.0 |' in out
   # TACO - AdamW: -1, -9, 0: mean -3.33, se 2.85.
-  assert '| trec | 0.0001 (rule) | 40 | 0,1,2 | -1.0 -9.0 +0.0 | -3.3 ± 2.8 |' \
-         in out
+  assert ('| trec | 0.0001 (rule) | 40 | – | 0,1,2 | -1.0 -9.0 +0.0 | '
+          '-3.3 ± 2.8 |') in out
   # The summary: each optimizer at its rule's rate, over the common seeds.
   # TACO 47, 46, 50: mean 47.67, sd 2.08, se 1.20.
   assert '| trec | 6 | 3 | 47.7 ± 1.2 | 51.0 ± 2.1 | -3.3 ± 2.8 |' in out
   # One seed: no error, the difference paired on that seed only.
-  assert '| trec | 0.0002 | 40 | 0 | +12.0 | +12.0 |' in out
+  assert '| trec | 0.0002 | 40 | – | 0 | +12.0 | +12.0 |' in out
   # The summary at 160 steps comes after the one at 40 and its own heading:
   # TACO 70, 64 (67.0 ± 3.0), AdamW 76, 74 (75.0 ± 1.0), -6, -10 (-8.0 ± 2.0).
   longer = out.split('The same at 160 steps (TACO 5e-05, AdamW 3.2e-05 by '
                      'the rule; the warm-up is 16 steps)')[1]
   assert longer.split('\n\n')[1].splitlines()[2] == (
       '| trec | 6 | 2 | 67.0 ± 3.0 | 75.0 ± 1.0 | -8.0 ± 2.0 |')
-  assert '| trec | 0.0001 | 160 | 0 | +23.0 | +23.0 |' in out
+  assert '| trec | 0.0001 | 160 | – | 0 | +23.0 | +23.0 |' in out
+  # A run that changed a setting is a row of its own, paired with AdamW at
+  # the CLI's settings, and no part of the summary.
+  assert '| trec | 5e-05 (rule) | 160 | mu=0.9 | 1 | +11.0 | +11.0 |' in out
+  assert '| trec | taco | 5e-05 (rule) | 160 | mu=0.9 | – | 85.0 | – | ' in out
 
 
 def test_grid_is_the_product_of_the_flags():
   args = multiclass_runs.argparse.Namespace(
       tasks='trec,bbc', optimizers='taco', lrs='rule,2e-4', steps='40',
-      seeds='0,1')
+      seeds='0,1', settings='default', with_default=False)
   points = multiclass_runs.grid(args)
   assert len(points) == 8
   assert points[0] == multiclass_runs.Point('trec', 'taco', None, 40, 0)
@@ -136,6 +144,32 @@ def test_grid_is_the_product_of_the_flags():
       '--eval-size', '200', '--no-checkpoint', '--no-progress',
       '--optimizer', 'adamw', '--steps', '160', '--seed', '2', '--lr',
       '3e-05']
+
+
+def test_settings_name_the_point_and_its_flags_and_are_read_back(tmp_path):
+  args = multiclass_runs.argparse.Namespace(
+      tasks='tweets', optimizers='taco', lrs='1e-4', steps='160', seeds='0',
+      settings='mu=0.9,k=32 warmup=0', with_default=True)
+  points = multiclass_runs.grid(args)
+  assert [p.settings for p in points] == ['', 'mu=0.9', 'k=32 warmup=0']
+  assert points[2].directory.endswith(
+      'tweets-taco-lr0.0001-steps160-seed0-k=32-warmup=0')
+  assert points[2].flags()[-6:] == ['--taco-k', '32', '--warmup-steps', '0',
+                                    '--lr', '0.0001']
+  args.with_default = False
+  assert [p.settings for p in multiclass_runs.grid(args)] == [
+      'mu=0.9', 'k=32 warmup=0']
+  for bad in ('beta=0.9', 'mu'):
+    args.settings = bad
+    with pytest.raises(SystemExit, match='NAME=VALUE'):
+      multiclass_runs.grid(args)
+  # What a run changed is read back from its config, in SETTINGS' order.
+  _result(tmp_path, 'r', 'taco', 1e-4, True, 0, 0.5, warmup_steps=0,
+          taco_k=32)
+  row, = multiclass_runs.finished_runs(str(tmp_path))
+  assert row['settings'] == 'k=32 warmup=0'
+  assert multiclass_runs.settings_of({'taco_k': 16, 'taco_mu': 0.95,
+                                      'warmup_steps': None}) == ''
 
 
 def _row(task, optimizer, lr, seed, after, given=True):
@@ -188,6 +222,10 @@ def test_fitted_rate_is_the_least_mean_shortfall_over_seed_means():
   assert set(means['trec']) == {1e-4, 3e-4, 1e-3}
   assert multiclass_runs.fitted_rate(rows, 'taco') == 3e-4
   assert multiclass_runs.fitted_rate(rows, 'adamw') is None
+  # Runs that changed a setting are not the CLI's: the fit leaves them out.
+  varied = [dict(_row('trec', 'taco', 1e-3, s, 0.99), settings='mu=0.9')
+            for s in (0, 1, 2)]
+  assert multiclass_runs.seed_means(rows + varied, 'taco') == means
   # On one task alone, its best rate.
   assert multiclass_runs.fitted_rate(
       [r for r in rows if r['task'] == 'trec'], 'taco') == 1e-4
