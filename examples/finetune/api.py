@@ -10,7 +10,8 @@ example:
   :func:`layered_model`, :func:`load_model`, :func:`smollm2_tokenizer`;
 * the optimizers: :func:`optimizer` (an ``--optimizer`` entry: its builder
   and its learning-rate rule), :class:`TacoSettings`, :func:`decoder_hints`,
-  :func:`linear_schedule` (the warm-up/decay schedule);
+  :func:`linear_schedule` (the warm-up/decay schedule) and
+  :func:`default_warmup` (its warm-up without ``--warmup-steps``);
 * data and evaluation: :func:`tweets`, ``TWEETS_LABEL_WORDS`` (label ->
   scored completion of the tweets task), :func:`balanced_split`,
   :class:`TokenizedExample`, :func:`encode`, :func:`tokenize`,
@@ -62,7 +63,8 @@ __all__ = [
     'device_bytes', 'make_mesh', 'parse_mesh', 'plan_memory_on_mesh',
     'seed_summary', 'with_shardings',
     'completion_loss', 'decoder_hints', 'encode', 'evaluate', 'format_bytes',
-    'held_out_set', 'layered_model', 'linear_schedule', 'load_model',
+    'default_warmup', 'held_out_set', 'layered_model', 'linear_schedule',
+    'load_model',
     'model_config', 'new_decoder', 'optimizer', 'peak_memory', 'plan_memory',
     'smollm2_tokenizer', 'tokenize', 'training_batches', 'training_tokens',
     'tree_bytes', 'tweets', 'write_json_atomic',
