@@ -233,7 +233,8 @@ def print_mesh_plan(name, mesh, result, gpu_gb):
         f'TACO state {result["taco_state"] / GB:.3f}, AdamW state '
         f'{result["adamw_state"] / GB:.2f}, layer inputs '
         f'{t.layer_inputs / GB:.3f}, gathered block '
-        f'{t.gathered_block / GB:.3f}, logits {t.head_phase / GB:.3f}')
+        f'{t.gathered_block / GB:.3f}, plain step\'s gathers '
+        f'{t.plain_gathers / GB:.2f}, logits {t.head_phase / GB:.3f}')
   for method, peak in result['peaks'].items():
     print(f'  {method:<28}{peak / GB:>9.2f}  fits {gpu_gb:g} GB: '
           f'{"yes" if peak <= gpu_gb * GB else "no"}')

@@ -261,6 +261,24 @@ class MeshTerms(NamedTuple):
       layer-wise step's layers on a mesh that splits the vocabulary (seen on
       reduced-layer OPT-13B, Qwen3-32B and Llama-3-70B at fsdp = 2, 4, 8:
       ``python -m benchmarks.planner --validate-mesh``); 0 on one device.
+    plain_gathers: every layer's weights gathered over ``fsdp`` twice (split
+      over ``tensor``; 0 without ``fsdp``): the plain step's gathers, the
+      forward's and the backward's (the recomputed forward and the input
+      gradient's matmuls share one), read only the parameters, so XLA
+      issues them all at the step's start and keeps each to its last use
+      (XLA:CPU's heap simulation of reduced-layer OPT-13B, Qwen3-32B and
+      Llama-3-70B at fsdp = 2, 4, 8, and of OPT-13B with 3, 4 and 8 layers:
+      each layer's weights gathered twice at the peak; a GPU's scheduler may
+      issue them later, not checked). The layer-wise step orders each
+      layer's gathers after its input instead (``gathered_block``).
+    gather_copy: the largest layer weight split over ``fsdp`` on its output
+      axis (the row-parallel ``o``, ``down``, ``fc2``), gathered over
+      ``fsdp``: XLA gathers it column-major and copies it row-major, both
+      whole for a moment, at the plain step's peak for the last gather.
+    table_gradient: this device's shard of the token table's gradient: the
+      lookup's scatter-add target, zeroed at the plain step's start.
+    position_table: a learned position table whole, twice: gathered for its
+      lookup, and its gradient formed whole (the plain step's start).
   """
   weights: int
   layer_inputs: int
@@ -271,12 +289,25 @@ class MeshTerms(NamedTuple):
   table_blocks: int
   position_grads: int
   table_copy: int
+  plain_gathers: int
+  gather_copy: int
+  table_gradient: int
+  position_table: int
 
   def layerwise_peak(self, state_bytes: int) -> int:
     return mesh_layerwise_peak(self, state_bytes)
 
   def plain_peak(self, state_bytes: int) -> int:
     return mesh_plain_peak(self, state_bytes)
+
+
+def _split_on_output_axis(x, axis: str) -> bool:
+  """Whether mesh ``axis`` splits the last (output) axis of abstract ``x``."""
+  spec = getattr(getattr(x, 'sharding', None), 'spec', None)
+  if not spec or len(spec) < x.ndim or x.ndim < 2:
+    return False
+  last = spec[x.ndim - 1]
+  return axis == last or (isinstance(last, tuple) and axis in last)
 
 
 def mesh_terms(config: config_lib.ModelConfig, params, *,
@@ -304,7 +335,14 @@ def mesh_terms(config: config_lib.ModelConfig, params, *,
       position_grads=device_bytes(params[0].get('positions', {})),
       table_copy=0 if fsdp * tensor == 1 else max(
           device_bytes(params[0]['embed']),
-          device_bytes(params[0].get('lm_head', {}))))
+          device_bytes(params[0].get('lm_head', {}))),
+      plain_gathers=(2 * config.num_layers * layer_bytes // tensor
+                     if fsdp > 1 else 0),
+      gather_copy=max((device_bytes(x) * fsdp
+                       for x in jax.tree.leaves(params[1])
+                       if _split_on_output_axis(x, 'fsdp')), default=0),
+      table_gradient=device_bytes(params[0]['embed']),
+      position_table=2 * tree_bytes(params[0].get('positions', {})))
 
 
 def mesh_layerwise_peak(t: MeshTerms, state_bytes: int) -> int:
@@ -317,8 +355,17 @@ def mesh_layerwise_peak(t: MeshTerms, state_bytes: int) -> int:
 
 
 def mesh_plain_peak(t: MeshTerms, state_bytes: int) -> int:
-  """One device's peak of ``value_and_grad -> tx.update`` with remat: every
-  gradient's shard at once, the logits' buffers still alive when the last
-  block's backward runs (seen in XLA's heap simulation)."""
-  return (t.weights + state_bytes + t.layer_inputs + t.weights + t.head_phase
-          + 2 * t.gathered_block + t.layer_gradient + t.layer_activations)
+  """One device's peak of ``value_and_grad -> tx.update`` with remat.
+
+  The larger of two moments (seen in XLA's heap simulation): the step's
+  start, where every gather of the step is already issued (two whole copies
+  of each layer's weights, ``plain_gathers``), and the last block's
+  backward, with every gradient's shard at once and the logits' buffers
+  still alive. With ``fsdp`` the start is the larger one once a model has
+  more than a few layers.
+  """
+  start = (t.plain_gathers + t.gather_copy + t.table_gradient
+           + t.position_table)
+  backward = (t.layer_inputs + t.weights + t.head_phase
+              + 2 * t.gathered_block + t.layer_gradient + t.layer_activations)
+  return t.weights + state_bytes + max(start, backward)

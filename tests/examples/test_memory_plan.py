@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import pytest
 
 from benchmarks import memory
+from benchmarks import mesh_plan
 from benchmarks import planner
 from benchmarks import presets
 from examples.finetune import api
@@ -90,3 +91,37 @@ def test_mesh_plan_counts_each_devices_shards():
   assert state(whole) / 2 < state(fsdp) < state(whole)
   assert fsdp.layerwise_peak(state(fsdp)) < whole.layerwise_peak(
       state(whole)) / 3
+
+
+def test_mesh_plain_step_keeps_every_layer_gathered_twice():
+  # The plain step's gathers (forward and backward) are all issued at its
+  # start: each extra layer adds two whole copies of its weights to one
+  # device's peak at fsdp=8, not an eighth of them.
+  plans = {layers: api.plan_memory_on_mesh(
+      api.model_config(presets.PRESETS['smollm2-135m'], num_layers=layers),
+      {'fsdp': 8}, dtype=jnp.float32, batch=8, seq=64) for layers in (4, 8)}
+  layer_bytes = api.tree_bytes(plans[4].params[1]) // 4
+  assert plans[8].terms.plain_gathers == 2 * 8 * layer_bytes
+  growth = plans[8].plain_peak(0) - plans[4].plain_peak(0)
+  assert growth > 2 * 4 * layer_bytes
+  one_device = api.plan_memory_on_mesh(
+      api.model_config(presets.PRESETS['smollm2-135m'], num_layers=2), {},
+      dtype=jnp.float32, batch=8, seq=64)
+  assert one_device.terms.plain_gathers == 0
+
+
+@pytest.mark.long
+@pytest.mark.parametrize('layers', [2, 4])
+def test_mesh_formula_tracks_the_compiled_steps(layers):
+  # Reduced-layer SmolLM2 compiled on 8 CPU devices (fsdp=8, a subprocess):
+  # the formula within 10 % of XLA's per-device peak for both steps, at two
+  # depths (the plain step's gathers grow with the layers).
+  hf_config = dict(presets.PRESETS['smollm2-135m'], num_hidden_layers=layers)
+  compiled = mesh_plan.compiled_in_subprocess(
+      hf_config, 'fsdp=8', dtype=jnp.float32, batch=8, seq=64,
+      num_layers=None)
+  predicted = planner.plan_on_mesh(hf_config, {'fsdp': 8}, batch=8, seq=64,
+                                   dtype=jnp.float32)['peaks']
+  for method, formula in predicted.items():
+    ratio = formula / compiled[method]['peak']
+    assert 0.9 < ratio < 1.1, (method, ratio)
