@@ -204,8 +204,10 @@ def fit_table(batch=8, seq=128, dtype=jnp.bfloat16):
   print(f'Predicted peak per GPU, GB ({jnp.dtype(dtype).name} weights and '
         f'compute, batch {batch} x {seq} tokens, the CLI\'s unrolled layers '
         'with remat, FSDP over the GPUs; TACO: the layer-wise step, AdamW: '
-        'the plain step with moments in the parameter dtype); "no": over the '
-        'GPU\'s memory.\n')
+        'the plain step with moments in the parameter dtype, every layer\'s '
+        'weights gathered twice at once, as XLA:CPU issues all its gathers '
+        'at the step\'s start, not checked on a GPU); "no": over the GPU\'s '
+        'memory.\n')
   print('| model | ' + ' | '.join(f'{label}: TACO / AdamW'
                                    for label, _, _ in FIT_MACHINES) + ' |')
   print('| --- |' + ' --- |' * len(FIT_MACHINES))
