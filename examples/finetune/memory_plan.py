@@ -268,9 +268,11 @@ class MeshTerms(NamedTuple):
       issues them all at the step's start and keeps each to its last use
       (XLA:CPU's heap simulation of reduced-layer OPT-13B, Qwen3-32B and
       Llama-3-70B at fsdp = 2, 4, 8, and of OPT-13B with 3, 4 and 8 layers:
-      each layer's weights gathered twice at the peak; a GPU's scheduler may
-      issue them later, not checked). The layer-wise step orders each
-      layer's gathers after its input instead (``gathered_block``).
+      each layer's weights gathered twice at the peak). Not in every
+      program: the CLI's SmolLM2 AdamW step holds them at fsdp = 2, 4 but
+      not at fsdp = 8 (``docs/mesh_memory.md``), where this overstates its
+      peak 2.4 times; a GPU's scheduler is not checked. The layer-wise step
+      orders each layer's gathers after its input (``gathered_block``).
     gather_copy: the largest layer weight split over ``fsdp`` on its output
       axis (the row-parallel ``o``, ``down``, ``fc2``), gathered over
       ``fsdp``: XLA gathers it column-major and copies it row-major, both
