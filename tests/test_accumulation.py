@@ -31,7 +31,8 @@ def _untied_params(scan_layers, dtype):
 
 
 def _multisteps_run(loss, tx, params, steps, count=MICRO):
-  """``MultiSteps(tx, count)`` fed each micro-batch: params and inner state."""
+  """``MultiSteps(tx, count)`` fed each micro-batch: params and inner state.
+  """
   multi = optax.MultiSteps(tx, count)
   state = multi.init(params)
 
@@ -47,9 +48,9 @@ def _multisteps_run(loss, tx, params, steps, count=MICRO):
   return params, state.inner_opt_state
 
 
-def _layerwise_run(loss, tx, params, steps, count=MICRO):
+def _layerwise_run(loss, tx, params, steps, count=MICRO, **kwargs):
   step_fn = jax.jit(taco_optax.layerwise.train_step(
-      loss, tx, accumulation_steps=count))
+      loss, tx, accumulation_steps=count, **kwargs))
   state = tx.init(params)
   for step in range(steps):
     params, state, _ = step_fn(params, state, _micro_batches(step, count))
@@ -190,3 +191,139 @@ def test_token_tables_equal_multisteps(tied):
                                expected[0][0]['embedding'], atol=1e-6)
   else:
     case._assert_same_step(got, expected, exact_params=False)
+
+
+# A classification head (one scored position per sequence) over a vocabulary
+# larger than the micro-batches' tokens: the tables' factors (features and
+# logits' cotangent, ids and rows' cotangent) of all micro-batches are
+# smaller than a table, so the step keeps them instead of an accumulator.
+WIDE_VOCAB = 512
+
+
+def _last_position_features(outer, hidden, tokens):
+  del tokens
+  return hidden[:, -1] * outer['final_scale']
+
+
+def _first_token_nll(logits, tokens):
+  return optax.softmax_cross_entropy_with_integer_labels(
+      logits.astype(jnp.float32), tokens[:, 0]).mean()
+
+
+def _wide_case(tied):
+  from tests import test_token_table as tables  # pylint: disable=g-import-not-at-top
+  table = ('embedding',) if tied else ('w_head',)
+  head = taco_optax.layerwise.TableProjection(
+      table, _last_position_features, _first_token_nll,
+      **({} if tied else dict(project=lambda features, kernel: (
+          features @ kernel), table_axis=0)))
+  loss = LayeredLoss(tables.EMBED, case._layer, head, scan_layers=False)
+  outer, layers = case._params(False, jnp.float32)
+  keys = jax.random.split(jax.random.key(11), 2)
+  outer = dict(outer, embedding=jax.random.normal(
+      keys[0], (WIDE_VOCAB, case.WIDTH)) / 4)
+  if not tied:
+    outer['w_head'] = jax.random.normal(keys[1],
+                                        (case.WIDTH, WIDE_VOCAB)) / 4
+  return loss, (outer, layers), tables._embedding_rows_are_tokens
+
+
+def _wide_micro_batches(step, count=MICRO):
+  return jax.random.randint(jax.random.key(300 + step), (count, 2, 8), 0,
+                            WIDE_VOCAB)
+
+
+@pytest.mark.parametrize('tied', [True, False])
+def test_tables_kept_as_factors_when_smaller(tied):
+  from taco_optax._src.layerwise import micro_batch_table  # pylint: disable=g-import-not-at-top
+  loss, (outer, layers), _ = _wide_case(tied)
+  batch = _wide_micro_batches(0)[0]
+  hidden = loss.embed(outer, batch)
+  key = lambda name: (jax.tree_util.SequenceKey(0),
+                      jax.tree_util.DictKey(name))
+  # What the head reads.
+  reads = frozenset({key('embedding' if tied else 'w_head'),
+                     key('final_scale')})
+  kept = micro_batch_table.kept_as_factors(loss, outer, hidden, batch,
+                                           MICRO, reads)
+  assert kept == ({key('embedding')} if tied
+                  else {key('embedding'), key('w_head')})
+  # Sixteen times as many micro-batches outweigh the table: accumulated.
+  assert not micro_batch_table.kept_as_factors(loss, outer, hidden, batch,
+                                               16 * MICRO, reads)
+
+
+def _wide_multisteps(loss, tx, params, steps=3):
+  """``MultiSteps(tx, MICRO)`` on the wide case's micro-batches."""
+  multi = optax.MultiSteps(tx, MICRO)
+  state = multi.init(params)
+
+  @jax.jit
+  def micro_step(params, state, batch):
+    updates, state = multi.update(jax.grad(loss)(params, batch), state,
+                                  params)
+    return optax.apply_updates(params, updates), state
+
+  for step in range(steps):
+    for batch in _wide_micro_batches(step):
+      params, state = micro_step(params, state, batch)
+  return params, state.inner_opt_state
+
+
+def _assert_wide_step(got, expected, tied):
+  """test_token_tables_equal_multisteps' criteria."""
+  if tied:
+    assert_bitwise_equal(_alias.taco_states(got[1]).direction.indices,
+                         _alias.taco_states(expected[1]).direction.indices)
+    np.testing.assert_allclose(got[0][0]['embedding'],
+                               expected[0][0]['embedding'], atol=1e-6)
+  else:
+    case._assert_same_step(got, expected, exact_params=False)
+
+
+@pytest.mark.parametrize('block', [None, 64])
+@pytest.mark.parametrize('tied', [True, False])
+def test_tables_kept_as_factors_equal_multisteps(tied, block, monkeypatch):
+  # The path that keeps the micro-batches' factors; block=64: the tables'
+  # means formed a column at a time inside the column-block update, never
+  # whole.
+  from taco_optax._src.layerwise import micro_batch_table  # pylint: disable=g-import-not-at-top
+  kwargs = {}
+  if block is not None:
+    kwargs['column_block_elements'] = block
+    monkeypatch.setattr(micro_batch_table.MeanGradient, 'dense',
+                        lambda self: pytest.fail('a mean formed whole'))
+  loss, params, dims = _wide_case(tied)
+  tx = taco_optax.taco(1e-2, mu=0.9, k=3, update_topk=2,
+                       adam_learning_rate=1e-3, weight_dimension_numbers=dims)
+  expected = _wide_multisteps(loss, tx, params)
+  step_fn = jax.jit(taco_optax.layerwise.train_step(
+      loss, tx, accumulation_steps=MICRO, **kwargs))
+  got = (params, tx.init(params))
+  for step in range(3):
+    got = step_fn(*got, _wide_micro_batches(step))[:2]
+  _assert_wide_step(got, expected, tied)
+  moved = lambda name: not np.array_equal(got[0][0][name], params[0][name])
+  assert moved('embedding') and (tied or moved('w_head'))
+
+
+@pytest.mark.parametrize('tied', [True, False])
+def test_tables_kept_as_factors_clip_and_norm(tied):
+  # Clipping the mean gradient as MultiSteps(chain(clip, taco)) does, and the
+  # mean gradient's norm, on the path that keeps the factors.
+  loss, params, dims = _wide_case(tied)
+  tx = taco_optax.taco(1e-2, mu=0.9, k=3, update_topk=2,
+                       adam_learning_rate=1e-3, weight_dimension_numbers=dims)
+  expected = _wide_multisteps(
+      loss, optax.chain(optax.clip_by_global_norm(0.05), tx), params)
+  step_fn = jax.jit(taco_optax.layerwise.train_step(
+      loss, tx, accumulation_steps=MICRO, clip_global_norm=0.05,
+      with_grad_norm=True))
+  got = (params, tx.init(params))
+  for step in range(3):
+    batches = _wide_micro_batches(step)
+    grads = [jax.grad(loss)(got[0], b) for b in batches]
+    mean = jax.tree.map(lambda *g: sum(g) / MICRO, *grads)
+    *got, _, norm = step_fn(*got, batches)
+    np.testing.assert_allclose(norm, optax.tree.norm(mean), rtol=2e-5)
+  _assert_wide_step(got, (expected[0], expected[1][1]), tied)

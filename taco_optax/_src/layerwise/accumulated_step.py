@@ -17,6 +17,7 @@ from taco_optax._src.layerwise import backward
 from taco_optax._src.layerwise import clipping
 from taco_optax._src.layerwise import finish
 from taco_optax._src.layerwise import leaves as leaves_lib
+from taco_optax._src.layerwise import micro_batch_table
 from taco_optax._src.layerwise import ordering
 from taco_optax._src.layerwise import outer as outer_lib
 from taco_optax._src.layerwise.layered_loss import LayeredLoss
@@ -24,10 +25,15 @@ from taco_optax._src.layerwise.layered_loss import LayeredLoss
 Key = leaves_lib.Key
 
 
-def _mean_as(grad: Optional[jax.Array], like: jax.Array) -> jax.Array:
+def _mean_as(grad: Any, like: jax.Array, taco: bool = True) -> Any:
   """An accumulated mean (``None``: the leaf is read by nothing) in the
-  leaf's dtype."""
-  return jnp.zeros_like(like) if grad is None else grad.astype(like.dtype)
+  leaf's dtype; a table's mean kept as factors stays so for a TACO leaf
+  (its update forms it a block of columns at a time)."""
+  if grad is None:
+    return jnp.zeros_like(like)
+  if isinstance(grad, micro_batch_table.MeanGradient):
+    return grad if taco else grad.dense()
+  return grad.astype(like.dtype)
 
 
 def _layers(loss: LayeredLoss, step: leaves_lib.StepLeaves, layers: Any,
@@ -58,16 +64,21 @@ def accumulated_step(loss: LayeredLoss, parts: transform.TacoParts,
         accumulation.layer_forward(loss.layer, batches),
         accumulation.embed_forward(loss.embed, outer, batches), layers,
         loss.scan_layers)
+    first_hidden = jax.tree.map(lambda x: x[0], hidden)
     head_reads = outer_lib.read_keys(
-        lambda o: loss.head(o, jax.tree.map(lambda x: x[0], hidden), first),
-        outer)
+        lambda o: loss.head(o, first_hidden, first), outer)
+    # A token table whose micro-batches' factors are smaller than its
+    # float32 accumulator keeps them instead (micro_batch_table).
+    factors = micro_batch_table.kept_as_factors(
+        loss, outer, first_hidden, first, steps, head_reads)
     value, head_means, d_hidden = accumulation.head_means(
-        loss.head, outer, hidden, batches, head_reads, column_block_elements)
+        loss.head, outer, hidden, batches, head_reads, column_block_elements,
+        factors)
     clip = norm = None
     if clip_global_norm is not None:
       norm = clipping.accumulated_norm(
           loss, params, layer_inputs, d_hidden, batches, embed_reads,
-          head_means, column_block_elements)
+          head_means, column_block_elements, factors)
       clip = clipping.clipper(norm, clip_global_norm)
       d_hidden = ordering.ordered_after(d_hidden, norm)
     step = leaves_lib.step_leaves(parts, params, opt_state, clip,
@@ -84,9 +95,10 @@ def accumulated_step(loss: LayeredLoss, parts: transform.TacoParts,
         loss, step, layers, layer_inputs, d_hidden, batches)
     means = accumulation.embed_means(loss.embed, outer, d_hidden, batches,
                                      embed_reads, head_means,
-                                     column_block_elements)
-    grads = {key: _mean_as(means.get(key), x) for key, x in arrays.items()
-             if key not in early}
+                                     column_block_elements, factors)
+    grads = {key: _mean_as(means.get(key), x,
+                           step.leaves[key].plan is not None)
+             for key, x in arrays.items() if key not in early}
     late = {key: step.update(step.leaves[key], arrays[key], grads.pop(key))
             for key in roles.late}
     return finish.finish(step, params, opt_state,

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from taco_optax._src.layerwise import leaves as leaves_lib
+from taco_optax._src.layerwise import micro_batch_table
 from taco_optax._src.layerwise import ordering
 from taco_optax._src.layerwise import token_table
 from taco_optax._src.layerwise.outer import refuse_table_reads
@@ -128,24 +129,28 @@ def _reads(fn: Callable[..., Any], outer: Params,
 
 def head_means(head: Callable[[Params, Any, Batch], jax.Array],
                outer: Params, hidden: Any, batches: Batch,
-               reads: frozenset[Key], block_elements: int
-               ) -> tuple[jax.Array, dict[Key, jax.Array], Any]:
+               reads: frozenset[Key], block_elements: int,
+               factors: frozenset[Key] = frozenset()
+               ) -> tuple[jax.Array, dict[Key, Any], Any]:
   """``(mean loss, mean gradients, stacked d_hidden)`` of the head.
 
   The head's mean gradient (float32) of each outer leaf it ``reads``, by
   key, a micro-batch at a time. A :class:`TableProjection`'s table is
   accumulated a block of columns at a time (``block_elements`` float32
-  elements) from each micro-batch's factors (:func:`_table_running_mean`),
-  so only the float32 accumulator is table-sized.
+  elements) from each micro-batch's factors (:func:`fold_table`), so only
+  the float32 accumulator is table-sized; a table in ``factors`` keeps every
+  micro-batch's factors instead (a ``micro_batch_table.MeanGradient``).
   """
   table = None
   if isinstance(head, token_table.TableProjection):
     table = leaves_lib.OUTER + token_table.table_path(outer, head.table)
+  keep = table is not None and table in factors
   dense = _reads(head, outer, frozenset(reads - {table}))
 
   def body(carry, xs):
     acc, table_acc = carry
     index, h, batch = xs
+    kept = None
     if table is None:
       value, head_vjp = jax.vjp(
           lambda o, x: dense.restricted(o, x, batch), dense.values, h)
@@ -157,21 +162,32 @@ def head_means(head: Callable[[Params, Any, Batch], jax.Array],
       by_key = {leaves_lib.OUTER + path: g
                 for path, g in result.grads.items()}
       grads, d_hidden = [by_key[key] for key in dense.keys], result.d_hidden
-      table_acc = fold_table(
-          table_acc, result.gradient,
-          lambda acc, g: acc + (g - acc) / (index + 1), block_elements)
+      if keep:
+        kept = (result.features, result.d_logits)
+      else:
+        table_acc = fold_table(
+            table_acc, result.gradient,
+            lambda acc, g: acc + (g - acc) / (index + 1), block_elements)
       value = result.value
-    return (running_mean(acc, grads, index), table_acc), (value, d_hidden)
+    return ((running_mean(acc, grads, index), table_acc),
+            (value, d_hidden, kept))
   count = micro_batch_count(batches)
   table_acc = None
-  if table is not None:
+  if table is not None and not keep:
     table_acc = jnp.zeros_like(dict(leaves_lib.keyed(
         outer, leaves_lib.OUTER))[table], jnp.float32)
-  (acc, table_acc), (values, d_hidden) = jax.lax.scan(
+  (acc, table_acc), (values, d_hidden, kept) = jax.lax.scan(
       body, (zeros_like_float32(dense.values), table_acc),
       (jnp.arange(count, dtype=jnp.int32), hidden, batches))
   means = dict(zip(dense.keys, acc))
-  if table is not None:
+  if keep:
+    array = token_table.table_at(outer, head.table)
+    means[table] = micro_batch_table.MeanGradient(
+        array, head.table_axis, (), count=count,
+        shares=(micro_batch_table.Share(
+            lambda f: token_table.projection_gradient(head, array, *f),
+            kept),))
+  elif table is not None:
     means[table] = table_acc
   return jnp.mean(values.astype(jnp.float32)), means, d_hidden
 
@@ -203,8 +219,8 @@ def fold_table(acc: jax.Array, gradient: token_table.TableGradient,
 
 def embed_means(embed: Callable[[Params, Batch], Any], outer: Params,
                 d_hidden: Any, batches: Batch, reads: frozenset[Key],
-                head_means: dict[Key, jax.Array], block_elements: int
-                ) -> dict[Key, jax.Array]:
+                head_means: dict[Key, Any], block_elements: int,
+                factors: frozenset[Key] = frozenset()) -> dict[Key, Any]:
   """Each outer leaf's whole mean gradient (float32), by key; a leaf
   nothing reads has none.
 
@@ -214,7 +230,9 @@ def embed_means(embed: Callable[[Params, Batch], Any], outer: Params,
   accumulator, ``acc + g_a / A``, so no second table-sized buffer exists. A
   :class:`TableLookup`'s table is folded in from each micro-batch's looked-up
   rows a block of columns at a time (:func:`fold_table`, ``block_elements``),
-  so no dense share of its gradient is formed either.
+  so no dense share of its gradient is formed either; a table in
+  ``factors`` keeps every micro-batch's ids and rows' cotangent instead, as
+  one more share of its ``micro_batch_table.MeanGradient``.
   """
   table = None
   if isinstance(embed, token_table.TableLookup):
@@ -224,6 +242,7 @@ def embed_means(embed: Callable[[Params, Batch], Any], outer: Params,
                         embed.ids(first))
     refuse_table_reads(lambda o: embed.apply(o, rows, first), outer,
                        embed.table, 'TableLookup.apply')
+  keep = table is not None and table in factors
   read = _reads(embed, outer, reads - {table})
   count = micro_batch_count(batches)
 
@@ -239,6 +258,7 @@ def embed_means(embed: Callable[[Params, Batch], Any], outer: Params,
   def body(carry, xs):
     acc, table_acc = carry
     index, d, batch = xs
+    kept = None
     if table is None:
       _, embed_vjp = jax.vjp(lambda o: read.restricted(o, batch),
                              read.values)
@@ -248,24 +268,47 @@ def embed_means(embed: Callable[[Params, Batch], Any], outer: Params,
       by_key = {leaves_lib.OUTER + path: g
                 for path, g in result.grads.items()}
       grads = [by_key[key] for key in read.keys]
-      gradient = token_table.lookup_gradient(
-          embed, token_table.table_at(outer, embed.table), result.ids,
-          result.d_rows)
-      table_acc = fold_table(table_acc, gradient, fold(table, index),
-                             block_elements)
+      if keep:
+        kept = (result.ids, result.d_rows)
+      else:
+        gradient = token_table.lookup_gradient(
+            embed, token_table.table_at(outer, embed.table), result.ids,
+            result.d_rows)
+        table_acc = fold_table(table_acc, gradient, fold(table, index),
+                               block_elements)
     return ([fold(key, index)(a, g)
-             for key, a, g in zip(read.keys, acc, grads)], table_acc), None
+             for key, a, g in zip(read.keys, acc, grads)], table_acc), kept
   table_start = None
-  if table is not None:
+  if table is not None and not keep:
     table_start = start(table, token_table.table_at(outer, embed.table))
-  (acc, table_acc), _ = jax.lax.scan(
+  (acc, table_acc), kept = jax.lax.scan(
       body, ([start(key, x) for key, x in zip(read.keys, read.values)],
              table_start),
       (jnp.arange(count, dtype=jnp.int32), d_hidden, batches))
   means = {**head_means, **dict(zip(read.keys, acc))}
-  if table is not None:
+  if keep:
+    means[table] = _with_lookup(embed, outer, head_means.get(table), kept,
+                                count)
+  elif table is not None:
     means[table] = table_acc
   return means
+
+
+def _with_lookup(embed: token_table.TableLookup, outer: Params,
+                 head_mean: Any, kept: Any,
+                 count: int) -> micro_batch_table.MeanGradient:
+  """The lookup's share (its micro-batches' ``kept`` factors) as the last
+  share of the table's mean: after the head's ``head_mean`` (a tied
+  table's), or alone."""
+  array = token_table.table_at(outer, embed.table)
+  share = micro_batch_table.Share(
+      lambda f: token_table.lookup_gradient(embed, array, *f), kept)
+  if head_mean is None:
+    return micro_batch_table.MeanGradient(array, 1, (), count=count,
+                                          shares=(share,))
+  if head_mean.axis != 1:
+    raise ValueError('a table read along two different column axes.')
+  return head_mean.with_share(share)
 
 
 def embed_forward(embed: Callable[[Params, Batch], Any], outer: Params,

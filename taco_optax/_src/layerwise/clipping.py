@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from taco_optax._src.layerwise import accumulation
 from taco_optax._src.layerwise import backward
 from taco_optax._src.layerwise import leaves as leaves_lib
+from taco_optax._src.layerwise import micro_batch_table
 
 Key = leaves_lib.Key
 
@@ -102,17 +103,21 @@ def clipper(norm: jax.Array, max_norm: float) -> Callable[[Any], Any]:
 
 
 def accumulated_norm(loss, params, layer_inputs, d_hidden, batches,
-                     embed_reads, head_means, block_elements) -> jax.Array:
+                     embed_reads, head_means, block_elements,
+                     factors=frozenset()) -> jax.Array:
   """The global norm of the mean gradient (cast as ``MultiSteps`` casts it),
-  from a backward pass over the layers that updates nothing."""
+  from a backward pass over the layers that updates nothing (``factors``:
+  the tables whose mean is kept as factors, formed whole here)."""
   outer, layers = params
   d_first, layer_sums = layer_squares(
       accumulation.layer_backward(loss.layer, batches), layers,
       layer_inputs, d_hidden, loss.scan_layers)
   means = accumulation.embed_means(loss.embed, outer, d_first, batches,
                                    embed_reads, dict(head_means),
-                                   block_elements)
+                                   block_elements, factors)
+  dense = lambda mean, x: (mean.dense() if isinstance(
+      mean, micro_batch_table.MeanGradient) else mean.astype(x.dtype))
   outer_sums = {key: square_sum(None if key not in means
-                                else means[key].astype(x.dtype))
+                                else dense(means[key], x))
                 for key, x in leaves_lib.keyed(outer, leaves_lib.OUTER)}
   return global_norm(params, {**outer_sums, **layer_sums})

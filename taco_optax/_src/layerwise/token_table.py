@@ -223,12 +223,16 @@ class ProjectionBackward(NamedTuple):
     d_hidden: the cotangent of the head's ``hidden``.
     table: the table's key path in ``outer``.
     gradient: the table's :class:`TableGradient`.
+    features: the projected features (the gradient's first factor).
+    d_logits: the logits' cotangent (its second factor).
   """
   value: jax.Array
   grads: dict[KeyPath, Any]
   d_hidden: Any
   table: KeyPath
   gradient: TableGradient
+  features: jax.Array
+  d_logits: jax.Array
 
 
 class LookupBackward(NamedTuple):
@@ -291,7 +295,8 @@ def projection_backward(head: TableProjection, outer: Params, hidden: Any,
   return ProjectionBackward(
       value=value, grads=split.keyed(grads), d_hidden=d_hidden,
       table=split.table_key,
-      gradient=projection_gradient(head, split.table, feats, d_logits))
+      gradient=projection_gradient(head, split.table, feats, d_logits),
+      features=feats, d_logits=d_logits)
 
 
 def lookup_backward(lookup: TableLookup, outer: Params, batch: Batch
