@@ -16,10 +16,18 @@ donated), compiles on abstract shapes (nothing is allocated) and reads XLA's
 
 Overhead is (peak - forward peak of one micro-batch) / weight bytes. The last
 line is ``layerwise_A16_over_A1=<peak ratio> multisteps_taco_over_layerwise_A16=
-<peak ratio>``.
+<peak ratio>``. These tables score every token (``--objective tokens``).
+
+A last table compares, at the CLI's default shape, one batch of
+``--cli-batch`` sequences with the same batch as ``--cli-steps``
+micro-batches (``python -m examples.finetune --batch-size 8`` against
+``--batch-size 8 --grad-accum 4``): unrolled layers, the default tweets task
+(``--objective choice``: each sequence's last position scored over its two
+label words), at each of ``--cli-seqs``.
 
   python -m benchmarks.accumulation [--dtype float32] [--micro-batch 4]
       [--seq 64] [--layers N] [--layouts scanned,unrolled]
+      [--cli-batch 8] [--cli-steps 4] [--cli-seqs 64,512]
       [--write docs/accumulation.md]
 """
 
@@ -39,10 +47,23 @@ import taco_optax
 STEPS = (1, 4, 16)
 
 
-def _tokens(shape):
-  return jax.eval_shape(memory.token_batch,
-                        jax.ShapeDtypeStruct(shape, jnp.int32),
-                        jax.ShapeDtypeStruct(shape, jnp.bool_))
+OBJECTIVES = ('tokens', 'choice')
+
+
+def _batch(shape, objective='tokens'):
+  """An abstract batch; ``shape`` is its leading axes and the sequence.
+
+  ``tokens``: every token's next-token NLL; ``choice``: the CLI's default
+  tweets task, each sequence's last position scored over two candidates.
+  """
+  input_ids = jax.ShapeDtypeStruct(shape, jnp.int32)
+  attention_mask = jax.ShapeDtypeStruct(shape, jnp.bool_)
+  if objective == 'tokens':
+    return jax.eval_shape(memory.token_batch, input_ids, attention_mask)
+  rows = shape[:-1]
+  return api.ChoiceBatch(input_ids, attention_mask,
+                         jax.ShapeDtypeStruct(rows + (2,), jnp.int32),
+                         jax.ShapeDtypeStruct(rows, jnp.int32))
 
 
 PATHS = ('taco layerwise', 'MultiSteps(taco)', 'MultiSteps(adamw)',
@@ -50,18 +71,19 @@ PATHS = ('taco layerwise', 'MultiSteps(taco)', 'MultiSteps(adamw)',
 
 
 def measure(*, dtype, micro_batch, seq, num_layers, scan_layers=True,
-            steps=STEPS, paths=PATHS):
-  """``(weights, forward peak, rows)``; rows are ``(A, path, peak, state)``."""
+            steps=STEPS, paths=PATHS, objective='tokens'):
+  """``(weights, forward peak, rows)``; rows are ``(A, path, peak, state)``.
+  """
   config, decoder = memory.abstract_decoder(
       memory.SMOLLM2_135M, dtype=dtype, scan_layers=scan_layers,
       num_layers=num_layers)
   params = decoder.params
   train = memory.layerwise_taco(decoder, config)
-  micro = _tokens((micro_batch, seq))
+  micro = _batch((micro_batch, seq), objective)
   forward, _ = memory.peak_bytes(decoder.loss, (params, micro))
   rows = []
   for count in steps:
-    stacked = _tokens((count, micro_batch, seq))
+    stacked = _batch((count, micro_batch, seq), objective)
     state = jax.eval_shape(train.optimizer.init, params)
     step = taco_optax.layerwise.train_step(decoder.loss, train.optimizer,
                                            accumulation_steps=count)
@@ -82,7 +104,8 @@ def measure(*, dtype, micro_batch, seq, num_layers, scan_layers=True,
     if count > 1 and 'taco layerwise, one batch' in paths:
       state = jax.eval_shape(train.optimizer.init, params)
       peak, _ = memory.peak_bytes(
-          train.step, (params, state, _tokens((count * micro_batch, seq))),
+          train.step,
+          (params, state, _batch((count * micro_batch, seq), objective)),
           donate=(0, 1))
       rows.append((count, 'taco layerwise, one batch', peak,
                    api.tree_bytes(state)))
@@ -109,6 +132,36 @@ def print_table(weights, forward, rows):
         f'{layerwise / peaks[largest, "taco layerwise, one batch"]:.3f}')
 
 
+def same_batch(*, dtype, batch, steps, seq, num_layers=None,
+               objective='choice'):
+  """``(one batch, accumulated)`` compiled peaks of the layer-wise step with
+  unrolled layers (the CLI's): one batch of ``batch`` sequences, and the same
+  batch as ``steps`` micro-batches."""
+  _, _, rows = measure(
+      dtype=dtype, micro_batch=batch // steps, seq=seq, num_layers=num_layers,
+      scan_layers=False, steps=(steps,), objective=objective,
+      paths=('taco layerwise', 'taco layerwise, one batch'))
+  peaks = {path: peak for _, path, peak, _ in rows}
+  return peaks['taco layerwise, one batch'], peaks['taco layerwise']
+
+
+def print_same_batch(args, dtype):
+  """The CLI-shaped table: one batch against accumulation, per length."""
+  mib = lambda x: x / 2**20
+  print(f'SmolLM2-135M shapes, dtype={dtype}, the CLI\'s default: unrolled '
+        f'layers={args.layers or 30}, tweets task (objective=choice), '
+        f'--batch-size {args.cli_batch} against --grad-accum '
+        f'{args.cli_steps}, backend={jax.default_backend()}')
+  print(f'{"seq":>5}{"one batch MiB":>15}{"accumulated MiB":>17}'
+        f'{"ratio":>8}')
+  for seq in args.cli_seqs:
+    whole, split = same_batch(dtype=dtype, batch=args.cli_batch,
+                              steps=args.cli_steps, seq=seq,
+                              num_layers=args.layers)
+    print(f'{seq:>5}{mib(whole):>15.1f}{mib(split):>17.1f}'
+          f'{split / whole:>8.3f}')
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
   parser.add_argument('--dtype', default='float32')
@@ -119,6 +172,14 @@ def main():
   parser.add_argument('--layouts', default='scanned,unrolled',
                       help='comma-separated: scanned (lax.scan over stacked '
                       'layers), unrolled (the CLI default)')
+  parser.add_argument('--cli-batch', type=int, default=8,
+                      help='sequences per step in the CLI-shaped table')
+  parser.add_argument('--cli-steps', type=int, default=4,
+                      help='micro-batches in the CLI-shaped table')
+  parser.add_argument('--cli-seqs', default='64,512',
+                      type=lambda text: [int(x) for x in text.split(',') if x],
+                      help='sequence lengths of the CLI-shaped table '
+                      '(comma-separated; empty: no table)')
   parser.add_argument('--write', metavar='PATH', default=None,
                       help='also write the output, with its provenance, as '
                       'Markdown')
@@ -137,6 +198,9 @@ def main():
                            micro_batch=args.micro_batch, seq=args.seq,
                            num_layers=args.layers,
                            scan_layers=layout == 'scanned'))
+      print()
+    if args.cli_seqs:
+      print_same_batch(args, jnp.dtype(args.dtype))
       print()
   if args.write:
     command = ' '.join(['python -m benchmarks.accumulation'] + sys.argv[1:])

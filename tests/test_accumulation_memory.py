@@ -4,18 +4,27 @@
 ``accumulation_steps`` on SmolLM2-135M's shapes cut to 4 layers (scanned,
 float32, micro-batches of 4 x 64) and reads ``memory_analysis()``, which is
 deterministic for a jax version. Measured with jax 0.10.2 on CPU: weights
-169890048 bytes; peaks 246454128 (A = 1: the one-batch step), 358618024
+169890048 bytes; peaks 245864304 (A = 1: the one-batch step), 358618024
 (A = 4), 401113000 (A = 16); MultiSteps(taco) 582639136 (any A). Before the
 embedding's table share was folded in a block of columns at a time: 401049896
 and 408155432 (a dense share of the 49152 x 576 table per micro-batch); before
 the head's was: 463588136 and 506083112.
 
-Unrolled layers (the CLI's default), micro-batches of 2 x 64, A = 4: 296513232
-bytes at 2 layers, 330382192 at 4 (one batch of 8: 284463608 and 321133208);
+Unrolled layers (the CLI's default), micro-batches of 2 x 64, A = 4: 280330768
+bytes at 2 layers, 314148912 at 4 (one batch of 8: 284463608 and 321133208);
 each layer adds its weights (14155776 bytes) and 2.3 of the whole batch's
 hidden states. Before each layer's float32 accumulator was made from its own
 cotangents, XLA formed all of them at the start of the step: 11 MB more per
-layer (433 MB more than one batch of 8 at the CLI's 30 layers).
+layer (433 MB more than one batch of 8 at the CLI's 30 layers). Before the
+token table's mean was kept as the micro-batches' factors when they are
+smaller than its float32 accumulator (here 100 MB against 113 MB):
+296513232 and 330382192.
+
+The CLI's default shape (unrolled layers, the tweets task: one scored
+position per sequence), ``--batch-size 8`` against ``--grad-accum 4``, cut to
+2 layers: one batch 236069272 bytes, accumulated 179749872 (before the
+factors: 291358256, the table's accumulator alive from the head to the end;
+at the CLI's 30 layers 709.2 MiB against 730.1 MiB, now 623.6 MiB).
 """
 
 import functools
@@ -89,3 +98,30 @@ def test_unrolled_layers_each_cost_their_weights_and_hidden_states():
   growth = (peak_4 - peak_2) / 2
   hidden = 4 * 2 * SEQ * WIDTH * 4
   assert growth <= layer_weights + 3 * hidden, (growth, layer_weights, hidden)
+
+
+CLI_LAYERS = 2
+MEASURED_CLI_A4 = 179749872
+
+
+@functools.lru_cache(maxsize=None)
+def _cli_shaped():
+  """``(weight bytes, one batch of 8, 4 micro-batches of 2)`` peaks."""
+  weights, _ = _unrolled(CLI_LAYERS)
+  whole, split = accumulation.same_batch(
+      dtype=jnp.dtype(jnp.float32), batch=8, steps=4, seq=SEQ,
+      num_layers=CLI_LAYERS)
+  return weights, whole, split
+
+
+def test_cli_accumulation_never_above_the_whole_batch():
+  # --grad-accum 4 must never cost more than --batch-size 8 in one step: the
+  # same sequences, a quarter of them at a time.
+  _, whole, split = _cli_shaped()
+  assert split <= whole, (split, whole)
+
+
+def test_cli_accumulation_under_measured_bound():
+  weights, _, split = _cli_shaped()
+  assert split <= MEASURED_CLI_A4 + MARGIN * weights, (
+      f'{split} bytes with jax {jax.__version__}')

@@ -56,7 +56,7 @@ from examples.finetune.model import layered as layered_lib
 from examples.finetune.model import sharding as sharding_lib
 
 __all__ = [
-    'Batch', 'CompiledRun', 'GB', 'LayerwiseTacoTrainer', 'MemoryPlan',
+    'Batch', 'ChoiceBatch', 'CompiledRun', 'GB', 'LayerwiseTacoTrainer', 'MemoryPlan',
     'ModelConfig', 'StepTimes', 'TWEETS_LABEL_WORDS', 'TacoSettings',
     'TokenizedExample', 'balanced_split', 'compile_first_step',
     'BATCH_AXES', 'COLUMN_BLOCK_ELEMENTS', 'abstract_mesh',
@@ -136,6 +136,7 @@ def optimizer(name: str) -> optimizers_lib.OptimizerSpec:
 TWEETS_LABEL_WORDS = data_lib.TWEETS_LABEL_WORDS
 TokenizedExample = data_lib.TokenizedExample
 Batch = data_lib.Batch
+ChoiceBatch = data_lib.ChoiceBatch
 balanced_split = data_lib.balanced_split
 encode = data_lib.encode
 tokenize = data_lib.tokenize
