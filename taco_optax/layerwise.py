@@ -10,13 +10,14 @@ model's token tables read through :class:`TableLookup` and
 Examples:
   >>> import taco_optax
   >>> from taco_optax import layerwise
-  >>> sorted(layerwise.__all__)
-  ['LayeredLoss', 'TableLookup', 'TableProjection', 'TrainStep', 'train_step']
+  >>> print(*sorted(layerwise.__all__))
+  LayeredLoss TableLookup TableProjection TrainStep remat_layers train_step
 """
 
 from taco_optax._src.layerwise import LayeredLoss
 from taco_optax._src.layerwise import TableLookup
 from taco_optax._src.layerwise import TableProjection
+from taco_optax._src.layerwise import remat_layers
 from taco_optax._src.layerwise import train_step
 from taco_optax._src.layerwise import TrainStep
 
@@ -25,6 +26,7 @@ __all__ = (
     'TableLookup',
     'TableProjection',
     'TrainStep',
+    'remat_layers',
     'train_step',
 )
 

@@ -4,11 +4,13 @@ What the public :mod:`taco_optax.layerwise` and the integrations use:
 :func:`train_step` (from a :func:`taco_optax.taco` optimizer),
 :func:`step_from_parts` (from its parts, for a caller that re-lays the
 parameters, as tunix's trainer does), the loss's shape
-(:class:`LayeredLoss`) and the token tables' reads (:class:`TableLookup`,
-:class:`TableProjection`).
+(:class:`LayeredLoss`), the token tables' reads (:class:`TableLookup`,
+:class:`TableProjection`) and the plain step's layers with FSDP gathers
+issued when used (:func:`remat_layers`).
 """
 
 from taco_optax._src.layerwise.layered_loss import LayeredLoss
+from taco_optax._src.layerwise.remat import remat_layers
 from taco_optax._src.layerwise.token_table import TableLookup
 from taco_optax._src.layerwise.token_table import TableProjection
 from taco_optax._src.layerwise.train_step import TrainStep
@@ -22,6 +24,7 @@ __all__ = (
     'TableLookup',
     'TableProjection',
     'TrainStep',
+    'remat_layers',
     'step_from_parts',
     'train_step',
 )

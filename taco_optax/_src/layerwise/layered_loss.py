@@ -5,6 +5,8 @@ from typing import Any, Callable
 
 import jax
 
+from taco_optax._src.layerwise import remat as remat_lib
+
 Params = Any
 Batch = Any
 Hidden = Any
@@ -31,7 +33,9 @@ class LayeredLoss:
     head: ``head(outer, hidden, batch) -> loss`` (a scalar).
     scan_layers: ``True`` if ``layers`` is stacked along a leading axis.
     remat: recompute each layer in the backward pass (as ``jax.checkpoint``
-      would) in :meth:`__call__`; the layerwise step always does.
+      would, with weights split over a mesh gathered when used:
+      :func:`remat_layers`) in :meth:`__call__`; the layerwise step always
+      does.
   """
   embed: Callable[[Params, Batch], Hidden]
   layer: Callable[[Params, Hidden, Batch], Hidden]
@@ -43,10 +47,11 @@ class LayeredLoss:
     """The loss, for the plain ``jax.grad`` + optax path."""
     outer, layers = params
     layer = lambda p, h: self.layer(p, h, batch)
-    if self.remat:
-      layer = jax.checkpoint(layer)
     hidden = self.embed(outer, batch)
-    if self.scan_layers:
+    if self.remat:
+      hidden = remat_lib.remat_layers(layer, layers, hidden,
+                                      scan_layers=self.scan_layers)
+    elif self.scan_layers:
       hidden, _ = jax.lax.scan(lambda h, p: (layer(p, h), None), hidden,
                                layers)
     else:
