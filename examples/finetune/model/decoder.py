@@ -63,7 +63,12 @@ class DecoderLM(nnx.Module):
     remat: ``'block'`` recomputes each block's activations in the backward
       pass (gradient checkpointing); ``None`` stores them.
     remat_policy: name of a ``jax.checkpoint_policies`` entry saying what a
-      rematerialised block may keep (``REMAT_POLICIES``).
+      rematerialised block may keep (``REMAT_POLICIES``). With the default,
+      ``'nothing_saveable'``, the blocks run through
+      ``taco_optax.layerwise.remat_layers``: on a mesh each block's split
+      weights are gathered for its use, at most two blocks' at once; with
+      another policy ``jax.checkpoint`` runs them and XLA may gather every
+      block's weights at the step's start.
     scan_layers: stack the blocks' parameters along a leading layer axis and
       run them with ``jax.lax.scan`` (one compiled block).
     rngs: random initialisation (replaced when loading a checkpoint).
@@ -158,19 +163,26 @@ class DecoderLM(nnx.Module):
 
   def _run_blocks(self, x: jax.Array, rotary: tuple[jax.Array, jax.Array],
                   mask: jax.Array) -> jax.Array:
-    step = _block_step
-    if self.remat == 'block':
-      policy = getattr(jax.checkpoint_policies, self.remat_policy)
-      step = jax.checkpoint(_block_step, policy=policy, static_argnums=(0,))
     if self.scan_layers:
-      graphdef, stacked_state = nnx.split(self.layers)
-      def scan_body(carry, block_state):
-        return step(graphdef, block_state, carry, rotary, mask), None
-      x, _ = jax.lax.scan(scan_body, x, stacked_state)
-      return x
-    for block in self.layers:
-      graphdef, block_state = nnx.split(block)
-      x = step(graphdef, block_state, x, rotary, mask)
+      graphdef, block_states = nnx.split(self.layers)
+    else:
+      graphdef = nnx.split(self.layers[0])[0]
+      block_states = [nnx.split(block)[1] for block in self.layers]
+    step = lambda block_state, x: _block_step(graphdef, block_state, x,
+                                              rotary, mask)
+    if self.remat == 'block' and self.remat_policy == 'nothing_saveable':
+      # Recomputed like jax.checkpoint; on a mesh each block's split weights
+      # are gathered when used, not all at the step's start.
+      return taco_optax.layerwise.remat_layers(step, block_states, x,
+                                               scan_layers=self.scan_layers)
+    if self.remat == 'block':
+      step = jax.checkpoint(
+          step, policy=getattr(jax.checkpoint_policies, self.remat_policy))
+    if self.scan_layers:
+      return jax.lax.scan(lambda h, state: (step(state, h), None), x,
+                          block_states)[0]
+    for block_state in block_states:
+      x = step(block_state, x)
     return x
 
 
