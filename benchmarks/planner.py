@@ -159,36 +159,44 @@ def validate():
 
 
 # Reduced-layer versions of these are compiled on CPU meshes to check the
-# per-device formula (--validate-mesh).
+# per-device formula (--validate-mesh): at MESH_VALIDATION_LAYERS layers on
+# every mesh, and at MESH_VALIDATION_DEEPER layers at fsdp=8, so that a term
+# that grows with the depth (gathered blocks kept, gradients kept) shows.
 MESH_VALIDATION_MODELS = ('opt-13b', 'qwen3-32b', 'llama-3-70b')
 MESH_VALIDATION_MESHES = ('fsdp=2', 'fsdp=4', 'fsdp=8')
+MESH_VALIDATION_LAYERS = 2
+MESH_VALIDATION_DEEPER = ((4, 'fsdp=8'),)
 
 
-def validate_mesh(layers=2, batch=8, seq=64, dtype=jnp.float32,
+def validate_mesh(batch=8, seq=64, dtype=jnp.float32,
                   models=MESH_VALIDATION_MODELS,
                   meshes=MESH_VALIDATION_MESHES):
-  """Per-device formula vs XLA's compiled per-device peak, on ``layers``-layer
+  """Per-device formula vs XLA's compiled per-device peak, on reduced-layer
   versions of ``models``, each mesh compiled in its own process with that
   many CPU devices (shapes only: nothing is allocated)."""
   print(f'\nvalidation on meshes: formula vs XLA compiled per-device peak '
-        f'({jnp.dtype(dtype).name}, {layers} layers, batch {batch}, '
-        f'seq {seq}, unrolled, remat)')
-  print(f'  {"model":<14}{"mesh":<9}{"method":<16}{"weights MB":>11}'
-        f'{"compiled MB":>12}{"formula MB":>12}{"ratio":>7}')
+        f'({jnp.dtype(dtype).name}, batch {batch}, seq {seq}, unrolled, '
+        'remat)')
+  print(f'  {"model":<14}{"layers":>6} {"mesh":<9}{"method":<16}'
+        f'{"weights MB":>11}{"compiled MB":>12}{"formula MB":>12}'
+        f'{"ratio":>7}')
+  rows = [(name, MESH_VALIDATION_LAYERS, mesh) for name in models
+          for mesh in meshes]
+  rows += [(name, layers, mesh) for name in models
+           for layers, mesh in MESH_VALIDATION_DEEPER]
   ratios = []
-  for name in models:
+  for name, layers, mesh in rows:
     hf = dict(presets.PRESETS[name], num_hidden_layers=layers)
-    for mesh in meshes:
-      got = mesh_plan.compiled_in_subprocess(
-          hf, mesh, dtype=dtype, batch=batch, seq=seq, num_layers=None)
-      predicted = plan_on_mesh(hf, api.parse_mesh(mesh), batch=batch,
-                               seq=seq, dtype=dtype)
-      for method, formula in predicted['peaks'].items():
-        peak = got[method]['peak']
-        ratios.append(formula / peak)
-        print(f'  {name:<14}{mesh:<9}{method:<16}'
-              f'{got["weights"] / 1e6:>11.1f}{peak / 1e6:>12.1f}'
-              f'{formula / 1e6:>12.1f}{formula / peak:>7.3f}', flush=True)
+    got = mesh_plan.compiled_in_subprocess(
+        hf, mesh, dtype=dtype, batch=batch, seq=seq, num_layers=None)
+    predicted = plan_on_mesh(hf, api.parse_mesh(mesh), batch=batch,
+                             seq=seq, dtype=dtype)
+    for method, formula in predicted['peaks'].items():
+      peak = got[method]['peak']
+      ratios.append(formula / peak)
+      print(f'  {name:<14}{layers:>6} {mesh:<9}{method:<16}'
+            f'{got["weights"] / 1e6:>11.1f}{peak / 1e6:>12.1f}'
+            f'{formula / 1e6:>12.1f}{formula / peak:>7.3f}', flush=True)
   return ratios
 
 
@@ -204,10 +212,11 @@ def fit_table(batch=8, seq=128, dtype=jnp.bfloat16):
   print(f'Predicted peak per GPU, GB ({jnp.dtype(dtype).name} weights and '
         f'compute, batch {batch} x {seq} tokens, the CLI\'s unrolled layers '
         'with remat, FSDP over the GPUs; TACO: the layer-wise step, AdamW: '
-        'the plain step with moments in the parameter dtype, every layer\'s '
-        'weights gathered twice at once, as XLA:CPU issues all its gathers '
-        'at the step\'s start, not checked on a GPU); "no": over the GPU\'s '
-        'memory.\n')
+        'the plain step with moments in the parameter dtype, each block\'s '
+        'weights gathered when used, two at a time, as the example\'s '
+        'decoder runs it (taco_optax.layerwise.remat_layers); the formula '
+        'is checked against XLA:CPU\'s compiled programs, not on a GPU); '
+        '"no": over the GPU\'s memory.\n')
   print('| model | ' + ' | '.join(f'{label}: TACO / AdamW'
                                    for label, _, _ in FIT_MACHINES) + ' |')
   print('| --- |' + ' --- |' * len(FIT_MACHINES))
@@ -235,8 +244,8 @@ def print_mesh_plan(name, mesh, result, gpu_gb):
         f'TACO state {result["taco_state"] / GB:.3f}, AdamW state '
         f'{result["adamw_state"] / GB:.2f}, layer inputs '
         f'{t.layer_inputs / GB:.3f}, gathered block '
-        f'{t.gathered_block / GB:.3f}, plain step\'s gathers '
-        f'{t.plain_gathers / GB:.2f}, logits {t.head_phase / GB:.3f}')
+        f'{t.gathered_block / GB:.3f}, plain step\'s kept gradients '
+        f'{t.plain_gradients / GB:.3f}, logits {t.head_phase / GB:.3f}')
   for method, peak in result['peaks'].items():
     print(f'  {method:<28}{peak / GB:>9.2f}  fits {gpu_gb:g} GB: '
           f'{"yes" if peak <= gpu_gb * GB else "no"}')

@@ -241,9 +241,10 @@ class MeshTerms(NamedTuple):
     weights: this device's shards of every parameter (exact).
     layer_inputs: each layer's input for this device's batch rows.
     gathered_block: one layer's weights gathered over ``fsdp`` (still split
-      over ``tensor``; 0 without ``fsdp``): FSDP gathers a block for its
-      use, and the layer-wise step keeps at most two (one in use, one
-      prefetched).
+      over ``tensor``; 0 without ``fsdp``), from the shapes: FSDP gathers a
+      block for its use, and both steps keep at most two (one in use, one
+      prefetched): the layer-wise step, and the plain step through
+      ``taco_optax.layerwise.remat_layers``.
     layer_gradient: one layer's gradient as the backward forms it, whole
       over ``fsdp`` (split over ``tensor``), before it is reduced to this
       device's shard.
@@ -261,26 +262,16 @@ class MeshTerms(NamedTuple):
       layer-wise step's layers on a mesh that splits the vocabulary (seen on
       reduced-layer OPT-13B, Qwen3-32B and Llama-3-70B at fsdp = 2, 4, 8:
       ``python -m benchmarks.planner --validate-mesh``); 0 on one device.
-    plain_gathers: every layer's weights gathered over ``fsdp`` twice (split
-      over ``tensor``; 0 without ``fsdp``): the plain step's gathers, the
-      forward's and the backward's (the recomputed forward and the input
-      gradient's matmuls share one), read only the parameters, so XLA
-      issues them all at the step's start and keeps each to its last use
-      (XLA:CPU's heap simulation of reduced-layer OPT-13B, Qwen3-32B and
-      Llama-3-70B at fsdp = 2, 4, 8, and of OPT-13B with 3, 4 and 8 layers:
-      each layer's weights gathered twice at the peak). Not in every
-      program: the CLI's SmolLM2 AdamW step holds them at fsdp = 2, 4 but
-      not at fsdp = 8 (``docs/mesh_memory.md``), where this overstates its
-      peak 2.4 times; a GPU's scheduler is not checked. The layer-wise step
-      orders each layer's gathers after its input (``gathered_block``).
-    gather_copy: the largest layer weight split over ``fsdp`` on its output
-      axis (the row-parallel ``o``, ``down``, ``fc2``), gathered over
-      ``fsdp``: XLA gathers it column-major and copies it row-major, both
-      whole for a moment, at the plain step's peak for the last gather.
-    table_gradient: this device's shard of the token table's gradient: the
-      lookup's scatter-add target, zeroed at the plain step's start.
-    position_table: a learned position table whole, twice: gathered for its
-      lookup, and its gradient formed whole (the plain step's start).
+    plain_gradients: the gradients the plain step keeps through its
+      backward pass. Where the layers' weights are split over the mesh
+      (``fsdp`` or ``tensor``), its blocks run through
+      ``taco_optax.layerwise.remat_layers``: each layer's gradient is
+      reduced before the next layer's backward starts, and its update
+      consumes it there, so what stays is this device's shard of the token
+      table's gradient twice (the lookup's and the projection's, an untied
+      head's, summed at the end) and a learned position table's gradient
+      whole (its lookup gathers the table whole). Otherwise every gradient's
+      shard, ``weights``.
   """
   weights: int
   layer_inputs: int
@@ -291,10 +282,7 @@ class MeshTerms(NamedTuple):
   table_blocks: int
   position_grads: int
   table_copy: int
-  plain_gathers: int
-  gather_copy: int
-  table_gradient: int
-  position_table: int
+  plain_gradients: int
 
   def layerwise_peak(self, state_bytes: int) -> int:
     return mesh_layerwise_peak(self, state_bytes)
@@ -303,13 +291,14 @@ class MeshTerms(NamedTuple):
     return mesh_plain_peak(self, state_bytes)
 
 
-def _split_on_output_axis(x, axis: str) -> bool:
-  """Whether mesh ``axis`` splits the last (output) axis of abstract ``x``."""
-  spec = getattr(getattr(x, 'sharding', None), 'spec', None)
-  if not spec or len(spec) < x.ndim or x.ndim < 2:
-    return False
-  last = spec[x.ndim - 1]
-  return axis == last or (isinstance(last, tuple) and axis in last)
+def _plain_gradients(params, layers_split: bool) -> int:
+  """:attr:`MeshTerms.plain_gradients` of ``params`` on one device."""
+  outer = params[0]
+  if not layers_split:
+    return device_bytes(params)
+  table = device_bytes(outer['embed'])
+  projection = device_bytes(outer['lm_head']) if 'lm_head' in outer else table
+  return table + projection + tree_bytes(outer.get('positions', {}))
 
 
 def mesh_terms(config: config_lib.ModelConfig, params, *,
@@ -338,13 +327,7 @@ def mesh_terms(config: config_lib.ModelConfig, params, *,
       table_copy=0 if fsdp * tensor == 1 else max(
           device_bytes(params[0]['embed']),
           device_bytes(params[0].get('lm_head', {}))),
-      plain_gathers=(2 * config.num_layers * layer_bytes // tensor
-                     if fsdp > 1 else 0),
-      gather_copy=max((device_bytes(x) * fsdp
-                       for x in jax.tree.leaves(params[1])
-                       if _split_on_output_axis(x, 'fsdp')), default=0),
-      table_gradient=device_bytes(params[0]['embed']),
-      position_table=2 * tree_bytes(params[0].get('positions', {})))
+      plain_gradients=_plain_gradients(params, fsdp * tensor > 1))
 
 
 def mesh_layerwise_peak(t: MeshTerms, state_bytes: int) -> int:
@@ -359,15 +342,20 @@ def mesh_layerwise_peak(t: MeshTerms, state_bytes: int) -> int:
 def mesh_plain_peak(t: MeshTerms, state_bytes: int) -> int:
   """One device's peak of ``value_and_grad -> tx.update`` with remat.
 
-  The larger of two moments (seen in XLA's heap simulation): the step's
-  start, where every gather of the step is already issued (two whole copies
-  of each layer's weights, ``plain_gathers``), and the last block's
-  backward, with every gradient's shard at once and the logits' buffers
-  still alive. With ``fsdp`` the start is the larger one once a model has
-  more than a few layers.
+  Besides the weights, the state, the saved layer inputs and the gradients
+  the step keeps (``plain_gradients``), the larger of the head's logits'
+  buffers and a block's backward pass: two blocks' weights gathered (the
+  one in use and the next one, prefetched: ``remat_layers`` orders every
+  block's gathers so, in both passes; never every block's at once, which
+  is what XLA does with ``jax.checkpoint`` alone), that block's whole
+  gradient before its reduction, and its activations. XLA:CPU's heap
+  simulation of reduced SmolLM2, OPT-13B, Qwen3-32B and Llama-3-70B at
+  fsdp = 2, 4, 8 holds about 2.1 of those three whole blocks at once (the
+  gradient of a block's largest matrices takes the place of gathered ones)
+  and its buffer assignment adds about one block of fragmentation to the
+  compiled peak, which this is checked against (``python -m
+  benchmarks.planner --validate-mesh``, 2 and 4 layers).
   """
-  start = (t.plain_gathers + t.gather_copy + t.table_gradient
-           + t.position_table)
-  backward = (t.layer_inputs + t.weights + t.head_phase
-              + 2 * t.gathered_block + t.layer_gradient + t.layer_activations)
-  return t.weights + state_bytes + max(start, backward)
+  return (t.weights + state_bytes + t.layer_inputs + t.plain_gradients
+          + max(t.head_phase, 2 * t.gathered_block + t.layer_gradient
+                + t.layer_activations))

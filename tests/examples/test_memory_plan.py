@@ -93,21 +93,40 @@ def test_mesh_plan_counts_each_devices_shards():
       state(whole)) / 3
 
 
-def test_mesh_plain_step_keeps_every_layer_gathered_twice():
-  # The plain step's gathers (forward and backward) are all issued at its
-  # start: each extra layer adds two whole copies of its weights to one
-  # device's peak at fsdp=8, not an eighth of them.
+def test_mesh_plain_step_keeps_two_blocks_gathered_at_any_depth():
+  # The plain step's blocks run through remat_layers: at fsdp=8 one device
+  # holds two blocks gathered (one in use, one prefetched) and one block's
+  # whole gradient, however deep the model; an extra layer adds its shards
+  # and its saved input only. (Commit 48ff493 counted two copies of every
+  # layer, as XLA holds them with jax.checkpoint alone.)
   plans = {layers: api.plan_memory_on_mesh(
       api.model_config(presets.PRESETS['smollm2-135m'], num_layers=layers),
       {'fsdp': 8}, dtype=jnp.float32, batch=8, seq=64) for layers in (4, 8)}
   layer_bytes = api.tree_bytes(plans[4].params[1]) // 4
-  assert plans[8].terms.plain_gathers == 2 * 8 * layer_bytes
+  for plan in plans.values():
+    assert plan.terms.gathered_block == plan.terms.layer_gradient == (
+        layer_bytes)
+    blocks = plan.terms._replace(head_phase=0)  # a block's backward
+    without_blocks = blocks._replace(gathered_block=0, layer_gradient=0)
+    assert (blocks.plain_peak(0) - without_blocks.plain_peak(0)
+            == 3 * layer_bytes)
   growth = plans[8].plain_peak(0) - plans[4].plain_peak(0)
-  assert growth > 2 * 4 * layer_bytes
+  assert growth == (plans[8].terms.weights - plans[4].terms.weights
+                    + plans[8].terms.layer_inputs
+                    - plans[4].terms.layer_inputs)
+  assert growth < layer_bytes
+  # Each layer's gradient is consumed by its update before the next
+  # layer's backward: the step keeps only the token table's two gradients'
+  # shards (the lookup's and the projection's: SmolLM2 ties them).
+  table = api.device_bytes(plans[8].params[0]['embed'])
+  assert plans[8].terms.plain_gradients == plans[4].terms.plain_gradients == (
+      2 * table)
+  # On one device nothing is gathered and every gradient is kept.
   one_device = api.plan_memory_on_mesh(
       api.model_config(presets.PRESETS['smollm2-135m'], num_layers=2), {},
       dtype=jnp.float32, batch=8, seq=64)
-  assert one_device.terms.plain_gathers == 0
+  assert one_device.terms.gathered_block == 0
+  assert one_device.terms.plain_gradients == one_device.terms.weights
 
 
 @pytest.mark.long
@@ -115,7 +134,7 @@ def test_mesh_plain_step_keeps_every_layer_gathered_twice():
 def test_mesh_formula_tracks_the_compiled_steps(layers):
   # Reduced-layer SmolLM2 compiled on 8 CPU devices (fsdp=8, a subprocess):
   # the formula within 10 % of XLA's per-device peak for both steps, at two
-  # depths (the plain step's gathers grow with the layers).
+  # depths (a depth error in the plain step's gathers shows at the second).
   hf_config = dict(presets.PRESETS['smollm2-135m'], num_hidden_layers=layers)
   compiled = mesh_plan.compiled_in_subprocess(
       hf_config, 'fsdp=8', dtype=jnp.float32, batch=8, seq=64,
