@@ -238,29 +238,45 @@ What is equal to `MultiSteps(taco(...), A)` (tests/test_accumulation.py):
 
 What costs memory beyond one micro-batch: the saved layer inputs of all `A`
 micro-batches (as large as the whole batch's), the `A` cotangents of the
-current layer's output, one layer's float32 gradient accumulator, and a
-float32 accumulator per outer leaf (the token table: its two-phase update
+current layer's output, one layer's float32 gradient accumulator, and the
+mean gradient of each outer leaf. A token table's mean (its two-phase update
 needs the batch's tokens at the head, which accumulation spreads over `A`
-calls, so with `A > 1` the table's gradient is accumulated whole). Each
-micro-batch's share of the table, the head's and the lookup's, is folded into
-that accumulator a block of columns at a time from its factors; no dense
-share is formed. Each layer's accumulator is made from that layer's
-cotangents, so with unrolled layers XLA cannot form them all at the start of
-the step (it did: 11 MB more per layer, 433 MB more than the whole batch at
-the CLI's 30 layers).
+calls) is kept whichever way takes fewer bytes
+(`taco_optax/_src/layerwise/micro_batch_table.py`):
 
-Where it stands (read from the tables below): beyond `A = 1`, the step holds
-a constant extra of about one float32 token table (the mean gradient's
-accumulator: 108 MiB for SmolLM2-135M's 49152 x 576 table), and each further
-micro-batch costs only its saved hidden states (the layers' inputs and the
-current layer's cotangent). Against the whole batch in one step
+* a float32 accumulator, one more table, into which each micro-batch's
+  share, the head's and the lookup's, is folded a block of columns at a time
+  from its factors (no dense share is formed);
+* or every micro-batch's factors themselves (the projection's features and
+  logits' cotangent, the lookup's ids and rows' cotangent), from which the
+  table's update forms the mean a block of columns at a time, in the
+  accumulator's arithmetic. They are the smaller when the micro-batches
+  score few positions: the CLI's default task scores one per sequence
+  (49152 + 576 floats each against the 49152 x 576 table); a
+  language-modelling loss over micro-batches of 4 x 64 scores 252 positions
+  each (200 MB for four against the table's 113 MB), over 2 x 64, 126
+  (100 MB).
+
+Each layer's accumulator is made from that layer's cotangents, so with
+unrolled layers XLA cannot form them all at the start of the step (it did:
+11 MB more per layer, 433 MB more than the whole batch at the CLI's 30
+layers).
+
+Where it stands (read from the tables below): with every token scored over
+micro-batches of 4 x 64 (the first two tables), the table's accumulator is
+the smaller, and beyond `A = 1` the step holds a constant extra of about one
+float32 token table (108 MiB for SmolLM2-135M's 49152 x 576 table); each
+further micro-batch costs only its saved hidden states (the layers' inputs
+and the current layer's cotangent). Against the whole batch in one step
 (`one batch`), accumulation saves the logits of all but one micro-batch
 (each `micro-batch x seq x vocab` floats, twice: the softmax and its
-cotangent) and pays the table's accumulator: it wins once the saved logits
-outweigh 108 MiB. What would remove the constant: select the tied table's
-candidates per micro-batch as the two-phase update does for one batch (not
-exact as it stands: a column's top-k of a sum is not the merge of per-part
-top-k's).
+cotangent) and pays the table's accumulator. At the CLI's default shape (the
+last table) the factors are kept, no table-sized buffer is added, and
+`--grad-accum 4` is below `--batch-size 8` in one step at both lengths. What
+would remove the constant where the factors are larger: select the tied
+table's candidates per micro-batch as the two-phase update does for one
+batch (not exact as it stands: a column's top-k of a sum is not the merge
+of per-part top-k's).
 
 `clip_global_norm=c` with accumulation clips the mean gradient, as
 `MultiSteps(chain(clip_by_global_norm(c), taco(...)), A)` does (tested).
