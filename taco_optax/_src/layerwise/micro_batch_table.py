@@ -75,8 +75,8 @@ class MeanGradient(token_table.TableGradient):
       factors = jax.tree.map(lambda x: x[index], share.factors)
       return form(share.gradient(factors))
 
-    shape = jax.eval_shape(lambda: micro_batch(self.shares[0], 0)).shape
-    acc = jnp.zeros(shape, jnp.float32)
+    # Split over a mesh as a micro-batch's share is (its value is unused).
+    acc = jnp.zeros_like(micro_batch(self.shares[0], 0), jnp.float32)
     for position, share in enumerate(self.shares):
       def body(index, acc, share=share, first=position == 0):
         grad = micro_batch(share, index)
