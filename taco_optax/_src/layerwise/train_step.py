@@ -99,9 +99,11 @@ def train_step(loss: LayeredLoss,
       gradient-sized buffer: the pieces run layer-major, each layer's
       backward over the ``A`` micro-batches, folding its gradient into one
       float32 running mean before its column step. Peak memory is one
-      micro-batch's plus the saved layer inputs of all ``A`` (and a float32
-      gradient of each outer leaf, e.g. the token table). The returned loss is
-      the micro-batches' mean.
+      micro-batch's plus the saved layer inputs of all ``A`` and a float32
+      gradient of each outer leaf; a token table's is one more table, or,
+      when smaller, every micro-batch's factors of it (a classification head
+      scores one position per sequence). The returned loss is the
+      micro-batches' mean.
     clip_global_norm: ``None`` (default), or ``c > 0``: the step of
       ``optax.chain(optax.clip_by_global_norm(c), optimizer)`` (the whole
       gradient scaled by ``c / ||G||`` when ``||G|| >= c``). The norm needs
