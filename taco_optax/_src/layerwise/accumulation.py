@@ -87,20 +87,26 @@ def layer_backward(layer: Callable[[Params, Any, Batch], Any],
   gradient and the layer's float32 accumulator are alive, never ``A``.
   """
   def backward(layer_params, layer_inputs, d_outputs):
-    def body(acc, xs):
+    def body(carry, xs):
+      acc, d_inputs = carry
       index, layer_input, d_output, batch = xs
       _, layer_vjp = jax.vjp(lambda p, h: layer(p, h, batch), layer_params,
                              layer_input)
       grads, d_input = layer_vjp(d_output)
-      return running_mean(acc, grads, index), d_input
+      d_inputs = jax.tree.map(
+          lambda all_, one: jax.lax.dynamic_update_index_in_dim(
+              all_, one, index, 0), d_inputs, d_input)
+      return (running_mean(acc, grads, index), d_inputs), None
     count = micro_batch_count(batches)
-    # Made from this layer's cotangents: XLA otherwise forms every unrolled
-    # layer's zero accumulator (one shared broadcast, a copy per loop) at the
-    # start of the step and keeps them all alive until their layer's turn.
-    zeros = ordering.ordered_after(zeros_like_float32(layer_params),
-                                   d_outputs)
-    acc, d_inputs = jax.lax.scan(
-        body, zeros,
+    # Both made from this layer's cotangents: XLA otherwise forms every
+    # unrolled layer's zero accumulator and stacked input cotangents (a
+    # scan's outputs: one shared broadcast, a copy per loop) at the start of
+    # the step and keeps them all alive until their layer's turn.
+    zeros, d_inputs = ordering.ordered_after(
+        (zeros_like_float32(layer_params),
+         jax.tree.map(jnp.zeros_like, layer_inputs)), d_outputs)
+    (acc, d_inputs), _ = jax.lax.scan(
+        body, (zeros, d_inputs),
         (jnp.arange(count, dtype=jnp.int32), layer_inputs, d_outputs,
          batches))
     return cast_like(acc, layer_params), d_inputs
