@@ -257,10 +257,11 @@ calls) is kept whichever way takes fewer bytes
   each (200 MB for four against the table's 113 MB), over 2 x 64, 126
   (100 MB).
 
-Each layer's accumulator is made from that layer's cotangents, so with
-unrolled layers XLA cannot form them all at the start of the step (it did:
-11 MB more per layer, 433 MB more than the whole batch at the CLI's 30
-layers).
+Each layer's accumulator and stacked input cotangents are made from that
+layer's cotangents, so with unrolled layers XLA cannot form them all at the
+start of the step (it did: 11 MB more per layer for the accumulators, 433 MB
+more than the whole batch at the CLI's 30 layers; one hidden state of the
+whole batch per layer for the cotangents, 261 MiB at the CLI's seq 512).
 
 Where it stands (read from the tables below): with every token scored over
 micro-batches of 4 x 64 (the first two tables), the table's accumulator is
