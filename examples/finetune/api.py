@@ -15,7 +15,8 @@ example:
 * data and evaluation: :func:`tweets`, ``TWEETS_LABEL_WORDS`` (label ->
   scored completion of the tweets task), :func:`balanced_split`,
   :class:`TokenizedExample`, :func:`encode`, :func:`tokenize`,
-  :func:`training_tokens`, :class:`Batch`, :func:`training_batches`,
+  :func:`training_tokens`, :class:`Batch`, :class:`ChoiceBatch` (prompts
+  scored over their candidate tokens), :func:`training_batches`,
   :func:`completion_loss`, :func:`held_out_set`, :func:`evaluate`;
 * memory: :func:`tree_bytes`, ``GB`` (10**9 bytes, the planner's unit),
   :func:`plan_memory` (the predicted peak: a :class:`MemoryPlan`),
