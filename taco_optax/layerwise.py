@@ -6,18 +6,27 @@ whose peak memory is about inference's: the backward pass is written one layer
 at a time and every weight's winners are written into it in place. A language
 model's token tables read through :class:`TableLookup` and
 :class:`TableProjection` never get a dense gradient either.
+:func:`table_mean_bytes` says what an accumulated step keeps of a token
+table's mean gradient (for memory planners).
 
 Examples:
   >>> import taco_optax
   >>> from taco_optax import layerwise
-  >>> print(*sorted(layerwise.__all__))
-  LayeredLoss TableLookup TableProjection TrainStep remat_layers train_step
+  >>> print(*sorted(layerwise.__all__), sep='\\n')
+  LayeredLoss
+  TableLookup
+  TableProjection
+  TrainStep
+  remat_layers
+  table_mean_bytes
+  train_step
 """
 
 from taco_optax._src.layerwise import LayeredLoss
 from taco_optax._src.layerwise import TableLookup
 from taco_optax._src.layerwise import TableProjection
 from taco_optax._src.layerwise import remat_layers
+from taco_optax._src.layerwise import table_mean_bytes
 from taco_optax._src.layerwise import train_step
 from taco_optax._src.layerwise import TrainStep
 
@@ -27,6 +36,7 @@ __all__ = (
     'TableProjection',
     'TrainStep',
     'remat_layers',
+    'table_mean_bytes',
     'train_step',
 )
 

@@ -5,11 +5,13 @@ What the public :mod:`taco_optax.layerwise` and the integrations use:
 :func:`step_from_parts` (from its parts, for a caller that re-lays the
 parameters, as tunix's trainer does), the loss's shape
 (:class:`LayeredLoss`), the token tables' reads (:class:`TableLookup`,
-:class:`TableProjection`) and the plain step's layers with FSDP gathers
-issued when used (:func:`remat_layers`).
+:class:`TableProjection`), the bytes an accumulated step keeps for a token
+table's mean (:func:`table_mean_bytes`, for memory planners) and the plain
+step's layers with FSDP gathers issued when used (:func:`remat_layers`).
 """
 
 from taco_optax._src.layerwise.layered_loss import LayeredLoss
+from taco_optax._src.layerwise.micro_batch_table import table_mean_bytes
 from taco_optax._src.layerwise.remat import remat_layers
 from taco_optax._src.layerwise.token_table import TableLookup
 from taco_optax._src.layerwise.token_table import TableProjection
@@ -26,5 +28,6 @@ __all__ = (
     'TrainStep',
     'remat_layers',
     'step_from_parts',
+    'table_mean_bytes',
     'train_step',
 )

@@ -8,9 +8,10 @@ also given by small factors: the projection's features and logits' cotangent
 (``rows x (d + vocab)``: a classification head scores one position per
 sequence) and the lookup's looked-up ids and rows' cotangent (``tokens x
 d``). When those of all ``A`` micro-batches take fewer bytes than the
-accumulator (:func:`kept_as_factors`), the step keeps them instead, and the
-update forms the mean from them a block of columns at a time
-(:class:`MeanGradient`), in the accumulator's arithmetic.
+accumulator (:func:`kept_as_factors`, by the size rule of
+:func:`table_mean_bytes`), the step keeps them instead, and the update forms
+the mean from them a block of columns at a time (:class:`MeanGradient`), in
+the accumulator's arithmetic.
 """
 
 import dataclasses
@@ -92,6 +93,52 @@ def _nbytes(tree: Any) -> int:
   return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
 
+def _keeps_factors(table_size: int, factor_bytes: int,
+                   accumulation_steps: int) -> bool:
+  return accumulation_steps * factor_bytes < 4 * table_size
+
+
+def table_mean_bytes(table_size: int, factor_bytes: int,
+                     accumulation_steps: int) -> int:
+  """Bytes the accumulated layer-wise step keeps for a token table's mean.
+
+  ``train_step(..., accumulation_steps=A)`` keeps a token table's mean
+  gradient over the ``A`` micro-batches (from the head to the table's
+  update) as the smaller of its float32 accumulator, ``4 * table_size``
+  bytes, and every micro-batch's factors, ``A * factor_bytes``; a tie keeps
+  the accumulator. One micro-batch's factors are those of each use of the
+  table: a :class:`TableProjection`'s features and logits' cotangent
+  (``rows x (d + vocab)``, ``rows`` the positions it scores) and a
+  :class:`TableLookup`'s ids and rows' cotangent (``tokens x (1 + d)``).
+
+  Args:
+    table_size: the table's elements (``vocab x d``).
+    factor_bytes: one micro-batch's factors' bytes.
+    accumulation_steps: micro-batches per step.
+
+  Returns:
+    The bytes kept: ``min(4 * table_size, A * factor_bytes)``.
+
+  Examples:
+    >>> from taco_optax import layerwise
+    >>> # SmolLM2's 49152 x 576 tied table, micro-batches of 2 x 64 tokens
+    >>> # scored at one position each (float32):
+    >>> head = 2 * (576 + 49152) * 4
+    >>> lookup = 2 * 64 * (1 + 576) * 4
+    >>> layerwise.table_mean_bytes(49152 * 576, head + lookup, 4)
+    2772992
+    >>> # Micro-batches of 4 x 64 scored at every next token: the
+    >>> # accumulator is the smaller.
+    >>> head = 4 * 63 * (576 + 49152) * 4
+    >>> lookup = 4 * 64 * (1 + 576) * 4
+    >>> layerwise.table_mean_bytes(49152 * 576, head + lookup, 4)
+    113246208
+  """
+  if _keeps_factors(table_size, factor_bytes, accumulation_steps):
+    return accumulation_steps * factor_bytes
+  return 4 * table_size
+
+
 def kept_as_factors(loss, outer: Any, hidden: Any, batch: Any, count: int,
                     head_reads: frozenset[Key]) -> frozenset[Key]:
   """The keys of the token tables whose mean gradient is kept as factors.
@@ -120,4 +167,4 @@ def kept_as_factors(loss, outer: Any, hidden: Any, batch: Any, count: int,
       sizes[key] = sizes.get(key, 0) + _nbytes((ids, rows))
   tables = dict(leaves_lib.keyed(outer, leaves_lib.OUTER))
   return frozenset(key for key, size in sizes.items()
-                   if count * size < tables[key].size * 4)
+                   if _keeps_factors(tables[key].size, size, count))
