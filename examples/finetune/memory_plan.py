@@ -14,9 +14,10 @@ L layers, V vocabulary):
   twice one layer's recomputed activations (below), as measured on the
   scanned model (``--validate`` checks both; with unrolled layers XLA frees
   them earlier, so the formula is conservative there);
-* head phase: the float32 logits ``B * T * V * 4`` (their exp and their
-  gradient are written in their place: ``losses.completion_nll``), plus, in
-  the layer-wise step, the transients of the token table's (or untied
+* head phase: the float32 logits ``B * S * V * 4``, ``S`` the positions
+  the loss scores per sequence (every one, ``T``, unless told: one for the
+  candidate objective; their exp and their gradient are written in their
+  place: ``losses.completion_nll``), plus, in the layer-wise step, the transients of the token table's (or untied
   head's) column blocks, four float32 arrays of ``2**20`` elements (the
   block size of ``taco_optax``'s chunked update);
 * one layer's backward: its gradients ``P_layer * b`` plus its recomputed
@@ -27,7 +28,20 @@ L layers, V vocabulary):
 * the layerwise step forms the token table's and an untied LM head's
   gradients a block of columns at a time (never dense), keeps the dense
   gradient of a learned position table until the end, and nothing of the
-  head's logits past the head; the plain step keeps every gradient.
+  head's logits past the head; the plain step keeps every gradient;
+* the layer-wise step on ``A`` micro-batches of ``B`` sequences
+  (``taco_optax``'s accumulation, layer-major) keeps every micro-batch's
+  layer inputs, ``A`` times the term above; in both phases the outer leaves'
+  mean gradients: a token table's as ``taco_optax.layerwise.table_mean_bytes``
+  says the step does, the smaller of its float32 accumulator ``V * d * 4``
+  and ``A`` micro-batches' factors (the head's features and logits'
+  cotangent, ``B * S * (d * b + V * 4)``; the lookup's ids and rows'
+  cotangent, ``B * T * (4 + d * b)``; both, for a tied table), every other
+  outer leaf's a float32 accumulator; and two hidden states of the whole
+  batch ``2 * A * B * T * d * b`` (a layer's stacked output and input
+  cotangents; at the head, the last hidden states and their cotangents);
+  in a layer's phase that layer's float32 accumulator ``P_layer * 4``, one
+  micro-batch's activations and gradients otherwise.
 
 The layer-wise step always runs each block's backward from its saved input
 (its own per-block recomputation), so only the plain step depends on remat.
@@ -85,6 +99,14 @@ class Terms(NamedTuple):
     embed_matrix_grads: dense gradients the layer-wise step keeps through
       the layers: a learned position table (the token table's is formed
       a block of columns at a time).
+    outer_means: with accumulation, the outer leaves' mean gradients (a
+      token table's as its float32 accumulator or its micro-batches'
+      factors, whichever is smaller), in both phases; else 0.
+    stacked_cotangents: with accumulation, two hidden states of the whole
+      batch (a layer's stacked output and input cotangents), in both
+      phases; else 0.
+    layer_accumulator: with accumulation, one layer's float32 mean
+      gradient, in its phase; else 0.
   """
   weights: int
   saved_inputs: int
@@ -95,6 +117,9 @@ class Terms(NamedTuple):
   slice_copy: int
   layer_phase: int
   embed_matrix_grads: int
+  outer_means: int = 0
+  stacked_cotangents: int = 0
+  layer_accumulator: int = 0
 
   def layerwise_peak(self, state_bytes: int) -> int:
     return layerwise_peak(self, state_bytes)
@@ -104,8 +129,10 @@ class Terms(NamedTuple):
 
 
 def terms(config: config_lib.ModelConfig, params, *, batch: int, seq: int,
-          itemsize: int, scan_layers: bool, remat: bool = True) -> Terms:
-  """The formula's terms for ``params = (outer, layers)``."""
+          itemsize: int, scan_layers: bool, remat: bool = True,
+          scored_positions: Optional[int] = None) -> Terms:
+  """The formula's terms for ``params = (outer, layers)``; the loss scores
+  ``scored_positions`` positions per sequence (``None``: all ``seq``)."""
   outer, layers = params
   d, ffn = config.hidden_size, config.intermediate_size
   layer_bytes = tree_bytes(layers) // config.num_layers
@@ -118,7 +145,8 @@ def terms(config: config_lib.ModelConfig, params, *, batch: int, seq: int,
       saved_inputs=(layer_inputs if remat
                     else 2 * config.num_layers * layer_activations),
       layer_inputs=layer_inputs,
-      head_phase=batch * seq * config.vocab_size * 4,
+      head_phase=batch * (seq if scored_positions is None
+                          else scored_positions) * config.vocab_size * 4,
       # A large matrix is updated a block of columns at a time; the column
       # step holds ~4 float32 arrays of a block.
       table_blocks=4 * COLUMN_BLOCK_ELEMENTS * 4,
@@ -131,9 +159,42 @@ def terms(config: config_lib.ModelConfig, params, *, batch: int, seq: int,
 def layerwise_peak(plan_terms: Terms, state_bytes: int) -> int:
   """Peak of ``taco_optax.layerwise.train_step``: one block's gradients."""
   t = plan_terms
-  return (t.weights + state_bytes + t.layer_inputs
+  return (t.weights + state_bytes + t.layer_inputs + t.outer_means
+          + t.stacked_cotangents
           + max(t.head_phase + t.table_blocks,
-                t.layer_phase + t.embed_matrix_grads))
+                t.layer_phase + t.layer_accumulator + t.embed_matrix_grads))
+
+
+def accumulated_terms(config: config_lib.ModelConfig, params,
+                      plan_terms: Terms, *, batch: int, seq: int,
+                      itemsize: int, accumulation_steps: int,
+                      scored_positions: Optional[int] = None) -> Terms:
+  """``plan_terms`` (of one micro-batch of ``batch`` sequences) for the
+  layer-wise step on ``accumulation_steps`` micro-batches."""
+  outer, layers = params
+  steps = accumulation_steps
+  d, vocab = config.hidden_size, config.vocab_size
+  rows = batch * (seq if scored_positions is None else scored_positions)
+  head_factors = rows * (d * itemsize + vocab * 4)
+  lookup_factors = batch * seq * (4 + d * itemsize)
+  size = lambda tree: sum(x.size for x in jax.tree.leaves(tree))
+  table = size(outer['embed'])
+  if config.tie_word_embeddings:
+    tables = taco_optax.layerwise.table_mean_bytes(
+        table, head_factors + lookup_factors, steps)
+  else:
+    tables = (taco_optax.layerwise.table_mean_bytes(
+        size(outer['lm_head']), head_factors, steps)
+              + taco_optax.layerwise.table_mean_bytes(
+                  table, lookup_factors, steps))
+  others = {k: v for k, v in outer.items() if k not in ('embed', 'lm_head')}
+  return plan_terms._replace(
+      layer_inputs=plan_terms.layer_inputs * steps,
+      # The position table's mean is an accumulator (in outer_means).
+      embed_matrix_grads=0,
+      outer_means=tables + 4 * size(others),
+      stacked_cotangents=2 * steps * batch * seq * d * itemsize,
+      layer_accumulator=4 * size(layers) // config.num_layers)
 
 
 def plain_peak(plan_terms: Terms, state_bytes: int) -> int:
@@ -155,7 +216,8 @@ def device_memory_limit() -> Optional[int]:
 
 
 def model_peak(model, params, state_bytes: int, *, batch: int, seq: int,
-               layerwise: bool, accumulation_steps: int = 1) -> int:
+               layerwise: bool, accumulation_steps: int = 1,
+               scored_positions: Optional[int] = None) -> int:
   """Predicted peak bytes of a train step of a live ``DecoderLM``.
 
   Args:
@@ -168,25 +230,29 @@ def model_peak(model, params, state_bytes: int, *, batch: int, seq: int,
     accumulation_steps: micro-batches per step; ``batch`` is then one
       micro-batch's sequences. The plain step runs one micro-batch per call
       (``optax.MultiSteps``: its accumulator is in ``state_bytes``); the
-      layer-wise step keeps every micro-batch's layer inputs and a float32
-      accumulator of every outer parameter (``taco_optax``'s accumulation
-      keeps the token table's mean gradient dense).
+      layer-wise step keeps every micro-batch's layer inputs, the outer
+      leaves' means (a token table's as the smaller of its float32
+      accumulator and its micro-batches' factors, as the step chooses),
+      the stacked cotangents and one layer's float32 accumulator
+      (:func:`accumulated_terms`).
+    scored_positions: positions per sequence the loss projects onto the
+      vocabulary (1 for the candidate objective); ``None``: every one.
 
   Returns:
     Predicted peak bytes.
   """
+  itemsize = jnp.dtype(model.dtype).itemsize
   plan_terms = terms(model.config, params, batch=batch, seq=seq,
-                     itemsize=jnp.dtype(model.dtype).itemsize,
-                     scan_layers=model.scan_layers,
-                     remat=model.remat is not None)
+                     itemsize=itemsize, scan_layers=model.scan_layers,
+                     remat=model.remat is not None,
+                     scored_positions=scored_positions)
   if not layerwise:
     return plain_peak(plan_terms, state_bytes)
   if accumulation_steps > 1:
-    outer_elements = sum(x.size for x in jax.tree.leaves(params[0]))
-    plan_terms = plan_terms._replace(
-        layer_inputs=plan_terms.layer_inputs * accumulation_steps,
-        embed_matrix_grads=plan_terms.embed_matrix_grads + 4 * outer_elements,
-        table_blocks=plan_terms.table_blocks + 4 * outer_elements)
+    plan_terms = accumulated_terms(
+        model.config, params, plan_terms, batch=batch, seq=seq,
+        itemsize=itemsize, accumulation_steps=accumulation_steps,
+        scored_positions=scored_positions)
   return layerwise_peak(plan_terms, state_bytes)
 
 

@@ -37,6 +37,10 @@ from examples.finetune.model import gguf as gguf_lib
 from examples.finetune.model import loading
 from examples.finetune.model import weights as weights_lib
 
+# The objective of a classification task whose candidates are single tokens:
+# its loss projects one position per sequence onto the vocabulary.
+CANDIDATES = 'candidate cross-entropy'
+
 
 def load_model(path: Optional[str], *, dtype: Any, remat: bool,
                param_dtype: Any = None,
@@ -100,7 +104,8 @@ def load_task(config: flags_lib.RunConfig):
 
 
 def _check_memory(config: flags_lib.RunConfig, model, tx,
-                  precision: precision_lib.Precision) -> None:
+                  precision: precision_lib.Precision,
+                  scored_positions: Optional[int] = None) -> None:
   """Refuses a run whose predicted peak exceeds the device's memory.
 
   The limit is ``config.memory_limit_gb``, else the device's own
@@ -108,7 +113,8 @@ def _check_memory(config: flags_lib.RunConfig, model, tx,
   devices of an active mesh (the plan is unsharded: a run over this is sure
   not to fit). The prediction is :mod:`memory_plan`'s, with the parameters as
   stored (float32 master weights count 4 bytes each) and this optimizer's
-  exact state size.
+  exact state size; the loss scores ``scored_positions`` positions per
+  sequence (1 for the candidate cross-entropy; ``None``: every one).
   """
   limit = (memory_plan.device_memory_limit() if config.memory_limit_gb is None
            else config.memory_limit_gb * memory_plan.GB)
@@ -128,7 +134,7 @@ def _check_memory(config: flags_lib.RunConfig, model, tx,
     return memory_plan.model_peak(
         model, params, state_bytes, batch=batch // accumulation,
         seq=config.seq_len, layerwise=layerwise,
-        accumulation_steps=accumulation)
+        accumulation_steps=accumulation, scored_positions=scored_positions)
 
   peak = peak_of(config.batch_size, config.grad_accum)
   if peak <= limit:
@@ -164,7 +170,7 @@ def _training_tokens(objective: str, task, examples, tokenizer):
   if objective in ('auto', 'candidates') and not task.generative:
     choices = data_lib.choice_examples(tokenizer, examples)
     if choices is not None:
-      return choices, data_lib.collate_choices, 'candidate cross-entropy'
+      return choices, data_lib.collate_choices, CANDIDATES
     if objective == 'candidates':
       raise flags_lib.FinetuneError(
           '--objective candidates needs single-token candidates')
@@ -311,7 +317,8 @@ def prepare(config: flags_lib.RunConfig,
   hints = optimizers_lib.decoder_hints(model_config)
   tx = optimizers_lib.get(config.optimizer).build(
       schedule, hints, config.taco, precision.optimizer_rounding(config.seed))
-  _check_memory(config, model, tx, precision)
+  _check_memory(config, model, tx, precision,
+                scored_positions=(1 if objective == CANDIDATES else None))
   master_cost = precision_lib.master_cost(
       nnx.as_pure(nnx.state(model, nnx.Param)), tx.init,
       precision.compute_dtype)

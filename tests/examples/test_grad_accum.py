@@ -144,8 +144,9 @@ def _smollm2_peaks(layerwise, optimizer, batch=32, steps=4):
 def test_the_planner_sees_the_micro_batch():
   whole, split, small = _smollm2_peaks(True, 'taco')
   # Layer-wise: one micro-batch's activations and logits, every micro-batch's
-  # layer inputs, the float32 accumulators of the outer leaves (a token
-  # table's: at 8 x 64 it outweighs what splitting saves).
+  # layer inputs, the outer leaves' means (every token scored: the token
+  # table's as its float32 accumulator, which at 8 x 64 outweighs what
+  # splitting saves).
   assert small < split < whole, (small, split, whole)
   whole, split, _ = _smollm2_peaks(True, 'taco', batch=8)
   assert split > whole, (split, whole)

@@ -59,6 +59,31 @@ def test_formula_tracks_the_compiled_plain_step_with_and_without_remat(remat):
   assert 0.97 < predicted / compiled < 1.05, (predicted, compiled)
 
 
+
+@pytest.mark.parametrize('objective, seq', [('choice', 512), ('tokens', 64)])
+def test_formula_tracks_the_compiled_accumulated_layerwise_step(objective,
+                                                                seq):
+  # SmolLM2 width, 4 stacked layers, float32: 4 micro-batches of 2. The
+  # candidate objective keeps the tied table's mean as the micro-batches'
+  # factors (a float32 accumulator would add 108 MiB), every token's keeps
+  # the accumulator (its factors would be larger).
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  from benchmarks import accumulation  # pylint: disable=g-import-not-at-top
+  from examples.finetune.model import decoder  # pylint: disable=g-import-not-at-top
+  _, _, rows = accumulation.measure(
+      dtype=jnp.float32, micro_batch=2, seq=seq, num_layers=4, steps=(4,),
+      objective=objective, paths=('taco layerwise',))
+  [(_, _, compiled, state_bytes)] = rows
+  config = api.model_config(presets.PRESETS['smollm2-135m'], 4)
+  model = nnx.eval_shape(lambda: decoder.DecoderLM(
+      config, dtype=jnp.float32, param_dtype=jnp.float32, remat='block',
+      scan_layers=True, rngs=nnx.Rngs(0)))
+  predicted = memory_plan.model_peak(
+      model, memory_plan.model_params(model), state_bytes, batch=2, seq=seq,
+      layerwise=True, accumulation_steps=4,
+      scored_positions=1 if objective == 'choice' else None)
+  assert 0.85 < predicted / compiled < 1.05, (predicted, compiled)
+
 def test_mesh_plan_counts_each_devices_shards():
   # Shapes on an abstract mesh, no devices: every matrix and the token
   # table split 8 ways over fsdp, the norm scales whole; the batch's rows,
