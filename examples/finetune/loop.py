@@ -22,6 +22,7 @@ import jax
 from examples.finetune import compile_cache as compile_cache_lib
 from examples.finetune import evaluation as evaluation_lib
 from examples.finetune import flags as flags_lib
+from examples.finetune import host_memory
 from examples.finetune import memory_plan
 from examples.finetune import phases
 from examples.finetune import precision as precision_lib
@@ -117,6 +118,7 @@ def train(prepared: preparation.PreparedRun,
   metric = prepared.task.headline_metric
   before = history['before'] if 'before' in history else _evaluate(prepared,
                                                                     log)
+  host_memory.release_free_memory()
   log(f'held-out {metric} before: {before[metric]:.4f}'
       + (' (from the checkpoint)' if 'before' in history else ''))
   mesh = sharding_lib.current_mesh()
@@ -128,6 +130,8 @@ def train(prepared: preparation.PreparedRun,
   lookups = compile_cache_lib.Lookups()
   with phases.phase('compiling the train step', log), lookups:
     compiled = prepared.trainer.compile(first)
+  # Before the steps' buffers: what compiling freed (host_memory.py).
+  host_memory.release_free_memory()
   compile_seconds = time.perf_counter() - began
   log('compilation cache: '
       + report_lib.compile_cache(lookups.result.as_json()))
