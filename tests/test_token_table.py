@@ -319,3 +319,38 @@ def test_two_phases_equal_the_column_step_on_ties_and_zero_columns(seed):
       outside, rows, jnp.take(inside, rows, 0, mode='fill', fill_value=0).T,
       state, plan, 0.9)
   assert_bitwise_equal(got, expected)
+
+
+
+def test_batch_tokens_meet_the_history_without_a_column_token_buffer():
+  # Phase 2 on 8 x 512 looked-up tokens, 64 columns, k = 16: matching each
+  # column's history with the batch's distinct tokens as an (n, k, U)
+  # comparison held n * k * U floats (151 MiB at SmolLM2's 576 columns);
+  # the merge needs a few (n, U) arrays (the lookup's share, the candidates).
+  vocab, width, k = 8192, 64, 16
+  table = jax.ShapeDtypeStruct((vocab, width), jnp.float32)
+  ids = jax.ShapeDtypeStruct((8, 512), jnp.int32)
+  dims = taco_optax.TacoDimensionNumbers(1, 0)
+  (plan,) = _leaf.leaf_plans(table, dims, None, 1)
+  tx = taco_optax.taco(1e-2, k=k, weight_dimension_numbers=dims)
+  history = kernels.History(*_alias.taco_states(
+      jax.eval_shape(tx.init, table)).direction[:3])
+  features = jax.ShapeDtypeStruct((8, width), jnp.float32)
+  d_logits = jax.ShapeDtypeStruct((8, vocab), jnp.float32)
+
+  def merge(table, ids, features, d_logits, history):
+    projection = _token_table.projection_gradient(TIED, table, features,
+                                                  d_logits)
+    tokens, _ = _table_update.batch_tokens(ids, vocab)
+    outside = _table_update.select_outside(projection, tokens, history,
+                                           plan, 0.9, 4)
+    outside = jax.lax.optimization_barrier(outside)
+    lookup_grads = jnp.zeros((width, tokens.size), jnp.float32)
+    return _table_update.merge_batch_tokens(outside, tokens, lookup_grads,
+                                            history, plan, 0.9)
+
+  temp = jax.jit(merge).lower(
+      table, ids, features, d_logits,
+      history).compile().memory_analysis().temp_size_in_bytes
+  column_by_token = width * ids.size * 4
+  assert temp < k * column_by_token / 2, (temp, k * column_by_token)
