@@ -315,7 +315,8 @@ def report() -> None:
     print(f'| {task} | {_rate(lr, opt, steps)} | {steps} | '
           f'{settings or "–"} | {",".join(map(str, common))} | '
           f'{" ".join(f"{d:+.1f}" for d in diffs)} | {_pm(mean, se, "+")} |')
-  fit_report(rows())
+  for steps in sorted({key[3] for key in data}):
+    fit_report(rows(), steps)
 
 
 def fit_report(table_rows: list[dict], steps: int = 40) -> None:

@@ -74,6 +74,22 @@ def test_the_budget_rules_constants_are_the_recorded_runs_fit():
     spec = optimizers.get(name)
     assert spec.default_rate(40).lr == pytest.approx(reference, rel=0.02)
     assert spec.default_rate(10).lr == pytest.approx(short, rel=0.02)
+    # Past 40 steps the rule passes through the rate fitted at every longer
+    # budget where two or more rates ran on all three tasks, and only there.
+    longer = sorted({row['steps'] for row in seed_runs} - {40})
+    fitted = {steps: multiclass_runs.fitted_rate(seed_runs, name, steps)
+              for steps in longer if _rates_on_every_task(
+                  multiclass_runs.seed_means(seed_runs, name, steps)) > 1}
+    assert dict(rule.measured) == pytest.approx(fitted, rel=0.02), name
+    for steps, rate in fitted.items():
+      assert spec.default_rate(steps).lr == pytest.approx(rate, rel=0.02)
+
+
+def _rates_on_every_task(means: dict) -> int:
+  """How many rates ran (over seeds) on all three tasks."""
+  if set(means) != {'tweets', 'bbc', 'trec'}:
+    return 0
+  return len(set.intersection(*(set(rates) for rates in means.values())))
 
 
 def test_the_recorded_runs_are_the_documented_table():

@@ -1,5 +1,7 @@
 """Every ``--optimizer`` entry trains a tiny model through the same loop."""
 
+import math
+
 from flax import nnx
 import jax
 import jax.numpy as jnp
@@ -105,6 +107,25 @@ def test_taco_reaches_the_papers_rate_at_its_budget():
   taco = optimizers.get('taco')
   assert taco.default_rate(2000).lr == 3e-5
   assert taco.default_rate(16000).lr == 3e-5
-  middle = taco.default_rate(280)
-  assert 3e-5 < middle.lr < taco.default_rate(40).lr
-  assert 'of the way (log steps) to 3e-05 at 2000 steps' in middle.why
+  # Past 40 steps: log-linear in log steps through the measured budgets'
+  # rates, then to the paper's; past the last point it stays there.
+  knots = [(40, taco.default_rate(40).lr), *taco.rule.measured, (2000, 3e-5)]
+  for (start, start_lr), (end, end_lr) in zip(knots, knots[1:]):
+    assert taco.default_rate(end).lr == pytest.approx(end_lr, rel=0.02)
+    middle_steps = round((start * end) ** 0.5)
+    middle = taco.default_rate(middle_steps)
+    assert middle.lr == pytest.approx((start_lr * end_lr) ** 0.5, rel=0.05)
+    assert (f'of the way (log steps) from {start_lr:g} at {start} to '
+            f'{end_lr:g} at {end} steps') in middle.why
+
+
+def test_budget_rule_passes_through_its_measured_budgets():
+  rule = optimizers.BudgetRule(1e-3, 0.0, 'test', long_run=(1000, 1e-5),
+                               measured=((100, 1e-4), (200, 1e-3)))
+  assert [rule.rate(s).lr for s in (40, 100, 200, 1000, 5000)] == [
+      1e-3, 1e-4, 1e-3, 1e-5, 1e-5]
+  assert rule.rate(150).lr == pytest.approx(
+      1e-4 * 10 ** (math.log(1.5) / math.log(2)), rel=0.02)  # 2 digits
+  without_long = optimizers.BudgetRule(1e-3, 0.0, 'test',
+                                       measured=((100, 1e-4),))
+  assert without_long.rate(5000).lr == 1e-4
