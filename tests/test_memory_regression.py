@@ -26,13 +26,15 @@ NUM_LAYERS, BATCH, SEQ = 4, 4, 64
 
 # (peak_train - peak_forward - optimizer state) / weight bytes of the
 # layer-wise TACO step, measured with jax 0.10.2 on CPU, float32 (the same
-# bytes in separate processes). Scanned layers: peak 246454104, forward
-# 220018356, state 1705540, weights 169890048 bytes: 0.1456 (0.3373 while the
-# logits' cotangent lived through the layers, 0.6996 while the tied table's
-# gradient was formed dense, 0.9913 before the completion loss stopped
-# materialising log_softmax). Unrolled layers (the CLI's default): peak
-# 251065664, forward 220018188: 0.1727 (0.3480, 0.7308).
-MEASURED_LAYERWISE = {True: 0.1456, False: 0.1727}
+# bytes in separate processes). Scanned layers: peak 236657584, forward
+# 220018356, state 1705548, weights 169890048 bytes: 0.0879 (0.1456 while
+# the tied table's phase 2 compared each column's history with every batch
+# token, 0.3373 while the logits' cotangent lived through the layers, 0.6996
+# while the tied table's gradient was formed dense, 0.9913 before the
+# completion loss stopped materialising log_softmax). Unrolled layers (the
+# CLI's default): peak 241831320, forward 220018188: 0.1184 (0.1727, 0.3480,
+# 0.7308).
+MEASURED_LAYERWISE = {True: 0.0879, False: 0.1184}
 MARGIN = 0.02
 
 
