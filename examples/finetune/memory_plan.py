@@ -17,9 +17,10 @@ L layers, V vocabulary):
 * head phase: the float32 logits ``B * S * V * 4``, ``S`` the positions
   the loss scores per sequence (every one, ``T``, unless told: one for the
   candidate objective; their exp and their gradient are written in their
-  place: ``losses.completion_nll``), plus, in the layer-wise step, the transients of the token table's (or untied
-  head's) column blocks, four float32 arrays of ``2**20`` elements (the
-  block size of ``taco_optax``'s chunked update);
+  place: ``losses.completion_nll``), plus, in the layer-wise step, the
+  transients of the token table's (or untied head's) column blocks, four
+  float32 arrays of ``2**20`` elements (the block size of ``taco_optax``'s
+  chunked update);
 * one layer's backward: its gradients ``P_layer * b`` plus its recomputed
   activations ``B * T * (4 d + 3 ffn) * b + 2 * B * heads * T^2 * 4``, plus,
   with scanned layers, a copy of that layer's weights ``P_layer * b`` (XLA
