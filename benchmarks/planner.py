@@ -85,7 +85,7 @@ def plan_on_mesh(hf_config, mesh_shape, *, batch, seq, dtype=jnp.bfloat16):
   The CLI's layout (unrolled layers, remat) and sharding rule; each device's
   weights and optimizer state are exact (shapes on an abstract mesh: no
   devices needed), the rest is the example's formula
-  (``memory_plan.mesh_terms``).
+  (``mesh_memory_plan.mesh_terms``).
 
   Returns:
     A dict of ``config``, ``terms`` (one device's ``MeshTerms``),

@@ -45,6 +45,7 @@ from examples.finetune import evaluation as evaluation_lib
 from examples.finetune import flags as flags_lib
 from examples.finetune import losses as losses_lib
 from examples.finetune import memory_plan
+from examples.finetune import mesh_memory_plan
 from examples.finetune import optimizers as optimizers_lib
 from examples.finetune import preparation
 from examples.finetune import report as report_lib
@@ -180,7 +181,7 @@ class MemoryPlan(NamedTuple):
   Attributes:
     terms: the formula's terms in bytes (``weights``, ``saved_inputs``,
       ``head_phase``, ``layer_phase``, ``embed_matrix_grads``, ...), or on a
-      mesh one device's (a ``memory_plan.MeshTerms``).
+      mesh one device's (a ``mesh_memory_plan.MeshTerms``).
     params: the abstract ``(outer, layers)`` parameters it was computed
       from, for ``jax.eval_shape`` of an optimizer's ``init``.
   """
@@ -217,21 +218,21 @@ BATCH_AXES = sharding_lib.BATCH_AXES
 COLUMN_BLOCK_ELEMENTS = memory_plan.COLUMN_BLOCK_ELEMENTS
 make_mesh = sharding_lib.make_mesh
 parse_mesh = sharding_lib.parse_mesh
-abstract_mesh = memory_plan.abstract_mesh
-with_shardings = memory_plan.with_shardings
-device_bytes = memory_plan.device_bytes
+abstract_mesh = mesh_memory_plan.abstract_mesh
+with_shardings = mesh_memory_plan.with_shardings
+device_bytes = mesh_memory_plan.device_bytes
 
 
 def plan_memory_on_mesh(config: ModelConfig, mesh_shape: dict[str, int], *,
                         dtype: Any, batch: int, seq: int) -> MemoryPlan:
-  """The :class:`MemoryPlan` (one device's ``memory_plan.MeshTerms``, its
+  """The :class:`MemoryPlan` (one device's ``mesh_memory_plan.MeshTerms``, its
   parameters with their shardings on an :func:`abstract_mesh`) of a ``config`` model on a ``data x fsdp x
   tensor`` mesh of ``mesh_shape`` (the CLI's unrolled layers, remat); shapes
   only, no devices needed."""
   params = with_shardings(
       layered_model(new_decoder(config, dtype=dtype, abstract=True)).params,
       abstract_mesh(mesh_shape))
-  return MemoryPlan(memory_plan.mesh_terms(
+  return MemoryPlan(mesh_memory_plan.mesh_terms(
       config, params, mesh_shape=mesh_shape, batch=batch, seq=seq,
       itemsize=jnp.dtype(dtype).itemsize), params)
 
