@@ -14,11 +14,11 @@ them back. Elsewhere than glibc this does nothing.
 import ctypes
 import ctypes.util
 import functools
-from typing import Optional
+from typing import Callable, Optional
 
 
 @functools.cache
-def _malloc_trim() -> Optional[ctypes._CFuncPtr]:
+def _malloc_trim() -> Optional[Callable[[int], int]]:
   name = ctypes.util.find_library('c')
   try:
     return ctypes.CDLL(name).malloc_trim if name else None
