@@ -17,9 +17,6 @@ import jax.numpy as jnp
 from examples.finetune import memory_plan
 from examples.finetune.model import config as config_lib
 
-COLUMN_BLOCK_ELEMENTS = memory_plan.COLUMN_BLOCK_ELEMENTS
-tree_bytes = memory_plan.tree_bytes
-
 
 def abstract_mesh(mesh_shape: dict[str, int]) -> jax.sharding.AbstractMesh:
   """The example's ``data x fsdp x tensor`` mesh of ``mesh_shape``, without
@@ -126,7 +123,8 @@ def _plain_gradients(params, layers_split: bool) -> int:
     return device_bytes(params)
   table = device_bytes(outer['embed'])
   projection = device_bytes(outer['lm_head']) if 'lm_head' in outer else table
-  return table + projection + tree_bytes(outer.get('positions', {}))
+  return (table + projection
+          + memory_plan.tree_bytes(outer.get('positions', {})))
 
 
 def mesh_terms(config: config_lib.ModelConfig, params, *,
@@ -139,7 +137,7 @@ def mesh_terms(config: config_lib.ModelConfig, params, *,
   rows = batch // (data * fsdp) if batch % (data * fsdp) == 0 else batch
   head_rows = batch // data if batch % data == 0 else batch
   d, ffn = config.hidden_size, config.intermediate_size
-  layer_bytes = tree_bytes(params[1]) // config.num_layers
+  layer_bytes = memory_plan.tree_bytes(params[1]) // config.num_layers
   return MeshTerms(
       weights=device_bytes(params),
       layer_inputs=config.num_layers * rows * seq * d * itemsize,
@@ -150,7 +148,7 @@ def mesh_terms(config: config_lib.ModelConfig, params, *,
                          * seq * seq * 4),
       head_phase=2 * head_rows * seq * config.vocab_size // (fsdp * tensor)
       * 4,
-      table_blocks=4 * COLUMN_BLOCK_ELEMENTS * 4,
+      table_blocks=4 * memory_plan.COLUMN_BLOCK_ELEMENTS * 4,
       position_grads=device_bytes(params[0].get('positions', {})),
       table_copy=0 if fsdp * tensor == 1 else max(
           device_bytes(params[0]['embed']),
