@@ -4,12 +4,13 @@ A :class:`Use` is what one equation does with a view of a parameter
 (:mod:`trace_views`): multiply it as a matrix (``dot_general``,
 ``ragged_dot``: its axes, read from the equation's dimension numbers), look
 rows of it up (``gather``, a traced ``dynamic_slice``), or something no
-single reading explains (ambiguous). The equations' parameters read here are
-jaxpr internals, pinned by ``tests/test_trace_routing.py``.
+single reading explains (ambiguous). The equations' parameters are read
+through :mod:`jaxpr_internals`.
 """
 
 from typing import Any, NamedTuple, Optional, Sequence
 
+from taco_optax._src.transform import jaxpr_internals as jx
 from taco_optax._src.transform import trace_views
 from taco_optax._src.transform.trace_views import View
 
@@ -52,9 +53,9 @@ def _permutation_after(var: Any, consumers: dict[Any, list[Any]]
     readers = consumers.get(var, [])
     if len(readers) != 1 or readers[0] is None:
       return None
-    name = readers[0].primitive.name
+    name = jx.primitive(readers[0])
     if name == 'transpose':
-      return tuple(readers[0].params['permutation'])
+      return jx.permutation(readers[0])
     if name not in ('convert_element_type', 'copy', 'copy_p'):
       return None
     var = readers[0].outvars[0]
@@ -65,7 +66,7 @@ def dot_uses(eqn: Any, ins: list[Value], names: Sequence[str],
   """The uses of the weights a ``dot_general`` multiplies (``consumers``:
   the equations reading each variable, for the transpose after it)."""
   permutation = _permutation_after(eqn.outvars[0], consumers)
-  (contracting, batch) = eqn.params['dimension_numbers']
+  (contracting, batch) = jx.dot_dimension_numbers(eqn)
   ndims = [len(shape_of(v)) for v in eqn.invars[:2]]
   free = [[a for a in range(ndims[s]) if a not in contracting[s] + batch[s]]
           for s in (0, 1)]
@@ -94,17 +95,16 @@ def dot_uses(eqn: Any, ins: list[Value], names: Sequence[str],
 def ragged_uses(eqn: Any, ins: list[Value]) -> Found:
   """``ragged_dot`` of tokens by a stack of experts' weights: the experts'
   (group) axis is a batch axis, the rest read as in ``dot_general``."""
-  numbers = eqn.params['ragged_dot_dimension_numbers']
-  (contracting, batch) = numbers.dot_dimension_numbers
-  stacked = tuple(batch[1]) + tuple(numbers.rhs_group_dimensions)
+  contracting, batch, groups = jx.ragged_dot_axes(eqn)
+  stacked = batch + groups
   ndim = len(shape_of(eqn.invars[1]))
-  free = [a for a in range(ndim) if a not in tuple(contracting[1]) + stacked]
+  free = [a for a in range(ndim) if a not in contracting + stacked]
   if ins[0].views:
     why = ('a weight-times-weight ragged_dot' if ins[1].views
            else 'the ragged (token) operand of a ragged_dot')
     return [(v.leaf, Use(AMBIGUOUS, why)) for value in ins[:2]
             for v in value.views]
-  return [(v.leaf, _matrix_use(v, contracting[1], stacked, free, [],
+  return [(v.leaf, _matrix_use(v, contracting, stacked, free, [],
                                'ragged_dot')) for v in ins[1].views]
 
 
@@ -152,7 +152,7 @@ def picked_rows(eqn: Any, ins: list[Value]) -> Found:
   the axes (a lookup traced one token at a time)."""
   found = []
   for view in ins[0].views:
-    use = _rows(view, shape_of(eqn.invars[0]), eqn.params['slice_sizes'],
+    use = _rows(view, shape_of(eqn.invars[0]), jx.slice_sizes(eqn),
                 (), 'dynamic_slice: a traced index picks rows', ROW)
     if use is not None:
       found.append((view.leaf, use))
@@ -163,10 +163,8 @@ def _lookup(eqn: Any, view: View) -> Use:
   """A gather: the axes it picks slices of (slice size below the axis's)
   are the rows (the vocabulary: output), the axes it keeps whole the
   features (reduction)."""
-  numbers = eqn.params['dimension_numbers']
-  batching = tuple(getattr(numbers, 'operand_batching_dims', ()))
-  use = _rows(view, shape_of(eqn.invars[0]), eqn.params['slice_sizes'],
-              batching, 'gather: a lookup of rows')
+  use = _rows(view, shape_of(eqn.invars[0]), jx.slice_sizes(eqn),
+              jx.gather_batching_dims(eqn), 'gather: a lookup of rows')
   return use or Use(AMBIGUOUS, 'gather: picks single entries, not rows')
 
 

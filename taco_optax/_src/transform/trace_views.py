@@ -11,11 +11,13 @@ slice or a squeeze removed (a scanned layer axis) is in no axis of the view,
 so it is a batch axis of whatever uses the view.
 
 The rules below read the parameters of jax's primitives
-(``permutation``, ``broadcast_dimensions``, ``dimensions``, ...): jaxpr
-internals, pinned by ``tests/test_trace_routing.py``.
+(``permutation``, ``broadcast_dimensions``, ``dimensions``, ...) through
+:mod:`jaxpr_internals`.
 """
 
 from typing import Any, NamedTuple, Optional, Sequence
+
+from taco_optax._src.transform import jaxpr_internals as jx
 
 Axes = tuple[int, ...]
 
@@ -123,27 +125,26 @@ STRUCTURAL = SAME_AXES | JOINS | frozenset((
     'transpose', 'reshape', 'broadcast_in_dim', 'squeeze', 'all_gather'))
 
 
-def moved(name: str, params: dict[str, Any], view: View,
-          in_shape: Sequence[int], out_shape: Sequence[int]
-          ) -> Optional[View]:
-  """The view that structural primitive ``name`` makes of its first
+def moved(eqn: Any, view: View, in_shape: Sequence[int],
+          out_shape: Sequence[int]) -> Optional[View]:
+  """The view that the structural equation ``eqn`` makes of its first
   operand's ``view``, or ``None`` where the axes cannot be followed (a
   reshape that mixes axes unevenly)."""
+  name = jx.primitive(eqn)
   if name in SAME_AXES or name in JOINS:
     return view
   if name == 'transpose':
-    return _transposed(view, params['permutation'])
+    return _transposed(view, jx.permutation(eqn))
   if name == 'reshape':
     return _reshaped(view, in_shape, out_shape)
   if name == 'broadcast_in_dim':
     return _broadcast(view, in_shape, out_shape,
-                      params['broadcast_dimensions'])
+                      jx.broadcast_dimensions(eqn))
   if name == 'squeeze':
-    return _squeezed(view, params['dimensions'])
+    return _squeezed(view, jx.squeezed_dimensions(eqn))
   if name == 'all_gather':
-    if params.get('tiled', False):
-      return view
-    return _inserted(view, params['all_gather_dimension'])
+    tiled, axis = jx.all_gather_axis(eqn)
+    return view if tiled else _inserted(view, axis)
   raise KeyError(name)
 
 

@@ -15,25 +15,19 @@ elementwise ops, and operands into sub-jaxprs (``jit``, ``remat``,
 ``shard_map``), a ``scan``'s sliced leading axis becoming a batch axis, and
 the views they return back out.
 
-Primitive names and parameters are jaxpr internals, pinned by
-``tests/test_trace_routing.py``.
+Primitive names and parameters are jaxpr internals, read through
+:mod:`jaxpr_internals`.
 """
 
 from typing import Any, Sequence
 
-from jax.extend import core as jex_core
-
+from taco_optax._src.transform import jaxpr_internals as jx
 from taco_optax._src.transform import trace_uses
 from taco_optax._src.transform import trace_views
 from taco_optax._src.transform.trace_uses import Found
 from taco_optax._src.transform.trace_uses import Use
 from taco_optax._src.transform.trace_uses import Value
 
-# Sub-jaxprs called with the operands as they are, by parameter name.
-CALLS = {'jit': 'jaxpr', 'pjit': 'jaxpr', 'closed_call': 'call_jaxpr',
-         'core_call': 'call_jaxpr', 'remat2': 'jaxpr', 'checkpoint': 'jaxpr',
-         'custom_jvp_call': 'call_jaxpr', 'custom_vjp_call': 'call_jaxpr',
-         'custom_vjp_call_jaxpr': 'fun_jaxpr', 'shard_map': 'jaxpr'}
 # Kernels whose use of a weight the trace cannot read.
 OPAQUE = frozenset(('pallas_call', 'ffi_call', 'custom_call',
                     'tpu_custom_call', 'mosaic_gpu_call', 'triton_kernel_call',
@@ -56,14 +50,9 @@ ELEMENTWISE_PRIMITIVES = frozenset((
 
 
 def _value(env: dict[Any, Value], var: Any) -> Value:
-  if isinstance(var, jex_core.Literal):
+  if jx.is_literal(var):
     return Value()
   return env.get(var, Value())
-
-
-def _open(jaxpr: Any) -> Any:
-  """The ``Jaxpr`` of a ``Jaxpr`` or a ``ClosedJaxpr``."""
-  return getattr(jaxpr, 'jaxpr', jaxpr)
 
 
 def walk(jaxpr: Any, inputs: Sequence[Value], names: Sequence[str]
@@ -75,7 +64,7 @@ def walk(jaxpr: Any, inputs: Sequence[Value], names: Sequence[str]
     inputs: one :class:`Value` per input variable.
     names: the parameters' paths, for the uses' descriptions.
   """
-  jaxpr = _open(jaxpr)
+  jaxpr = jx.open_jaxpr(jaxpr)
   if len(inputs) != len(jaxpr.invars):
     raise AssertionError(
         f'{len(inputs)} operands for a jaxpr of {len(jaxpr.invars)} inputs: '
@@ -88,7 +77,7 @@ def walk(jaxpr: Any, inputs: Sequence[Value], names: Sequence[str]
     outs, uses = _equation(eqn, ins, names, consumers)
     found += uses
     for var, value in zip(eqn.outvars, outs):
-      if not isinstance(var, jex_core.DropVar):
+      if not jx.is_dropped(var):
         env[var] = value
   return [_value(env, v) for v in jaxpr.outvars], found
 
@@ -98,10 +87,10 @@ def _consumers(jaxpr: Any) -> dict[Any, list[Any]]:
   readers: dict[Any, list[Any]] = {}
   for eqn in jaxpr.eqns:
     for var in eqn.invars:
-      if not isinstance(var, jex_core.Literal):
+      if not jx.is_literal(var):
         readers.setdefault(var, []).append(eqn)
   for var in jaxpr.outvars:
-    if not isinstance(var, jex_core.Literal):
+    if not jx.is_literal(var):
       readers.setdefault(var, []).append(None)
   return readers
 
@@ -109,7 +98,7 @@ def _consumers(jaxpr: Any) -> dict[Any, list[Any]]:
 def _equation(eqn: Any, ins: list[Value], names: Sequence[str],
               consumers: dict[Any, list[Any]]) -> tuple[list[Value], Found]:
   """The values ``eqn`` makes and the parameter uses it is."""
-  name = eqn.primitive.name
+  name = jx.primitive(eqn)
   data = any(value.data for value in ins)
   plain = [Value(data=data)] * len(eqn.outvars)
   if not any(value.views for value in ins) or name in IGNORED:
@@ -141,7 +130,7 @@ def _elementwise(eqn: Any, ins: list[Value], data: bool
   views = () if data else trace_views.elementwise_views(
       [value.views for value in ins], [shape_of(v) for v in eqn.invars],
       shape_of(eqn.outvars[0]))
-  uses = [(v.leaf, Use(trace_uses.ELEMENTWISE, eqn.primitive.name))
+  uses = [(v.leaf, Use(trace_uses.ELEMENTWISE, jx.primitive(eqn)))
           for value in ins for v in value.views]
   plain = [Value(data=data)] * (len(eqn.outvars) - 1)
   return [Value(views, data)] + plain, uses
@@ -149,7 +138,7 @@ def _elementwise(eqn: Any, ins: list[Value], data: bool
 
 def _structural(eqn: Any, ins: list[Value], data: bool
                 ) -> tuple[list[Value], Found]:
-  name = eqn.primitive.name
+  name = jx.primitive(eqn)
   if name == 'optimization_barrier':
     return list(ins), []
   in_shape = trace_uses.shape_of(eqn.invars[0])
@@ -157,7 +146,7 @@ def _structural(eqn: Any, ins: list[Value], data: bool
   sources = ins if name == 'concatenate' else ins[:1]
   views, uses = [], []
   for view in (v for value in sources for v in value.views):
-    new = trace_views.moved(name, eqn.params, view, in_shape, out_shape)
+    new = trace_views.moved(eqn, view, in_shape, out_shape)
     if new is None:
       uses.append((view.leaf, Use(trace_uses.AMBIGUOUS, f'a reshape '
                                   f'{in_shape} -> {out_shape} mixes its axes')))
@@ -180,13 +169,13 @@ def _carried(init: Sequence[Value], kept: set[int]) -> list[Value]:
 
 def _call(eqn: Any, ins: list[Value], names: Sequence[str]
           ) -> tuple[list[Value], Found]:
-  return walk(eqn.params[CALLS[eqn.primitive.name]], ins, names)
+  return walk(jx.called_jaxpr(eqn), ins, names)
 
 
 def _scan(eqn: Any, ins: list[Value], names: Sequence[str]
           ) -> tuple[list[Value], Found]:
-  consts, carries = eqn.params['num_consts'], eqn.params['num_carry']
-  body = _open(eqn.params['jaxpr'])
+  consts, carries = jx.scan_split(eqn)
+  body = jx.scan_body(eqn)
   carry = _carried(ins[consts:consts + carries],
                    _kept_carries(body, consts, carries))
   xs = [Value(tuple(trace_views.sliced(v) for v in x.views), x.data)
@@ -199,21 +188,21 @@ def _scan(eqn: Any, ins: list[Value], names: Sequence[str]
 
 def _while(eqn: Any, ins: list[Value], names: Sequence[str]
            ) -> tuple[list[Value], Found]:
-  cond_consts = eqn.params['cond_nconsts']
-  body_consts = eqn.params['body_nconsts']
-  body = _open(eqn.params['body_jaxpr'])
+  cond_consts, body_consts = jx.while_split(eqn)
+  cond, body = jx.while_jaxprs(eqn)
   init = ins[cond_consts + body_consts:]
   carry = _carried(init, _kept_carries(body, body_consts, len(init)))
   _, in_body = walk(body, ins[cond_consts:cond_consts + body_consts] + carry,
                     names)
-  _, in_cond = walk(eqn.params['cond_jaxpr'], ins[:cond_consts] + carry,
+  _, in_cond = walk(cond, ins[:cond_consts] + carry,
                     names)
   return carry, in_body + in_cond
 
 
 def _cond(eqn: Any, ins: list[Value], names: Sequence[str]
           ) -> tuple[list[Value], Found]:
-  walked = [walk(branch, ins[1:], names) for branch in eqn.params['branches']]
+  walked = [walk(branch, ins[1:], names)
+            for branch in jx.cond_branches(eqn)]
   outs = []
   for values in zip(*(outs for outs, _ in walked)):
     common = tuple(v for v in values[0].views
@@ -222,5 +211,5 @@ def _cond(eqn: Any, ins: list[Value], names: Sequence[str]
   return outs, [use for _, found in walked for use in found]
 
 
-_WALKED = {**{name: _call for name in CALLS}, 'scan': _scan,
+_WALKED = {**{name: _call for name in jx.CALLS}, 'scan': _scan,
            'while': _while, 'cond': _cond}

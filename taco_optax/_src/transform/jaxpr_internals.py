@@ -1,0 +1,137 @@
+"""The jaxpr internals taco_optax reads, in one place.
+
+:func:`taco_optax.trace_dimension_numbers` walks the jaxpr of a loss. The
+primitives' names and parameters it reads are not a stable jax API: jax 0.12
+replaced ``scan``'s ``num_consts``/``num_carry`` by ``ft_in``, a triple of
+flat-tree groups (constants, carries, scanned inputs), for instance. Every
+such read goes through a function here, so a jax upgrade is met in this one
+module, and ``tests/test_jaxpr_internals.py`` pins each function on the
+smallest program that has the equation, on every jax the project supports.
+
+Each function takes a ``JaxprEqn`` (or a jaxpr) and returns plain Python
+values; none of them interprets what the equation means for a parameter.
+"""
+
+from typing import Any, Sequence
+
+from jax.extend import core as jex_core
+
+# Sub-jaxprs called with the operands as they are: primitive -> parameter.
+CALLS = {'jit': 'jaxpr', 'pjit': 'jaxpr', 'closed_call': 'call_jaxpr',
+         'core_call': 'call_jaxpr', 'remat2': 'jaxpr', 'checkpoint': 'jaxpr',
+         'custom_jvp_call': 'call_jaxpr', 'custom_vjp_call': 'call_jaxpr',
+         'custom_vjp_call_jaxpr': 'fun_jaxpr', 'shard_map': 'jaxpr'}
+
+
+def primitive(eqn: Any) -> str:
+  """The name of the equation's primitive (``'dot_general'``, ``'scan'``)."""
+  return eqn.primitive.name
+
+
+def is_literal(var: Any) -> bool:
+  """Whether an equation operand is a constant written into the jaxpr."""
+  return isinstance(var, jex_core.Literal)
+
+
+def is_dropped(var: Any) -> bool:
+  """Whether an equation result is unused (``_``)."""
+  return isinstance(var, jex_core.DropVar)
+
+
+def open_jaxpr(jaxpr: Any) -> Any:
+  """The ``Jaxpr`` of a ``Jaxpr`` or a ``ClosedJaxpr``."""
+  return getattr(jaxpr, 'jaxpr', jaxpr)
+
+
+def called_jaxpr(eqn: Any) -> Any:
+  """The jaxpr a call-like equation (:data:`CALLS`) runs on its operands."""
+  return eqn.params[CALLS[primitive(eqn)]]
+
+
+def scan_split(eqn: Any) -> tuple[int, int]:
+  """``(constants, carries)``: how a ``scan``'s operands begin.
+
+  The operands are the constants, then the carries, then the scanned
+  inputs; the results are the carries, then the stacked outputs.
+  """
+  params = eqn.params
+  if 'num_consts' in params:  # jax <= 0.11
+    return params['num_consts'], params['num_carry']
+  # jax 0.12: a flat tree of three groups; a group's len counts its leaves.
+  consts, carries, _ = params['ft_in'].unpack()
+  return len(consts), len(carries)
+
+
+def scan_body(eqn: Any) -> Any:
+  """The ``Jaxpr`` of a ``scan``'s body."""
+  return open_jaxpr(eqn.params['jaxpr'])
+
+
+def while_split(eqn: Any) -> tuple[int, int]:
+  """``(cond constants, body constants)`` at the front of a ``while``'s
+  operands; the carries follow."""
+  return eqn.params['cond_nconsts'], eqn.params['body_nconsts']
+
+
+def while_jaxprs(eqn: Any) -> tuple[Any, Any]:
+  """``(cond, body)`` jaxprs of a ``while``."""
+  return (open_jaxpr(eqn.params['cond_jaxpr']),
+          open_jaxpr(eqn.params['body_jaxpr']))
+
+
+def cond_branches(eqn: Any) -> Sequence[Any]:
+  """A ``cond``'s branches; its first operand is the index, the rest go to
+  the branch taken."""
+  return eqn.params['branches']
+
+
+def dot_dimension_numbers(eqn: Any) -> tuple[tuple[Sequence[int], ...],
+                                             tuple[Sequence[int], ...]]:
+  """``((lhs contracting, rhs contracting), (lhs batch, rhs batch))`` of a
+  ``dot_general``."""
+  contracting, batch = eqn.params['dimension_numbers']
+  return (tuple(contracting[0]), tuple(contracting[1])), (tuple(batch[0]),
+                                                          tuple(batch[1]))
+
+
+def ragged_dot_axes(eqn: Any) -> tuple[Sequence[int], Sequence[int],
+                                       Sequence[int]]:
+  """The rhs's ``(contracting, batch, group)`` axes of a
+  ``ragged_dot_general`` (the group axis picks a stacked expert)."""
+  numbers = eqn.params['ragged_dot_dimension_numbers']
+  contracting, batch = numbers.dot_dimension_numbers
+  return (tuple(contracting[1]), tuple(batch[1]),
+          tuple(numbers.rhs_group_dimensions))
+
+
+def slice_sizes(eqn: Any) -> tuple[int, ...]:
+  """The slice sizes of a ``gather`` or a ``dynamic_slice``."""
+  return tuple(eqn.params['slice_sizes'])
+
+
+def gather_batching_dims(eqn: Any) -> tuple[int, ...]:
+  """A ``gather``'s operand batching axes (none before jax 0.4.31)."""
+  numbers = eqn.params['dimension_numbers']
+  return tuple(getattr(numbers, 'operand_batching_dims', ()))
+
+
+def permutation(eqn: Any) -> tuple[int, ...]:
+  """A ``transpose``'s permutation."""
+  return tuple(eqn.params['permutation'])
+
+
+def broadcast_dimensions(eqn: Any) -> tuple[int, ...]:
+  """Where ``broadcast_in_dim`` puts its operand's axes."""
+  return tuple(eqn.params['broadcast_dimensions'])
+
+
+def squeezed_dimensions(eqn: Any) -> tuple[int, ...]:
+  """The axes a ``squeeze`` removes."""
+  return tuple(eqn.params['dimensions'])
+
+
+def all_gather_axis(eqn: Any) -> tuple[bool, int]:
+  """``(tiled, axis)`` of an ``all_gather``: a tiled gather keeps the axes,
+  an untiled one inserts ``axis``."""
+  return (bool(eqn.params.get('tiled', False)),
+          eqn.params['all_gather_dimension'])
