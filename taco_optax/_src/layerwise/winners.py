@@ -144,6 +144,14 @@ def winner_delta(step: kernels.ColumnStep, dtype: Any,
   """What each winner adds to its weight: ``-lr * scale * sign``."""
   direction = (step.winner_signs * write.plan.scale).astype(dtype)
   delta, _ = write.learning_rate.update(direction, write.learning_rate_state)
+  if delta.dtype == jnp.float32:
+    # As the optax path materialises its update before apply_updates adds
+    # it, -lr * scale is rounded to float32 before the weight adds it: left
+    # to itself XLA:CPU (jax >= 0.11) contracts the multiply and the add
+    # into one FMA here, and a weight differs from the optax path's by an
+    # ulp. (16-bit deltas are not barred: XLA keeps them in float32 on both
+    # paths alike.)
+    delta = jax.lax.optimization_barrier(delta)
   if write.after is None:
     return delta
   return ordering.data_dependency(delta, write.after)
