@@ -1,10 +1,13 @@
 """The Pallas kernel gives the reference column step's results exactly.
 
 Without a GPU the kernel runs in Pallas interpret mode (XLA:CPU runs its
-body), and its Triton lowering is checked by lowering for CUDA from here.
+body), and its Triton lowering is checked by lowering for CUDA from here (on
+jax >= 0.12 for an abstract H100: the Triton lowering reads the target GPU).
 """
 
+import contextlib
 import functools
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -18,11 +21,18 @@ from tests import kernel_cases
 from tests.bitwise import assert_bitwise_equal
 
 
-
-
-
-
-
+def _for_an_h100():
+  """Lowering for an H100 from a machine without one: jax >= 0.12's Triton
+  lowering asks the device, or an abstract device, for its generation."""
+  device = jax.sharding.AbstractDevice(device_kind='NVIDIA H100 80GB HBM3',
+                                       num_cores=132, platform='gpu')
+  mesh = jax.sharding.AbstractMesh((1,), ('x',),
+                                   (jax.sharding.AxisType.Explicit,),
+                                   abstract_device=device)
+  try:
+    return jax.sharding.use_abstract_mesh(mesh)
+  except TypeError:  # pragma: no cover - a jax whose meshes take no device
+    return contextlib.nullcontext()
 
 
 _interpreted = functools.partial(_pallas_kernel.pallas_column_step,
@@ -121,8 +131,26 @@ def test_lowers_to_triton(m, grad_dtype):
           jax.ShapeDtypeStruct((n,), jnp.int8),
           jax.ShapeDtypeStruct((), jnp.float32))
   step = jax.jit(lambda *args: _pallas_kernel.pallas_column_step(*args, 2))
-  text = step.trace(*args).lower(lowering_platforms=('cuda',)).as_text()
+  with _for_an_h100():
+    text = step.trace(*args).lower(lowering_platforms=('cuda',)).as_text()
   assert text.count('__gpu$xla.gpu.triton') == 1
+
+
+def test_a_jax_without_the_triton_backend_refuses_pallas_by_name(monkeypatch):
+  # jax deprecated the Pallas Triton backend in 0.12: a jax that drops it
+  # makes implementation='pallas' one clear error, never a failed import.
+  monkeypatch.delitem(sys.modules, _pallas_kernel.__name__)
+  monkeypatch.delattr(sys.modules['taco_optax._src.kernels'], 'pallas_kernel',
+                      raising=False)
+  monkeypatch.setitem(sys.modules, 'jax.experimental.pallas.triton', None)
+  monkeypatch.delattr(sys.modules['jax.experimental.pallas'], 'triton',
+                      raising=False)
+  rng = np.random.default_rng(3)
+  values, indices, exponents = kernel_cases.history(rng, 3, 33, 2)
+  grads = jnp.asarray(kernel_cases.gradient(rng, (3, 33), 'ties'))
+  with pytest.raises(RuntimeError, match="needs jax's Pallas Triton backend"):
+    _kernels.column_step(grads, values, indices, exponents, mu=0.95,
+                         update_topk=2, implementation='pallas')
 
 
 def test_selected_by_environment(monkeypatch):

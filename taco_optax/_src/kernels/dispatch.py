@@ -85,8 +85,18 @@ class Choice(NamedTuple):
 
 
 def _pallas():
-  # Imported on use: Pallas adds ~0.4 s to import and only this choice uses it.
-  from taco_optax._src.kernels import pallas_kernel  # pylint: disable=g-import-not-at-top
+  """The Pallas kernel's module, imported on use (Pallas adds ~0.4 s to
+  import and only this choice uses it)."""
+  try:
+    from taco_optax._src.kernels import pallas_kernel  # pylint: disable=g-import-not-at-top
+  except ImportError as error:
+    # jax deprecated the Pallas Triton backend in 0.12; a jax without it
+    # leaves this choice unavailable, never the package.
+    raise RuntimeError(
+        "implementation='pallas' needs jax's Pallas Triton backend "
+        f'(jax.experimental.pallas.triton), which jax {jax.__version__} does '
+        f"not provide ({error}); use implementation='auto' or "
+        "'reference'.") from error
   return pallas_kernel
 
 
