@@ -10,6 +10,7 @@ import optax
 
 from taco_optax._src import kernels
 from taco_optax._src.transform import dimension_numbers as dn
+from taco_optax._src.transform import hyperparams
 from taco_optax._src.transform import inject_guard
 from taco_optax._src.transform import plan as plan_lib
 from taco_optax._src.transform import trees
@@ -55,6 +56,26 @@ def taco_state(treedef: Any, histories: list[kernels.History]) -> TacoState:
       for name in kernels.History._fields})
 
 
+class _DefaultK:
+  """``k``'s default, 16 (the paper's), shown as ``16``.
+
+  Not an ``int``, so that :func:`optax.inject_hyperparams`, which binds the
+  defaults and turns every number into an array, leaves it as it is:
+  ``inject_hyperparams(taco)(learning_rate=...)`` needs no ``static_args``
+  when ``k`` is not given. A ``k`` that is given is a state shape and must
+  be in ``static_args``.
+  """
+
+  def __index__(self) -> int:
+    return 16
+
+  def __repr__(self) -> str:
+    return '16'
+
+
+DEFAULT_K: Any = _DefaultK()
+
+
 def history_size(k: Optional[int], m: int) -> int:
   """Retained entries per column: ``min(k, m)``; ``k=None`` keeps all ``m``."""
   return m if k is None else min(k, m)
@@ -71,14 +92,11 @@ def _check_int(name: str, value: Any, minimum: int):
     raise ValueError(f'{name} must be >= {minimum}, got {value}.')
 
 
-def _check_mu(mu: Any):
-  if isinstance(mu, (int, float, np.number)) and not 0 <= mu < 1:
-    raise ValueError(f'mu must be in [0, 1), got {mu}.')
-
-
 def _checked_settings(k, mu, update_topk, values_dtype, index_dtype):
-  """``(update_topk, values_dtype, index_dtype)`` with defaults, validated."""
+  """``(k, update_topk, values_dtype, index_dtype)`` with defaults, validated."""
   update_topk = 1 if update_topk is None else update_topk
+  if isinstance(k, _DefaultK):
+    k = int(k)
   values_dtype = jnp.dtype(
       jnp.float8_e4m3fn if values_dtype is None else values_dtype)
   index_dtype = jnp.dtype(jnp.int32 if index_dtype is None else index_dtype)
@@ -87,12 +105,12 @@ def _checked_settings(k, mu, update_topk, values_dtype, index_dtype):
   _check_int('update_topk', update_topk, 1)
   if k is not None and update_topk > k:
     raise ValueError(f'update_topk={update_topk} must be <= k={k}.')
-  _check_mu(mu)
+  hyperparams.check_mu(mu)
   if not jnp.issubdtype(index_dtype, jnp.integer):
     raise ValueError(f'index_dtype must be an integer dtype, got {index_dtype}.')
   if not jnp.issubdtype(values_dtype, jnp.floating):
     raise ValueError(f'values_dtype must be a float dtype, got {values_dtype}.')
-  return update_topk, values_dtype, index_dtype
+  return k, update_topk, values_dtype, index_dtype
 
 
 def one_sparse_rows(indices: jax.Array, signs: jax.Array, m: int,
@@ -139,7 +157,7 @@ def dense_direction(grad: jax.Array, history: kernels.History, *,
 
 
 def scale_by_taco(
-    k: Optional[int] = 16,
+    k: Optional[int] = DEFAULT_K,
     mu: Union[float, jax.Array] = 0.95,
     *,
     update_topk: Optional[int] = None,
@@ -252,7 +270,7 @@ def scale_by_taco(
     Fine-Tuning, 2026 (Sections 3 and 5).
   """
   inject_guard.refuse_scheduled_routing('taco_optax.scale_by_taco')
-  update_topk, values_dtype, index_dtype = _checked_settings(
+  k, update_topk, values_dtype, index_dtype = _checked_settings(
       k, mu, update_topk, values_dtype, index_dtype)
   implementation = kernels.resolve(implementation)
 
