@@ -53,6 +53,23 @@ class _Decided(TacoDimensionNumbers):
   def __repr__(self) -> str:
     return TacoDimensionNumbers.__repr__(TacoDimensionNumbers(*self))
 
+  def __matmul__(self, other: Any):
+    # A helper's tree of Equinox modules is callable, so
+    # optax.inject_hyperparams calls it as a schedule unless it is in
+    # static_args; a Linear then multiplies this entry by the step count.
+    raise TypeError(SCHEDULED_MODULES)
+
+  __rmatmul__ = __matmul__
+
+
+SCHEDULED_MODULES = (
+    'A routing tree of Equinox modules (taco_optax.equinox.'
+    'dimension_numbers(model)) was called as a function: '
+    'optax.inject_hyperparams calls every callable argument not in '
+    'static_args as a schedule of the step count, and a module is callable. '
+    "Add it to static_args: optax.inject_hyperparams(taco_optax.taco, "
+    "static_args=('weight_dimension_numbers', 'update_scale')).")
+
 
 class ToAdam:
   """A dimension-numbers entry that sends its leaf to Adam, saying why.
