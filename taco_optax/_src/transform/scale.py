@@ -11,6 +11,7 @@ import optax
 from taco_optax._src import kernels
 from taco_optax._src.transform import dimension_numbers as dn
 from taco_optax._src.transform import hyperparams
+from taco_optax._src.transform import inputs
 from taco_optax._src.transform import inject_guard
 from taco_optax._src.transform import plan as plan_lib
 from taco_optax._src.transform import trees
@@ -310,66 +311,54 @@ def scale_by_taco(
     return trees.without_masked_boxes(state)
 
   def update_fn(updates, state, params=None):
+    updates, params = inputs.checked(updates, params)
     leaves, treedef = jax.tree.flatten(updates)
     histories = leaf_histories(state, treedef)
     leaf_plans = plans(updates)
-    check_like_params(updates, params)
-    check_history_shapes(updates, histories, leaf_plans)
+    check_history_shapes(updates, histories, leaf_plans, k)
     out = [leaf_direction(grad, history, plan, mu) for grad, history, plan
            in zip(leaves, histories, leaf_plans)]
     return (treedef.unflatten([direction for direction, _ in out]),
             taco_state(treedef, [history for _, history in out]))
 
-  return ScaleByTaco(init_fn, update_fn, plans, mu)
-
-
-def check_like_params(updates: Any, params: Any) -> None:
-  """Raises, naming the leaf, if a gradient's shape is not its parameter's
-  (``params`` of another tree structure are left to optax's own error)."""
-  if params is None:
-    return
-  try:
-    expected = jax.tree.structure(updates).flatten_up_to(params)
-  except (ValueError, TypeError):
-    return
-  for (path, grad), param in zip(jax.tree_util.tree_leaves_with_path(updates),
-                                 expected):
-    shape = getattr(param, 'shape', None)
-    if shape is not None and tuple(shape) != tuple(jnp.shape(grad)):
-      raise ValueError(
-          f'The gradient of {dn.path_name(path)!r} has shape '
-          f'{tuple(jnp.shape(grad))}, its parameter {tuple(shape)}: they '
-          'must be equal.')
+  return ScaleByTaco(init_fn, update_fn, plans, mu, k)
 
 
 def check_history_shapes(updates: Any, histories: list[kernels.History],
-                         plans: list[Optional[plan_lib.LeafPlan]]) -> None:
+                         plans: list[Optional[plan_lib.LeafPlan]],
+                         k: Optional[int]) -> None:
   """Raises, naming the leaf, if a TACO gradient's shape is not the one its
-  history (made by ``init`` from the parameter) was made for."""
+  history (made by ``init`` from the parameter) was made for: its columns,
+  and its rows where they set the history's length (``m <= k``; ``update``
+  checks larger ones against ``params`` when given)."""
   paths = jax.tree_util.tree_leaves_with_path(updates)
   for (path, grad), history, plan in zip(paths, histories, plans):
     if plan is None or trees.is_masked(history.indices):
       continue
     layout = plan.layout
     made_for = history.indices.shape[:-2] + history.indices.shape[-1:]
-    if made_for != layout.batch_shape + (layout.n,):
+    kept = history.indices.shape[-2]
+    if (made_for != layout.batch_shape + (layout.n,)
+        or kept != history_size(k, layout.m)):
       raise ValueError(
           f'The gradient of the TACO leaf {dn.path_name(path)!r} has shape '
           f'{grad.shape} ({layout.num_matrices} x {layout.m} x {layout.n} '
           f'as a matrix), but its state was initialised for '
-          f'{math.prod(made_for[:-1])} matrices of {made_for[-1]} columns: '
+          f'{math.prod(made_for[:-1])} matrices of {made_for[-1]} columns '
+          f'keeping {kept} of their rows: '
           'give update gradients of the shapes given to init.')
 
 
 class ScaleByTaco(optax.GradientTransformation):
   """What :func:`scale_by_taco` returns: optax's ``(init, update)``, plus
-  ``plans(tree)`` (each leaf's plan) and ``mu``, for :func:`taco`'s branch
+  ``plans(tree)`` (each leaf's plan), ``mu`` and ``k``, for :func:`taco`'s branch
   (``branch``)."""
 
-  def __new__(cls, init, update, plans=None, mu=None):
+  def __new__(cls, init, update, plans=None, mu=None, k=None):
     transformation = super().__new__(cls, init, update)
     transformation.plans = plans
     transformation.mu = mu
+    transformation.k = k
     return transformation
 
 
