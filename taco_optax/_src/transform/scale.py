@@ -302,6 +302,9 @@ def scale_by_taco(
     return history
 
   def init_fn(params):
+    if trees.is_params_placeholder(params):
+      # tree_map_params: the histories are (k, n), not like the params.
+      return TacoState(*(trees.NotParams() for _ in TacoState._fields))
     leaves, treedef = jax.tree.flatten(params)
     state = taco_state(treedef, [init_leaf(p, plan) for p, plan in
                                  zip(leaves, plans(params))])
