@@ -37,6 +37,12 @@ def valid_mu(mu: Any) -> jax.Array:
   return jnp.all((mu >= 0) & (mu < 1))
 
 
+def _shown(value: np.ndarray) -> str:
+  """A number as a float32 reads (``-0.001``, not ``-0.0010000000474``)."""
+  return (f'{float(np.float32(value)):.7g}' if value.size == 1
+          else str(value))
+
+
 def check_rate(name: str, rate: Any, when: str = '') -> None:
   """Raises if a readable ``rate`` is negative or not finite."""
   if callable(rate) or not concrete(rate):
@@ -44,9 +50,9 @@ def check_rate(name: str, rate: Any, when: str = '') -> None:
   value = np.asarray(rate, dtype=np.float64)
   if not np.all(np.isfinite(value) & (value >= 0)):
     raise ValueError(
-        f'{name} must be finite and >= 0{when}, got {rate}: a negative rate '
-        'moves every weight uphill and a NaN or Inf one makes every update '
-        'NaN.')
+        f'{name} must be finite and >= 0{when}, got {_shown(value)}: a '
+        'negative rate moves every weight uphill and a NaN or Inf one makes '
+        'every update NaN.')
 
 
 def check_mu(mu: Any) -> None:
@@ -56,7 +62,7 @@ def check_mu(mu: Any) -> None:
   value = np.asarray(mu, dtype=np.float64)
   if not np.all((value >= 0) & (value < 1)):
     raise ValueError(
-        f'mu must be in [0, 1), got {mu}: the history is an EMA '
+        f'mu must be in [0, 1), got {_shown(value)}: the history is an EMA '
         '(mu M + (1 - mu) G), and outside [0, 1) it grows or flips sign and '
         'the step goes uphill.')
 
