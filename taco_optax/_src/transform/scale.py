@@ -246,8 +246,9 @@ def scale_by_taco(
 
   The non-numeric defaults (``None``) keep the factory usable with
   :func:`optax.inject_hyperparams`, which turns numeric arguments into arrays
-  and calls callables (dtypes are callables) as schedules; pass ``k`` (and an
-  explicit ``update_topk``) in its ``static_args``, and so every callable
+  and calls callables (dtypes are callables) as schedules; pass a ``k`` you
+  give (its default is left alone) and an explicit ``update_topk`` in its
+  ``static_args``, and so every callable
   ``weight_dimension_numbers``, ``update_scale`` or dtype (left out, they
   are refused with a message naming them).
 
