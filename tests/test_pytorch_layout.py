@@ -66,3 +66,9 @@ def test_readme_w_in_traced_as_out_in():
   assert (dims['w_in'].reduction_axis, dims['w_in'].output_axis) in (
       (1, 0), ((1,), (0,)))
   assert 'contracts axes (1,), keeps (0,)' in str(report)
+
+
+def test_routing_report_refuses_the_same_tree():
+  params = {'fc': {'weight': jnp.ones((32, 64)), 'bias': jnp.zeros(32)}}
+  with pytest.raises(ValueError, match=r"fc/weight \(32, 64\): named 'weight'"):
+    taco_optax.routing_report(taco_optax.taco(1e-3), params)
