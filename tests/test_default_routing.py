@@ -100,17 +100,19 @@ def test_a_function_is_still_called_with_the_params():
 
 
 def test_an_embedding_like_name_is_warned_about_with_the_convention(caplog):
-  params = {'tok_embeddings': {'weight': jnp.ones((50, 8))},
+  # (A PyTorch name, tok_embeddings/weight, is refused: test_pytorch_layout.)
+  params = {'tok_embeddings': {'embedding': jnp.ones((50, 8))},
             'out': {'kernel': jnp.ones((8, 50))}}
   with caplog.at_level(logging.WARNING, logger='taco_optax'):
     taco_optax.taco(LR).init(params)
   (message,) = _warnings(caplog)
-  assert 'tok_embeddings/weight (50, 8) look like embedding tables' in message
+  assert 'tok_embeddings/embedding (50, 8) look like embedding tables' in (
+      message)
   assert ('TacoDimensionNumbers(reduction_axis=1, output_axis=0) and '
           'update_scale 1') in message
   # The routing itself is unchanged: the Flax layout, scale m / n.
   routing_checks.assert_one_per_input(
-      _update(taco_optax.taco(LR), params)['tok_embeddings']['weight'], 0, 1,
+      _update(taco_optax.taco(LR), params)['tok_embeddings']['embedding'], 0, 1,
       LR, scale=8 / 50)
 
 

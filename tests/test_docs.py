@@ -102,3 +102,10 @@ def test_inject_hyperparams_recipe_routes_as_taco():
   expected, _ = plain.update(grads, plain.init(params), params)
   assert jnp.array_equal(updates['w'], expected['w'])
   assert int((updates['w'] != 0).sum()) == 4
+
+
+def test_the_bad_input_table_is_what_the_code_answers():
+  from benchmarks import bad_inputs  # pylint: disable=g-import-not-at-top
+  page = (docs_pages.ROOT / 'docs' / 'api.md').read_text()
+  assert bad_inputs.page_table(page) == bad_inputs.table(), (
+      'docs/api.md is stale: python -m benchmarks.bad_inputs --write')

@@ -639,6 +639,15 @@ def test_equinox_models_route_as_taco_optax_equinox(name):
   expected = {path: entry for path, entry in _entries(
       taco_eqx.dimension_numbers(model)).items()
               if path in traced or entry is not None}  # not a static field
+  if name == 'gru':
+    # A GRU's gates are fused: weight_ih (3 hidden, in) is split into its
+    # three gates after the matmul, which the tracer flags (a fused
+    # projection, to Adam unless overridden); the helper keeps one matrix.
+    assert set(report.ambiguous) == {'weight_ih', 'weight_hh'}, str(report)
+    assert 'into 3 pieces (a fused projection' in str(report)
+    traced = {p: e for p, e in traced.items() if p not in report.ambiguous}
+    expected = {p: e for p, e in expected.items()
+                if p not in report.ambiguous}
   assert _differences(traced, expected) == {}, str(report)
 
 

@@ -273,6 +273,14 @@ def history_step(grad_rows: jax.Array, history: codec.History, *, update_topk: i
     step = column_step(grad_rows, history_rows(values), history_rows(indices),
                        exponents.reshape(-1), mu, update_topk, implementation,
                        shards)
-  return step, codec.History(stored_history(step.values, values.shape),
-                       stored_history(step.indices, indices.shape),
-                       step.exponents.reshape(exponents.shape))
+  new = codec.History(stored_history(step.values, values.shape),
+                      stored_history(step.indices, indices.shape),
+                      step.exponents.reshape(exponents.shape))
+  if isinstance(mu, jax.core.Tracer):
+    # A mu known only inside jit (optax.inject_hyperparams) cannot be
+    # refused: outside [0, 1) the step is treated as a non-finite gradient's
+    # (NaN update, history kept), as taco()'s docstring states.
+    ok = (mu >= 0) & (mu < 1)
+    step = step._replace(finite=step.finite & ok)
+    new = jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, history)
+  return step, new

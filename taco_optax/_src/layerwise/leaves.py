@@ -162,7 +162,7 @@ def _rounding_keys(parts: transform.TacoParts, states: transform.TacoStates,
   leaves, drawn only when some leaf is 16-bit and ``taco`` rounds
   stochastically.
   """
-  if states.rounding is None or not any(
+  if getattr(states.rounding, 'count', None) is None or not any(
       transform.is_low_precision(x.dtype) for x in params):
     return None
   return transform.leaf_keys(parts.rounding_seed, states.rounding.count,

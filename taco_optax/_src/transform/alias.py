@@ -9,6 +9,7 @@ import optax
 
 from taco_optax._src.transform import default_routing
 from taco_optax._src.transform import dimension_numbers as dn
+from taco_optax._src.transform import hyperparams
 from taco_optax._src.transform import inject_guard
 from taco_optax._src import kernels
 from taco_optax._src.transform import parts as parts_lib
@@ -20,7 +21,7 @@ from taco_optax._src.transform import trees
 
 def taco(
     learning_rate: optax.ScalarOrSchedule,
-    k: Optional[int] = 16,
+    k: Optional[int] = scale.DEFAULT_K,
     mu: Union[float, jax.Array] = 0.95,
     *,
     update_topk: Optional[int] = None,
@@ -46,10 +47,18 @@ def taco(
   :func:`optax.adamw`. Routing uses :func:`optax.partition` with labels
   computed from shapes only, as :func:`optax.contrib.muon` does.
 
-  With :func:`optax.inject_hyperparams`, pass ``static_args=('k',)``, plus
-  ``weight_dimension_numbers`` and ``update_scale`` when they are callables
-  (optax would call them as schedules; taco refuses that with the names to
-  add); trees of them need no ``static_args``.
+  With :func:`optax.inject_hyperparams`, a ``k`` you pass goes in
+  ``static_args=('k',)`` (it is a state shape; left at its default it needs
+  none), and so do ``weight_dimension_numbers`` and ``update_scale`` when
+  they are callables (optax would call them as schedules; taco refuses that
+  with the names to add); trees of them need no ``static_args``.
+
+  Learning rates and ``mu`` are checked: a negative or non-finite rate, or a
+  ``mu`` outside ``[0, 1)``, is refused when given, a schedule at ``init``
+  (its step-0 value). A value known only inside ``jit`` (injected, or a
+  schedule past step 0) cannot be refused: out of range, it makes that
+  step's updates NaN and TACO's histories stay as they were, as a non-finite
+  gradient does, so :func:`optax.apply_if_finite` skips the step.
 
   The paper's defaults: ``learning_rate=3e-5``, ``k=16``, ``mu=0.95``, batch
   size 4, linear schedule with 50 warm-up steps, scale 1 for the token
@@ -70,8 +79,9 @@ def taco(
   intact.
 
   Args:
-    learning_rate: TACO learning rate (or schedule).
-    k: history entries per column; ``None`` for a dense history.
+    learning_rate: TACO learning rate (or schedule), finite and ``>= 0``.
+    k: history entries per column (default 16); ``None`` for a dense
+      history.
     mu: history EMA decay in ``[0, 1)``.
     update_topk: signs per column in each update (``None`` = 1 is TACO).
     weight_dimension_numbers: which leaves are TACO matrices and how. ``None``
@@ -188,7 +198,7 @@ def _parts(learning_rate: optax.ScalarOrSchedule, k: Optional[int],
           weight_dimension_numbers=masked_dims, update_scale=update_scale,
           values_dtype=values_dtype, index_dtype=index_dtype,
           implementation=implementation),
-      learning_rate=optax.scale_by_learning_rate(learning_rate),
+      learning_rate=hyperparams.scale_by_checked_learning_rate(learning_rate),
       adam=_adam(adam_learning_rate, *adam,
                  rounding_seed=rounding_seed if stochastic else None),
       mu=mu, update_topk=1 if update_topk is None else update_topk,
@@ -216,7 +226,8 @@ def _adam(learning_rate, b1, b2, eps, eps_root, weight_decay, *,
       optax.scale_by_adam(b1=b1, b2=b2, eps=eps, eps_root=eps_root),
       optax.identity() if no_decay else optax.add_decayed_weights(
           weight_decay),
-      optax.scale_by_learning_rate(learning_rate),
+      hyperparams.scale_by_checked_learning_rate(learning_rate,
+                                                 'adam_learning_rate'),
   )
   pieces = tuple(map(rounding_lib.in_float32, pieces))
   if rounding_seed is None:

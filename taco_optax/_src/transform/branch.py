@@ -83,7 +83,8 @@ def taco_branch(direction: scale.ScaleByTaco,
     grads_def = jax.tree.structure(updates)
     histories = scale.leaf_histories(direction_state, grads_def)
     # taco()'s update has compared the gradients with params already.
-    scale.check_history_shapes(updates, histories, direction.plans(updates))
+    scale.check_history_shapes(updates, histories, direction.plans(updates),
+                               direction.k)
     histories = iter(histories)
     directions, steps, new_histories = [], {}, []
     for i, (grad, plan) in enumerate(zip(leaves, plan_of)):

@@ -3,7 +3,9 @@
 The default (:func:`dimension_numbers.rank2_matrices`) takes every rank-2
 leaf for a Flax ``(in, out)`` kernel. That is right for Flax and silently
 wrong elsewhere, so ``init`` refuses a tree of Equinox modules (whose
-``Linear`` weights are ``(out, in)``), and warns once per call about what it
+``Linear`` weights are ``(out, in)``) and rank-2 leaves the tree itself says
+are stored ``(out, in)`` (named ``weight``, or beside a bias as long as axis
+0), and warns once per call about what it
 leaves out or may get wrong: rank >= 3 leaves (to Adam) and rank-2 leaves
 named like embedding tables (routed as kernels, not as vocabulary rows),
 naming the routing helper that fits the framework the tree comes from.
@@ -67,6 +69,58 @@ def _refuse_equinox(params: Any) -> None:
       'update_scales(model)).')
 
 
+def _module_and_name(path: str) -> tuple[str, str]:
+  """``('fc', 'weight')`` for ``fc/weight`` and for a flat ``fc.weight``."""
+  cut = max(path.rfind('/'), path.rfind('.'))
+  return path[:cut], path[cut + 1:]
+
+
+def pytorch_layout_evidence(params: Any) -> list[tuple[str, tuple[int, ...],
+                                                       str]]:
+  """The rank-2 leaves the default would take for ``(in, out)`` kernels
+  although the tree says they are PyTorch's ``(out, in)``: ``(name, shape,
+  why)``.
+
+  Evidence is the name ``weight`` (PyTorch's and Equinox's; Flax says
+  ``kernel``), unless a sibling ``bias`` matches axis 1 only, or, under any
+  name, being the only matrix beside a ``bias`` that matches axis 0 only.
+  """
+  modules = {}
+  for path, x in jax.tree_util.tree_leaves_with_path(params):
+    name = dn.path_name(path)
+    module, last = _module_and_name(name)
+    modules.setdefault(module, []).append((name, last, tuple(jnp.shape(x))))
+  found = []
+  for entries in modules.values():
+    biases = [shape[0] for _, last, shape in entries
+              if last == 'bias' and len(shape) == 1]
+    matrices = [(name, last, shape) for name, last, shape in entries
+                if len(shape) == 2 and not dn.names_not_matrix(name)]
+    for name, last, shape in matrices:
+      axis0 = [b for b in biases if b == shape[0] != shape[1]]
+      axis1 = [b for b in biases if b == shape[1] != shape[0]]
+      if last == 'weight' and not axis1:
+        found.append((name, shape, "named 'weight' (PyTorch's (out, in))"))
+      elif axis0 and len(matrices) == 1:
+        found.append((name, shape, f'its bias has {shape[0]} entries, '
+                      'its axis 0'))
+  return found
+
+
+def _refuse_pytorch(found: list[tuple[str, tuple[int, ...], str]]) -> None:
+  shown = '; '.join(f'{name} {shape}: {why}' for name, shape, why in found[:4])
+  more = f' and {len(found) - 4} more' if len(found) > 4 else ''
+  raise ValueError(
+      f'taco(): {shown}{more}. These leaves look stored (out, in), as '
+      'PyTorch and Hugging Face store them; the default routing takes '
+      'rank-2 leaves for Flax (in, out) kernels and would move one weight '
+      'per output, by the wrong scale. Give their axes: '
+      'weight_dimension_numbers=jax.tree.map(lambda x: '
+      'taco_optax.TacoDimensionNumbers(1, 0) if x.ndim == 2 else None, '
+      'params), or dims, report = taco_optax.trace_dimension_numbers('
+      'loss_fn, params, batch); weight_dimension_numbers=dims.')
+
+
 def _warn(params: Any, framework: str) -> None:
   leaves = jax.tree_util.tree_leaves_with_path(params)
   floating = [(dn.path_name(path), tuple(jnp.shape(x))) for path, x in leaves
@@ -98,13 +152,17 @@ def _shown(named: list[tuple[str, tuple[int, ...]]]) -> str:
 
 
 def checked_init(init: Callable[[Any], Any]) -> Callable[[Any], Any]:
-  """``init`` that refuses Equinox trees and warns (once per call) about the
+  """``init`` that refuses Equinox trees and leaves stored ``(out, in)``
+  (:func:`pytorch_layout_evidence`), and warns (once per call) about the
   leaves the default routing leaves out or may misroute."""
 
   def init_fn(params):
     framework = framework_of(params)
     if framework == 'equinox':
       _refuse_equinox(params)
+    found = pytorch_layout_evidence(params)
+    if found:
+      _refuse_pytorch(found)
     _warn(params, framework)
     return init(params)
 

@@ -53,6 +53,23 @@ class _Decided(TacoDimensionNumbers):
   def __repr__(self) -> str:
     return TacoDimensionNumbers.__repr__(TacoDimensionNumbers(*self))
 
+  def __matmul__(self, other: Any):
+    # A helper's tree of Equinox modules is callable, so
+    # optax.inject_hyperparams calls it as a schedule unless it is in
+    # static_args; a Linear then multiplies this entry by the step count.
+    raise TypeError(SCHEDULED_MODULES)
+
+  __rmatmul__ = __matmul__
+
+
+SCHEDULED_MODULES = (
+    'A routing tree of Equinox modules (taco_optax.equinox.'
+    'dimension_numbers(model)) was called as a function: '
+    'optax.inject_hyperparams calls every callable argument not in '
+    'static_args as a schedule of the step count, and a module is callable. '
+    "Add it to static_args: optax.inject_hyperparams(taco_optax.taco, "
+    "static_args=('weight_dimension_numbers', 'update_scale')).")
+
 
 class ToAdam:
   """A dimension-numbers entry that sends its leaf to Adam, saying why.
@@ -285,10 +302,31 @@ def entries(dims_tree: Any, tree: Any, *, reasons: bool = False
   """A resolved dimension-numbers tree's entry for every leaf of ``tree``;
   :class:`ToAdam` entries kept with ``reasons`` (for :func:`source_of`),
   else ``None``."""
-  found = trees.per_leaf(dims_tree, tree, is_prefix_leaf)
+  try:
+    found = trees.per_leaf(dims_tree, tree, is_prefix_leaf)
+  except (ValueError, TypeError) as error:
+    raise ValueError(
+        'weight_dimension_numbers does not fit the parameters: it must be a '
+        'tree prefix of them (their keys, a TacoDimensionNumbers or None at '
+        f'or above each leaf); {_unmatched(dims_tree, tree)}.') from error
   if reasons:
     return found
   return [None if isinstance(entry, ToAdam) else entry for entry in found]
+
+
+def _unmatched(prefix: Any, tree: Any) -> str:
+  """Which entries of ``prefix`` and leaves of ``tree`` miss each other."""
+  names = lambda t, **kw: [path_name(p) for p, _ in
+                           jax.tree_util.tree_leaves_with_path(t, **kw)]
+  given = names(prefix, is_leaf=is_prefix_leaf)
+  wanted = names(tree)
+  covers = lambda g, w: not g or w == g or w.startswith(g + '/')
+  extra = [g for g in given if not any(covers(g, w) for w in wanted)]
+  missing = [w for w in wanted if not any(covers(g, w) for g in given)]
+  if not extra and not missing:
+    return 'their node types differ'
+  return (f'entries for no parameter: {extra[:8]}; parameters without an '
+          f'entry: {missing[:8]}')
 
 
 def path_name(path: tuple[Any, ...]) -> str:

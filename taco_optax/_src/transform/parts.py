@@ -18,6 +18,7 @@ import jax
 import optax
 
 from taco_optax._src.transform import branch
+from taco_optax._src.transform import inputs
 from taco_optax._src.transform import plan as plan_lib
 from taco_optax._src.transform import scale
 
@@ -93,7 +94,7 @@ class TacoParts(NamedTuple):
     )
 
     def update_fn(updates, state, params=None, **extra_args):
-      scale.check_like_params(updates, params)
+      updates, params = inputs.checked(updates, params)
       return partition.update(updates, state, params, **extra_args)
 
     return TacoTransformation(partition.init, update_fn, self)

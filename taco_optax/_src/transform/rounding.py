@@ -39,7 +39,9 @@ class StochasticRoundingState(NamedTuple):
 
 
 def advanced(state: StochasticRoundingState) -> StochasticRoundingState:
-  """The state after one step."""
+  """The state after one step (an ``EmptyState``, nothing rounded, stays)."""
+  if isinstance(state, optax.EmptyState):
+    return state
   return StochasticRoundingState(optax.safe_increment(state.count))
 
 
@@ -210,8 +212,9 @@ def stochastic_rounding(seed: int = 0) -> optax.GradientTransformation:
     seed: the seed of the random bits (see the module docstring).
 
   Returns:
-    A transformation with state :class:`StochasticRoundingState`; its
-    ``update`` needs ``params`` when an update is 16-bit.
+    A transformation with state :class:`StochasticRoundingState`
+    (``optax.EmptyState`` when no parameter is 16-bit: nothing to count);
+    its ``update`` needs ``params`` when an update is 16-bit.
 
   Examples:
     >>> import jax.numpy as jnp, optax, taco_optax
@@ -225,11 +228,24 @@ def stochastic_rounding(seed: int = 0) -> optax.GradientTransformation:
   """
 
   def init_fn(params):
-    del params
+    if trees.is_params_placeholder(params):
+      return trees.NotParams()  # tree_map_params: no params-shaped state
+    if not any(is_low_precision(jnp.result_type(p))
+               for p in jax.tree.leaves(params)):
+      # Nothing to round: no counter (one 'count' in the state for
+      # optax.tree_utils.tree_get).
+      return optax.EmptyState()
     return StochasticRoundingState(count=jnp.zeros((), jnp.int32))
 
   def update_fn(updates, state, params=None):
     leaves, treedef = jax.tree.flatten(updates, is_leaf=trees.is_masked)
+    if isinstance(state, optax.EmptyState):
+      if any(not trees.is_masked(u) and is_low_precision(u.dtype)
+             for u in leaves):
+        raise ValueError(
+            'Stochastic rounding: init saw no 16-bit parameters, but these '
+            'updates are 16-bit; init with the parameters you update.')
+      return updates, state
     if params is None:
       if any(not trees.is_masked(u) and is_low_precision(u.dtype)
              for u in leaves):

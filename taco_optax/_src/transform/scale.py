@@ -10,6 +10,8 @@ import optax
 
 from taco_optax._src import kernels
 from taco_optax._src.transform import dimension_numbers as dn
+from taco_optax._src.transform import hyperparams
+from taco_optax._src.transform import inputs
 from taco_optax._src.transform import inject_guard
 from taco_optax._src.transform import plan as plan_lib
 from taco_optax._src.transform import trees
@@ -55,6 +57,26 @@ def taco_state(treedef: Any, histories: list[kernels.History]) -> TacoState:
       for name in kernels.History._fields})
 
 
+class _DefaultK:
+  """``k``'s default, 16 (the paper's), shown as ``16``.
+
+  Not an ``int``, so that :func:`optax.inject_hyperparams`, which binds the
+  defaults and turns every number into an array, leaves it as it is:
+  ``inject_hyperparams(taco)(learning_rate=...)`` needs no ``static_args``
+  when ``k`` is not given. A ``k`` that is given is a state shape and must
+  be in ``static_args``.
+  """
+
+  def __index__(self) -> int:
+    return 16
+
+  def __repr__(self) -> str:
+    return '16'
+
+
+DEFAULT_K: Any = _DefaultK()
+
+
 def history_size(k: Optional[int], m: int) -> int:
   """Retained entries per column: ``min(k, m)``; ``k=None`` keeps all ``m``."""
   return m if k is None else min(k, m)
@@ -71,14 +93,11 @@ def _check_int(name: str, value: Any, minimum: int):
     raise ValueError(f'{name} must be >= {minimum}, got {value}.')
 
 
-def _check_mu(mu: Any):
-  if isinstance(mu, (int, float, np.number)) and not 0 <= mu < 1:
-    raise ValueError(f'mu must be in [0, 1), got {mu}.')
-
-
 def _checked_settings(k, mu, update_topk, values_dtype, index_dtype):
-  """``(update_topk, values_dtype, index_dtype)`` with defaults, validated."""
+  """``(k, update_topk, values_dtype, index_dtype)`` with defaults, validated."""
   update_topk = 1 if update_topk is None else update_topk
+  if isinstance(k, _DefaultK):
+    k = int(k)
   values_dtype = jnp.dtype(
       jnp.float8_e4m3fn if values_dtype is None else values_dtype)
   index_dtype = jnp.dtype(jnp.int32 if index_dtype is None else index_dtype)
@@ -87,12 +106,12 @@ def _checked_settings(k, mu, update_topk, values_dtype, index_dtype):
   _check_int('update_topk', update_topk, 1)
   if k is not None and update_topk > k:
     raise ValueError(f'update_topk={update_topk} must be <= k={k}.')
-  _check_mu(mu)
+  hyperparams.check_mu(mu)
   if not jnp.issubdtype(index_dtype, jnp.integer):
     raise ValueError(f'index_dtype must be an integer dtype, got {index_dtype}.')
   if not jnp.issubdtype(values_dtype, jnp.floating):
     raise ValueError(f'values_dtype must be a float dtype, got {values_dtype}.')
-  return update_topk, values_dtype, index_dtype
+  return k, update_topk, values_dtype, index_dtype
 
 
 def one_sparse_rows(indices: jax.Array, signs: jax.Array, m: int,
@@ -139,7 +158,7 @@ def dense_direction(grad: jax.Array, history: kernels.History, *,
 
 
 def scale_by_taco(
-    k: Optional[int] = 16,
+    k: Optional[int] = DEFAULT_K,
     mu: Union[float, jax.Array] = 0.95,
     *,
     update_topk: Optional[int] = None,
@@ -227,8 +246,9 @@ def scale_by_taco(
 
   The non-numeric defaults (``None``) keep the factory usable with
   :func:`optax.inject_hyperparams`, which turns numeric arguments into arrays
-  and calls callables (dtypes are callables) as schedules; pass ``k`` (and an
-  explicit ``update_topk``) in its ``static_args``, and so every callable
+  and calls callables (dtypes are callables) as schedules; pass a ``k`` you
+  give (its default is left alone) and an explicit ``update_topk`` in its
+  ``static_args``, and so every callable
   ``weight_dimension_numbers``, ``update_scale`` or dtype (left out, they
   are refused with a message naming them).
 
@@ -252,7 +272,7 @@ def scale_by_taco(
     Fine-Tuning, 2026 (Sections 3 and 5).
   """
   inject_guard.refuse_scheduled_routing('taco_optax.scale_by_taco')
-  update_topk, values_dtype, index_dtype = _checked_settings(
+  k, update_topk, values_dtype, index_dtype = _checked_settings(
       k, mu, update_topk, values_dtype, index_dtype)
   implementation = kernels.resolve(implementation)
 
@@ -283,6 +303,9 @@ def scale_by_taco(
     return history
 
   def init_fn(params):
+    if trees.is_params_placeholder(params):
+      # tree_map_params: the histories are (k, n), not like the params.
+      return TacoState(*(trees.NotParams() for _ in TacoState._fields))
     leaves, treedef = jax.tree.flatten(params)
     state = taco_state(treedef, [init_leaf(p, plan) for p, plan in
                                  zip(leaves, plans(params))])
@@ -292,66 +315,54 @@ def scale_by_taco(
     return trees.without_masked_boxes(state)
 
   def update_fn(updates, state, params=None):
+    updates, params = inputs.checked(updates, params)
     leaves, treedef = jax.tree.flatten(updates)
     histories = leaf_histories(state, treedef)
     leaf_plans = plans(updates)
-    check_like_params(updates, params)
-    check_history_shapes(updates, histories, leaf_plans)
+    check_history_shapes(updates, histories, leaf_plans, k)
     out = [leaf_direction(grad, history, plan, mu) for grad, history, plan
            in zip(leaves, histories, leaf_plans)]
     return (treedef.unflatten([direction for direction, _ in out]),
             taco_state(treedef, [history for _, history in out]))
 
-  return ScaleByTaco(init_fn, update_fn, plans, mu)
-
-
-def check_like_params(updates: Any, params: Any) -> None:
-  """Raises, naming the leaf, if a gradient's shape is not its parameter's
-  (``params`` of another tree structure are left to optax's own error)."""
-  if params is None:
-    return
-  try:
-    expected = jax.tree.structure(updates).flatten_up_to(params)
-  except (ValueError, TypeError):
-    return
-  for (path, grad), param in zip(jax.tree_util.tree_leaves_with_path(updates),
-                                 expected):
-    shape = getattr(param, 'shape', None)
-    if shape is not None and tuple(shape) != tuple(jnp.shape(grad)):
-      raise ValueError(
-          f'The gradient of {dn.path_name(path)!r} has shape '
-          f'{tuple(jnp.shape(grad))}, its parameter {tuple(shape)}: they '
-          'must be equal.')
+  return ScaleByTaco(init_fn, update_fn, plans, mu, k)
 
 
 def check_history_shapes(updates: Any, histories: list[kernels.History],
-                         plans: list[Optional[plan_lib.LeafPlan]]) -> None:
+                         plans: list[Optional[plan_lib.LeafPlan]],
+                         k: Optional[int]) -> None:
   """Raises, naming the leaf, if a TACO gradient's shape is not the one its
-  history (made by ``init`` from the parameter) was made for."""
+  history (made by ``init`` from the parameter) was made for: its columns,
+  and its rows where they set the history's length (``m <= k``; ``update``
+  checks larger ones against ``params`` when given)."""
   paths = jax.tree_util.tree_leaves_with_path(updates)
   for (path, grad), history, plan in zip(paths, histories, plans):
     if plan is None or trees.is_masked(history.indices):
       continue
     layout = plan.layout
     made_for = history.indices.shape[:-2] + history.indices.shape[-1:]
-    if made_for != layout.batch_shape + (layout.n,):
+    kept = history.indices.shape[-2]
+    if (made_for != layout.batch_shape + (layout.n,)
+        or kept != history_size(k, layout.m)):
       raise ValueError(
           f'The gradient of the TACO leaf {dn.path_name(path)!r} has shape '
           f'{grad.shape} ({layout.num_matrices} x {layout.m} x {layout.n} '
           f'as a matrix), but its state was initialised for '
-          f'{math.prod(made_for[:-1])} matrices of {made_for[-1]} columns: '
+          f'{math.prod(made_for[:-1])} matrices of {made_for[-1]} columns '
+          f'keeping {kept} of their rows: '
           'give update gradients of the shapes given to init.')
 
 
 class ScaleByTaco(optax.GradientTransformation):
   """What :func:`scale_by_taco` returns: optax's ``(init, update)``, plus
-  ``plans(tree)`` (each leaf's plan) and ``mu``, for :func:`taco`'s branch
+  ``plans(tree)`` (each leaf's plan), ``mu`` and ``k``, for :func:`taco`'s branch
   (``branch``)."""
 
-  def __new__(cls, init, update, plans=None, mu=None):
+  def __new__(cls, init, update, plans=None, mu=None, k=None):
     transformation = super().__new__(cls, init, update)
     transformation.plans = plans
     transformation.mu = mu
+    transformation.k = k
     return transformation
 
 

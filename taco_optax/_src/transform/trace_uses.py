@@ -85,11 +85,78 @@ def dot_uses(eqn: Any, ins: list[Value], names: Sequence[str],
       inputs = [k for k in range(starts[1] + len(free[1]))
                 if k not in positions]
       front = _in_front(positions, inputs, permutation)
-      found.append((view.leaf, _matrix_use(
+      use = _matrix_use(
           view, contracting[side], batch[side],
           [a for a, p in zip(free[side], positions) if p not in front],
-          [a for a, p in zip(free[side], positions) if p in front])))
+          [a for a, p in zip(free[side], positions) if p in front])
+      pieces = _pieces_after(eqn.outvars[0], consumers,
+                             [p for p in positions if p not in front])
+      if use.kind == MATRIX and pieces > 1:
+        use = Use(AMBIGUOUS, f'{use.how}, then splits that output axis into '
+                  f'{pieces} pieces (a fused projection, e.g. PyTorch\'s '
+                  f'(3 D, D) qkv): as one matrix, one weight per input would '
+                  f'move across all {pieces}, at {pieces}x the scale. Store '
+                  f'it as {pieces} matrices (a leading axis of {pieces}, a '
+                  'batch axis), or override it to keep one matrix')
+      found.append((view.leaf, use))
   return found
+
+
+_PASSED_BEFORE_A_SPLIT = ('convert_element_type', 'copy', 'copy_p', 'add',
+                          'add_any')
+
+
+def _pieces_after(var: Any, consumers: dict[Any, list[Any]],
+                  positions: Sequence[int]) -> int:
+  """Into how many pieces the equations reading ``var`` (through casts)
+  split it along one of the axes ``positions``: a ``split``, or only
+  ``slice``s each taking part of the axis; 1 when they do not."""
+  readers = consumers.get(var, [])
+  # Through casts and a bias (same shape out: the axes stay where they are).
+  while (len(readers) == 1 and readers[0] is not None
+         and readers[0].primitive.name in _PASSED_BEFORE_A_SPLIT
+         and shape_of(readers[0].outvars[0]) == shape_of(var)):
+    var = readers[0].outvars[0]
+    readers = consumers.get(var, [])
+  if not readers or any(r is None for r in readers):
+    return 1
+  shape = shape_of(var)
+  if len(readers) == 1 and readers[0].primitive.name == 'split':
+    split = readers[0]
+    if split.params['axis'] not in positions:
+      return 1
+    pieces = list(split.outvars)
+  elif len(readers) < 2 or any(r.primitive.name != 'slice' for r in readers):
+    return 1
+  else:
+    axes = [a for a in positions if all(
+        r.params['limit_indices'][a] - r.params['start_indices'][a] < shape[a]
+        for r in readers)]
+    if not axes:
+      return 1
+    pieces = [r.outvars[0] for r in readers]
+  return 1 if _rejoined(pieces, consumers) else len(pieces)
+
+
+def _rejoined(pieces: list[Any], consumers: dict[Any, list[Any]],
+              depth: int = 6) -> bool:
+  """Whether a ``concatenate`` within ``depth`` equations reads two of the
+  pieces: a rotation (RoPE's halves), not several projections."""
+  reached: dict[int, set[int]] = {}
+  for index, piece in enumerate(pieces):
+    frontier, seen = [piece], set()
+    for _ in range(depth):
+      following = []
+      for var in frontier:
+        for eqn in consumers.get(var, []):
+          if eqn is None or id(eqn) in seen:
+            continue
+          seen.add(id(eqn))
+          if eqn.primitive.name == 'concatenate':
+            reached.setdefault(id(eqn), set()).add(index)
+          following.extend(eqn.outvars)
+      frontier = following
+  return any(len(indices) > 1 for indices in reached.values())
 
 
 def ragged_uses(eqn: Any, ins: list[Value]) -> Found:

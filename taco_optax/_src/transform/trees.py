@@ -52,3 +52,22 @@ def without_masked_boxes(tree: Any) -> Any:
       lambda x: (optax.MaskedNode() if is_variable(x)
                  and is_masked(x.get_value()) else x),
       tree, is_leaf=is_variable)
+
+
+class NotParams:
+  """A leaf of the state :func:`optax.tree_utils.tree_map_params` builds,
+  where the real state holds something not shaped like the params (a
+  ``(k, n)`` history, a rounding counter): ``tree_map_params`` then leaves
+  that part alone instead of calling the user's function on it."""
+
+  def __repr__(self) -> str:
+    return 'NotParams()'
+
+
+def is_params_placeholder(params: Any) -> bool:
+  """Whether ``params`` is the object :func:`optax.tree_utils.tree_map_params`
+  hands ``init`` for the params: an optax pytree of no leaves (not a
+  container or ``MaskedNode``), which ``init`` maps over like params."""
+  return (not jax.tree.leaves(params) and not is_masked(params)
+          and type(params).__module__.startswith('optax.')
+          and type(params).__name__ == '_ParamsPlaceholder')
