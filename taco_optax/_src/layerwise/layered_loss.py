@@ -58,3 +58,45 @@ class LayeredLoss:
       for layer_params in layers:
         hidden = layer(layer_params, hidden)
     return self.head(outer, hidden, batch)
+
+
+def _is_framework_variable(x: Any) -> bool:
+  """A Flax NNX ``Variable`` (an ``nnx.State``'s leaves), without importing
+  flax."""
+  return any(cls.__name__ == 'Variable' and cls.__module__.startswith('flax.')
+             for cls in type(x).__mro__)
+
+
+def check_params(params: Any, scan_layers: bool) -> None:
+  """Raises, naming the argument, for params the layer-wise step cannot take.
+
+  Args:
+    params: what the step was called with.
+    scan_layers: the loss's :attr:`LayeredLoss.scan_layers`.
+
+  Raises:
+    ValueError: ``params`` is not an ``(outer, layers)`` pair, unrolled
+      ``layers`` is not a list, or a leaf is a Flax NNX ``Variable``.
+  """
+  if not isinstance(params, (tuple, list)) or len(params) != 2:
+    raise ValueError(
+        'The layer-wise step takes params as the pair (outer, layers) its '
+        f'LayeredLoss reads; got a {type(params).__name__}. Split the model '
+        '(e.g. outer = its embedding, final norm and head; layers = one tree '
+        'per block, or one stacked tree) and pass (outer, layers).')
+  if not scan_layers and not isinstance(params[1], (list, tuple)):
+    raise ValueError(
+        'LayeredLoss(scan_layers=False) reads layers as a list of per-layer '
+        f'trees; params[1] is a {type(params[1]).__name__}. Pass a list, or '
+        'scan_layers=True for one tree with a leading layer axis.')
+  leaves, _ = jax.tree_util.tree_flatten_with_path(
+      params, is_leaf=_is_framework_variable)
+  held = [jax.tree_util.keystr(path) for path, leaf in leaves
+          if _is_framework_variable(leaf)]
+  if held:
+    raise ValueError(
+        f'params hold Flax NNX Variables (at {", ".join(held[:3])}'
+        f'{", ..." if len(held) > 3 else ""}): the layer-wise step writes '
+        'winners into plain arrays. Pass nnx.as_pure(nnx.state(module)) (or '
+        'nnx.split(module)[1] made pure) for each part, and nnx.update the '
+        'module with the result.')

@@ -58,6 +58,12 @@ def project_rows(features: jax.Array, table: jax.Array) -> jax.Array:
                     preferred_element_type=jnp.float32)
 
 
+def project_columns(features: jax.Array, table: jax.Array) -> jax.Array:
+  """float32 logits ``features @ table`` for a ``[d, vocab]`` kernel."""
+  return jnp.einsum('...d,dv->...v', features, table,
+                    preferred_element_type=jnp.float32)
+
+
 @dataclasses.dataclass(frozen=True)
 class TableLookup:
   """``embed(outer, batch)`` that reads its table only as looked-up rows.
@@ -98,21 +104,46 @@ class TableProjection:
       norm (and the positions that are scored); it must not read the table.
     loss: ``loss(logits, batch) -> scalar``.
     project: ``project(features, table) -> logits``, a contraction of the
-      features' last axis with the table's ``table_axis`` (default
-      :func:`project_rows`, float32 logits for a ``[vocab, d]`` table).
+      features' last axis with the table's ``table_axis``; by default float32
+      logits along ``table_axis`` (:func:`project_rows` for a ``[vocab, d]``
+      table, :func:`project_columns` for a ``[d, vocab]`` kernel).
     table_axis: the table's ``d`` axis (1 for ``[vocab, d]``, 0 for a
       ``[d, vocab]`` kernel).
   """
   table: Path
   features: Callable[[Params, Any, Batch], jax.Array]
   loss: Callable[..., jax.Array]
-  project: Callable[[jax.Array, jax.Array], jax.Array] = project_rows
+  project: Optional[Callable[[jax.Array, jax.Array], jax.Array]] = None
   table_axis: int = 1
 
+  def __post_init__(self):
+    if self.table_axis not in (0, 1):
+      raise ValueError('TableProjection.table_axis is the table\'s d axis: 1 '
+                       'for a [vocab, d] table, 0 for a [d, vocab] kernel; '
+                       f'got {self.table_axis!r}.')
+    if self.project is None:
+      object.__setattr__(self, 'project', project_rows if self.table_axis
+                         else project_columns)
+
   def __call__(self, outer: Params, hidden: Any, batch: Batch) -> jax.Array:
-    logits = self.project(self.features(outer, hidden, batch),
-                          table_at(outer, self.table))
-    return self.loss(logits, batch)
+    features = self.features(outer, hidden, batch)
+    table = table_at(outer, self.table)
+    check_projection(self, features, table)
+    return self.loss(self.project(features, table), batch)
+
+
+def check_projection(head: TableProjection, features: jax.Array,
+                     table: jax.Array) -> None:
+  """Raises, naming ``table_axis`` and ``project``, when the features' width
+  is not the table's ``d`` axis."""
+  if table.ndim != 2 or features.shape[-1] != table.shape[head.table_axis]:
+    raise ValueError(
+        f'TableProjection: the features are {features.shape[-1]} wide but the '
+        f'table {head.table} has shape {tuple(table.shape)}, whose '
+        f'table_axis={head.table_axis} is {table.shape[head.table_axis]} '
+        'long. table_axis is the table\'s d axis: 1 for a [vocab, d] table, '
+        '0 for a [d, vocab] kernel; a project= of your own must contract the '
+        'features with that axis.')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -287,6 +318,7 @@ def projection_backward(head: TableProjection, outer: Params, hidden: Any,
   features = lambda rest, hidden: head.features(split.rebuild(rest), hidden,
                                                 batch)
   feats, features_vjp = jax.vjp(features, split.others, hidden)
+  check_projection(head, feats, split.table)
   logits, project_vjp = jax.vjp(lambda f: head.project(f, split.table), feats)
   value, loss_vjp = jax.vjp(lambda x: head.loss(x, batch), logits)
   (d_logits,) = loss_vjp(jnp.ones_like(value))

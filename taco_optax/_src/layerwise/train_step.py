@@ -17,6 +17,7 @@ after the embedding's backward pass), the layers in ``backward``, and
 the same pieces layer-major (``accumulated_step``).
 """
 
+import functools
 from typing import Any, Callable, Optional
 
 import jax
@@ -31,6 +32,7 @@ from taco_optax._src.layerwise import leaves as leaves_lib
 from taco_optax._src.layerwise import ordering
 from taco_optax._src.layerwise import outer as outer_lib
 from taco_optax._src.layerwise import winners
+from taco_optax._src.layerwise import layered_loss
 from taco_optax._src.layerwise.layered_loss import LayeredLoss
 
 Params = Any
@@ -199,14 +201,25 @@ def step_from_parts(loss: LayeredLoss, parts: transform.TacoParts, *,
   one_batch = _one_batch_step(loss, parts, clip_global_norm,
                               column_block_elements, with_grad_norm)
   if accumulation_steps is None:
-    return one_batch
+    return _checking_params(one_batch, loss)
   if not _is_int_at_least(accumulation_steps, 1):
     raise ValueError('accumulation_steps must be an int >= 1 (or None for a '
                      f'batch without a micro-batch axis); got '
                      f'{accumulation_steps!r}.')
-  return accumulated_step.accumulated_step(
+  return _checking_params(accumulated_step.accumulated_step(
       loss, parts, accumulation_steps, clip_global_norm,
-      column_block_elements, one_batch, with_grad_norm)
+      column_block_elements, one_batch, with_grad_norm), loss)
+
+
+def _checking_params(step: TrainStep, loss: LayeredLoss) -> TrainStep:
+  """``step`` that first refuses params it cannot take, by name."""
+
+  @functools.wraps(step)
+  def checked(params, opt_state, batch):
+    layered_loss.check_params(params, loss.scan_layers)
+    return step(params, opt_state, batch)
+
+  return checked
 
 
 def _layers_backward(loss: LayeredLoss, step: leaves_lib.StepLeaves,
