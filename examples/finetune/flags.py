@@ -122,6 +122,14 @@ class RunConfig:
       or SIGTERM (the two newest are kept).
     checkpoint_every: Save a checkpoint every N steps (0: only at the end and
       when stopped).
+    export: Write the fine-tuned model as a Hugging Face directory at the end
+      of the run (config.json, model.safetensors, tokenizer files,
+      generation_config.json), which transformers' from_pretrained loads.
+    export_dir: Where --export writes; None: OUTPUT_DIR/model. It must not
+      exist or be empty (checked before training).
+    eval_only: Evaluate --model without training: a model directory, a .gguf
+      file, a run's output directory (its newest checkpoint) or a checkpoint
+      (step_N); prints the held-out metric, writes nothing.
     progress: Show a progress bar.
     compilation_cache: JAX's persistent compilation cache, which this flag
       turns off: what a run compiles (the train step, the evaluation passes)
@@ -171,6 +179,9 @@ class RunConfig:
   resume_allow_changes: tyro.conf.FlagCreatePairsOff[bool] = False
   save_checkpoint: Annotated[bool, tyro.conf.arg(name='checkpoint')] = True
   checkpoint_every: Annotated[int, _NON_NEGATIVE] = 100
+  export: bool = True
+  export_dir: Optional[str] = None
+  eval_only: tyro.conf.FlagCreatePairsOff[bool] = False
   progress: bool = True
   compilation_cache: Annotated[tyro.conf.FlagCreatePairsOff[bool],
                                tyro.conf.arg(

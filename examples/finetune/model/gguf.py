@@ -56,6 +56,25 @@ class _GGUFSource:
     return values
 
 
+def gguf_table() -> weights_lib.NameTable:
+  """The GGUF name table (Llama): loading and :mod:`gguf_export` use it."""
+  return _GGUF_LLAMA
+
+
+def rotary_heads(name: str, config: config_lib.ModelConfig) -> Optional[int]:
+  """Heads of a GGUF Q/K tensor (stored in llama.cpp's order), else None."""
+  return {'attn_q.weight': config.num_heads,
+          'attn_k.weight': config.num_kv_heads}.get(name.split('.', 2)[-1])
+
+
+def permute_rotary_rows(weight: np.ndarray, heads: int) -> np.ndarray:
+  """llama.cpp's Q/K row order on an ``(out, in)`` weight: the inverse of
+  :func:`unpermute_rotary_rows`."""
+  head_dim = weight.shape[0] // heads
+  return (weight.reshape(heads, 2, head_dim // 2, -1).swapaxes(1, 2)
+          .reshape(weight.shape))
+
+
 def unpermute_rotary_rows(weight: np.ndarray, heads: int) -> np.ndarray:
   """Undoes llama.cpp's Q/K row order on an ``(out, in)`` weight."""
   head_dim = weight.shape[0] // heads

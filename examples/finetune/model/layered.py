@@ -33,6 +33,22 @@ class LayeredModel(NamedTuple):
   params: tuple[Any, Any]
   write_back: Callable[[tuple[Any, Any]], None]
 
+  def named(self, params: tuple[Any, Any]) -> dict[str, Any]:
+    """``params`` keyed by module path, as ``nnx.state(model, nnx.Param)``:
+    ``{'embed': ..., 'layers': {0: block, ...} or stacked, ...}``."""
+    outer, layers = params
+    if isinstance(layers, (list, tuple)):
+      layers = dict(enumerate(layers))
+    return {**outer, 'layers': layers}
+
+  def from_named(self, named: dict[str, Any]) -> tuple[Any, Any]:
+    """:meth:`named` undone (its ``layers`` a list again when unscanned)."""
+    outer = {key: value for key, value in named.items() if key != 'layers'}
+    layers = named['layers']
+    if isinstance(self.params[1], (list, tuple)):
+      layers = [layers[i] for i in range(len(self.params[1]))]
+    return outer, layers
+
 
 def _outer_modules(model) -> dict[str, nnx.Module]:
   modules = {'embed': model.embed, 'final_norm': model.final_norm}
