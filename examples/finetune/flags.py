@@ -125,11 +125,13 @@ class RunConfig:
     export: Write the fine-tuned model as a Hugging Face directory at the end
       of the run (config.json, model.safetensors, tokenizer files,
       generation_config.json), which transformers' from_pretrained loads.
-    export_dir: Where --export writes; None: OUTPUT_DIR/model. It must not
-      exist or be empty (checked before training).
+    export_dir: Where --export writes; None: OUTPUT_DIR/model, which a run
+      in OUTPUT_DIR replaces. Another folder must not exist or must be
+      empty, checked before training.
     eval_only: Evaluate --model without training: a model directory, a .gguf
-      file, a run's output directory (its newest checkpoint) or a checkpoint
-      (step_N); prints the held-out metric, writes nothing.
+      file, a run's output directory (its newest checkpoint) or a checkpoint,
+      OUTPUT_DIR/checkpoints/step_N; prints the held-out metric, writes
+      nothing.
     progress: Show a progress bar.
     compilation_cache: JAX's persistent compilation cache, which this flag
       turns off: what a run compiles (the train step, the evaluation passes)

@@ -93,10 +93,16 @@ def export(prepared: preparation.PreparedRun,
   target = preparation.export_dir(prepared.config)
   if target is None:
     return None
+  # The run's own folder (no --export-dir) is replaced, as its checkpoints
+  # are; another one was checked to be empty before training.
+  replace = prepared.config.export_dir is None
+  if replace and os.path.isdir(target) and os.listdir(target):
+    log(f'{target} holds an earlier run\'s model: this run replaces it')
   with phases.phase(f'exporting the model to {target}', log):
     path = saving.save_pretrained(
         prepared.model, prepared.tokenizer, target,
-        source=prepared.model_path, write=processes_lib.is_leader())
+        source=prepared.model_path, write=processes_lib.is_leader(),
+        replace=replace)
   processes_lib.barrier('taco_export_done')
   return path
 

@@ -291,9 +291,9 @@ def prepare(config: flags_lib.RunConfig,
     flags.FinetuneError: an input the run cannot use, as one line.
   """
   config = run_dirs.with_output_dir(config)
-  if export_dir(config) is not None:
+  if config.export and config.export_dir is not None:
     try:
-      saving.check_target(export_dir(config))
+      saving.check_target(config.export_dir)
     except saving.ExportError as e:
       raise flags_lib.FinetuneError(f'--export-dir: {e}') from e
   checkpoints = resume_lib.open_checkpoints(config, log)

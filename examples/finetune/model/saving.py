@@ -210,14 +210,17 @@ def exported_dtype(model: decoder_lib.DecoderLM) -> str:
 
 
 def write_folder(directory: str, fill: Callable[[str], None], *,
-                 write: bool = True) -> str:
+                 write: bool = True, replace: bool = False) -> str:
   """Runs ``fill(partial_folder)`` and renames the folder into place.
 
   Every process calls ``fill`` (its collectives); only the ``write`` one
-  creates, fills and renames the folder.
+  creates, fills and renames the folder. With ``replace`` an existing
+  ``directory`` is swapped out once the new one is complete; without, it is
+  refused unless empty.
   """
   directory = os.path.abspath(directory)
-  check_target(directory)
+  if not replace:
+    check_target(directory)
   partial = directory + PARTIAL
   if write:
     shutil.rmtree(partial, ignore_errors=True)
@@ -230,8 +233,13 @@ def write_folder(directory: str, fill: Callable[[str], None], *,
     raise
   if write:
     if os.path.isdir(directory):
-      os.rmdir(directory)  # empty: checked above
-    os.replace(partial, directory)
+      replaced = directory + '.replaced'
+      shutil.rmtree(replaced, ignore_errors=True)
+      os.replace(directory, replaced)
+      os.replace(partial, directory)
+      shutil.rmtree(replaced)
+    else:
+      os.replace(partial, directory)
   return directory
 
 
@@ -239,7 +247,7 @@ def save_pretrained(model: decoder_lib.DecoderLM,
                     tokenizer: tokenizers.Tokenizer, directory: str, *,
                     source: Optional[str] = None,
                     max_shard_bytes: int = MAX_SHARD_BYTES,
-                    write: bool = True) -> str:
+                    write: bool = True, replace: bool = False) -> str:
   """Writes ``model`` as a Hugging Face model directory; returns its path.
 
   Args:
@@ -255,9 +263,12 @@ def save_pretrained(model: decoder_lib.DecoderLM,
       shards listed in ``model.safetensors.index.json``.
     write: whether this process writes (process 0 of several); every
       process must call, for the gathers.
+    replace: replace an existing ``directory`` (once the new one is
+      complete) instead of refusing one that is not empty.
 
   Raises:
-    ExportError: ``directory`` exists and is not empty.
+    ExportError: ``directory`` exists and is not empty (without
+      ``replace``).
   """
   config = model.config
   source_dir = source if source is not None and os.path.isdir(source) \
@@ -276,4 +287,4 @@ def save_pretrained(model: decoder_lib.DecoderLM,
                 _generation_config(config, source_dir))
     _write_tokenizer(folder, tokenizer, config, source_dir)
 
-  return write_folder(directory, fill, write=write)
+  return write_folder(directory, fill, write=write, replace=replace)
