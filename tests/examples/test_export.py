@@ -287,3 +287,36 @@ def test_positional_checkpoint_still_reads_by_its_layout(run):
   tokens, mask = _batch(264)
   np.testing.assert_array_equal(_logits(model, tokens, mask),
                                 _logits(expected, tokens, mask))
+
+
+def test_positional_checkpoint_refuses_to_resume_in_one_line(run, tmp_path,
+                                                              capsys):
+  import shutil  # pylint: disable=g-import-not-at-top
+  from examples.finetune import checkpoint_files  # pylint: disable=g-import-not-at-top
+  copy = tmp_path / 'old-run'
+  shutil.copytree(run['output_dir'], copy)
+  found = checkpoint_lib.latest(str(copy / 'checkpoints'))
+  info_path = os.path.join(found.path, 'checkpoint.json')
+  with open(info_path) as f:
+    info = json.load(f)
+  checkpoint_files.write_json(info_path, {**info, 'format': 2})
+  checkpoint_files.write_json(os.path.join(found.path, 'manifest.json'),
+                              checkpoint_files.file_digests(found.path))
+  capsys.readouterr()
+  assert cli.main(['--model', run['source'], *run['task'], '--steps', '4',
+                   '--batch-size', '2', '--lr', '3e-2', '--resume',
+                   '--resume-allow-changes', '--output-dir', str(copy)]) == 2
+  line, = capsys.readouterr().err.strip().splitlines()
+  assert 'has format 2' in line and 'examples.finetune.export' in line
+
+
+def test_docs_transformers_example_runs_on_a_runs_export(run, capsys):
+  from tests import docs_pages  # pylint: disable=g-import-not-at-top
+  hf_checkpoints.torch_and_transformers()
+  block = docs_pages.block('docs/example.md', 'AutoModelForCausalLM')
+  assert "model_dir = 'runs/taco/model'" in block
+  block = block.replace("'runs/taco/model'",
+                        repr(str(run['output_dir'] / 'model')))
+  capsys.readouterr()
+  exec(block, {})  # pylint: disable=exec-used
+  assert capsys.readouterr().out.startswith('The capital of France is')
