@@ -201,15 +201,17 @@ class LayerwiseTacoTrainer:
     return memory_plan.tree_bytes(self.opt_state)
 
   def checkpoint_tree(self):
-    """``{'params': by module path, 'opt_state', 'step'}``; the optimizer
-    state keeps the layer-wise step's ``(outer, layers)`` layout."""
+    """``{'params', 'opt_state', 'step'}``, parameters and their state by
+    module path, as ``nnx.state(model)`` names them (not the layer-wise
+    step's ``(outer, layers)`` positions)."""
     return {'params': self._layered.named(self.params),
-            'opt_state': self.opt_state,
+            'opt_state': self._layered.named_state(self.opt_state),
             'step': np.asarray(self.count, np.int64)}
 
   def load_checkpoint_tree(self, tree) -> None:
     self.params = self._layered.from_named(tree['params'])
-    self.opt_state = tree['opt_state']
+    self.opt_state = self._layered.state_from_named(tree['opt_state'],
+                                                    self.opt_state)
     self.count = int(tree['step'])
     self._layered.write_back(self.params)
 
