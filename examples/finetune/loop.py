@@ -293,7 +293,9 @@ def results(prepared: preparation.PreparedRun, record: TrainingRecord,
   add to the parameters and the state, measured from their shapes) and
   ``updates_16bit`` (all that in words); ``landed_updates`` (with
   ``--measure-landed``: per group, the updates that changed a weight, the
-  updates made and the share, :mod:`landed`; else ``None``).
+  updates made and the share, :mod:`landed`; else ``None``); ``run``
+  adds ``exported_to`` (the model's Hugging Face directory, ``None`` with
+  ``--no-export``).
 
   Args:
     prepared: the run.

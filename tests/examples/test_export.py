@@ -9,6 +9,7 @@ generate commands, and their one-line refusals.
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -20,7 +21,9 @@ import pytest
 import hf_checkpoints
 from examples.finetune import __main__ as cli
 from examples.finetune import checkpoint as checkpoint_lib
+from examples.finetune import checkpoint_files
 from examples.finetune import export as export_cli
+from examples.finetune import flags as flags_lib
 from examples.finetune import generate as generate_cli
 from examples.finetune import trained as trained_lib
 from examples.finetune.model import config as config_lib
@@ -29,6 +32,7 @@ from examples.finetune.model import gguf as gguf_lib
 from examples.finetune.model import gguf_export
 from examples.finetune.model import loading
 from examples.finetune.model import saving
+import test_cli  # pylint: disable=g-bad-import-order  (the tiny model)
 
 _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__))))
@@ -156,7 +160,6 @@ def test_export_refuses_a_folder_that_is_not_empty(tmp_path):
 @pytest.fixture(scope='module')
 def run(tmp_path_factory):
   """A 3-step TACO run with its end-of-run export."""
-  import test_cli  # pylint: disable=g-import-not-at-top
   root = tmp_path_factory.mktemp('export')
   model_dir = str(root / 'tiny-llama')
   test_cli._write_tiny_llama(model_dir, vocab_size=264)  # pylint: disable=protected-access
@@ -212,7 +215,8 @@ def test_run_exports_a_model_that_transformers_loads(run):
 
 def test_eval_only_reproduces_the_runs_metric(run, capsys):
   after = run['results']['after']['accuracy']
-  for model in (run['output_dir'] / 'model', run['output_dir']):
+  step = checkpoint_lib.latest(str(run['output_dir'] / 'checkpoints')).path
+  for model in (run['output_dir'] / 'model', run['output_dir'], step):
     out = _eval_only(run, model, capsys)
     assert f'held-out accuracy {after:.4f}' in out, out
     assert f'the run recorded accuracy {after:.4f}' in out, out
@@ -259,14 +263,42 @@ def test_refusals_are_one_line_and_write_nothing(run, tmp_path):
                    '--output-dir', str(tmp_path / 'r'),
                    '--export-dir', str(occupied)])
   assert line.startswith('error: --export-dir: ') and 'not empty' in line
-  assert sorted(os.listdir(tmp_path)) == ['bare-run', 'occupied']
+  other = tmp_path / 'qwen3'
+  hf_checkpoints.save_hf_model('qwen3', str(other))
+  line = _refusal('examples.finetune.export',
+                  [str(other), '--gguf', str(tmp_path / 'q.gguf')])
+  assert 'the qwen3 family' in line
+  assert sorted(os.listdir(tmp_path)) == ['bare-run', 'occupied', 'qwen3']
+
+
+def test_checkpoint_of_another_model_is_refused_in_one_line(run, tmp_path):
+  """A run whose checkpoint names another model file (here one with
+  another vocabulary): refused by the first parameter that differs."""
+  other_model = str(tmp_path / 'other-llama')
+  test_cli._write_tiny_llama(other_model, vocab_size=300)  # pylint: disable=protected-access
+  copy = tmp_path / 'run'
+  shutil.copytree(run['output_dir'], copy)
+  found = checkpoint_lib.latest(str(copy / 'checkpoints'))
+  info_path = os.path.join(found.path, 'checkpoint.json')
+  with open(info_path) as f:
+    info = json.load(f)
+  info['metadata']['model file'] = other_model
+  checkpoint_files.write_json(info_path, info)
+  checkpoint_files.write_json(os.path.join(found.path, 'manifest.json'),
+                              checkpoint_files.file_digests(found.path))
+  line = _refusal('examples.finetune.export',
+                  [str(copy), '--to', str(tmp_path / 'out')])
+  assert 'embed/embedding of shape (264, 32)' in line, line
+  assert 'another model' in line
+  assert not os.path.exists(tmp_path / 'out')
 
 
 def test_checkpoint_of_another_model_is_refused_by_name(run):
   found = checkpoint_lib.latest(str(run['output_dir'] / 'checkpoints'))
   other = _tiny_llama()  # vocabulary 259, not the run's 264
   tree = checkpoint_lib.restore(found)
-  with pytest.raises(Exception, match='embed/embedding of shape'):
+  with pytest.raises(flags_lib.FinetuneError,
+                     match='embed/embedding of shape'):
     trained_lib.put_params(other, checkpoint_lib.named_params(found, tree),
                            found.path)
 
@@ -291,8 +323,6 @@ def test_positional_checkpoint_still_reads_by_its_layout(run):
 
 def test_positional_checkpoint_refuses_to_resume_in_one_line(run, tmp_path,
                                                               capsys):
-  import shutil  # pylint: disable=g-import-not-at-top
-  from examples.finetune import checkpoint_files  # pylint: disable=g-import-not-at-top
   copy = tmp_path / 'old-run'
   shutil.copytree(run['output_dir'], copy)
   found = checkpoint_lib.latest(str(copy / 'checkpoints'))
