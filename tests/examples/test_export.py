@@ -350,3 +350,36 @@ def test_docs_transformers_example_runs_on_a_runs_export(run, capsys):
   capsys.readouterr()
   exec(block, {})  # pylint: disable=exec-used
   assert capsys.readouterr().out.startswith('The capital of France is')
+
+
+@pytest.mark.long
+def test_bf16_scanned_run_exports_bf16_that_transformers_reads(run, tmp_path):
+  """--dtype bfloat16 (TACO: bf16 weights, stochastic rounding) with
+  scanned layers: the export is bfloat16, one tensor per layer."""
+  output_dir = tmp_path / 'bf16'
+  assert cli.main(['--model', run['source'], *run['task'], '--steps', '2',
+                   '--batch-size', '2', '--dtype', 'bfloat16',
+                   '--scan-layers', 'on', '--output-dir',
+                   str(output_dir)]) == 0
+  exported = str(output_dir / 'model')
+  config = hf_checkpoints.read_config(exported)
+  assert config['torch_dtype'] == 'bfloat16'
+  with open(os.path.join(exported, 'model.safetensors'), 'rb') as f:
+    header = json.loads(f.read(int.from_bytes(f.read(8), 'little')))
+  assert header['model.layers.1.self_attn.q_proj.weight']['dtype'] == 'BF16'
+  # The checkpoint's weights, read by name, are the export's.
+  trained = trained_lib.load(str(output_dir))
+  ours = loading.load_pretrained(exported, dtype=jnp.bfloat16, remat=None,
+                                 scan_layers=True)[0]
+  tokens, mask = _batch(264)
+  np.testing.assert_array_equal(_logits(ours, tokens, mask),
+                                _logits(trained.model, tokens, mask))
+  # transformers in float32 on the bf16 weights, against ours in float32.
+  _, transformers = hf_checkpoints.torch_and_transformers()
+  reference = hf_checkpoints.reference_logits(
+      transformers.AutoModelForCausalLM.from_pretrained(exported).float(),
+      tokens, mask)
+  ours = _logits(loading.load_pretrained(exported, dtype=jnp.float32,
+                                         remat=None)[0], tokens, mask)
+  np.testing.assert_allclose(ours[mask], reference[mask], rtol=1e-4,
+                             atol=1e-4 * np.abs(reference[mask]).max())
