@@ -108,9 +108,10 @@ class RunConfig:
     num_processes: Processes of a multi-process run.
     process_id: This process's index in [0, --num-processes).
     initialization_timeout: Seconds to wait for the other processes.
-    output_dir: Where results.json and the checkpoints go; None: a new
-      directory per run, runs/finetune/OPTIMIZER-TASK-DATE-TIME, and the
-      newest such directory that holds checkpoints with --resume.
+    output_dir: Where results.json, the checkpoints and the exported model
+      go; None: a new directory per run,
+      runs/finetune/OPTIMIZER-TASK-DATE-TIME, and the newest such directory
+      that holds checkpoints with --resume.
     resume: Continue from the newest checkpoint in OUTPUT_DIR/checkpoints; the
       total --steps counts the steps before the resume too, and every flag
       that changes the run must be as it was unless --resume-allow-changes
