@@ -18,6 +18,7 @@ import tyro
 
 from examples.finetune import flags as flags_lib
 from examples.finetune import trained as trained_lib
+from examples.finetune.model import gguf as gguf_lib
 from examples.finetune.model import gguf_export
 from examples.finetune.model import saving
 
@@ -60,8 +61,11 @@ def export(config: ExportConfig) -> str:
     if config.to is not None:
       return saving.save_pretrained(trained.model, trained.tokenizer,
                                     config.to, source=trained.source)
+    template = (gguf_lib.chat_template(trained.source)
+                if trained.source.endswith('.gguf') else None)
     return gguf_export.save_gguf(trained.model, trained.tokenizer,
-                                 config.gguf, tensor_type=config.gguf_type)
+                                 config.gguf, tensor_type=config.gguf_type,
+                                 chat_template=template)
   except saving.ExportError as e:
     raise flags_lib.FinetuneError(str(e)) from e
 

@@ -136,6 +136,38 @@ def test_gguf_export_round_trips(tmp_path, tied):
             == tokenizer.encode('it 12 <s>').ids)
 
 
+def test_gguf_source_exports_a_directory_transformers_reads(tmp_path):
+  """A GGUF-sourced model (as the default SmolLM2): config.json built from
+  the GGUF metadata, tokenizer.json from its vocabulary and merges, its chat
+  template carried into tokenizer_config.json."""
+  pytest.importorskip('gguf', reason='GGUF tests need: pip install gguf')
+  _, transformers = hf_checkpoints.torch_and_transformers()
+  path = str(tmp_path / 'source.gguf')
+  template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+  gguf_export.save_gguf(_tiny_llama(tie_word_embeddings=True),
+                        _gguf_tokenizer(), path, chat_template=template)
+  model, tokenizer, _ = loading.load_pretrained(path, dtype=jnp.float32,
+                                                remat=None)
+  target = str(tmp_path / 'hf')
+  saving.save_pretrained(model, tokenizer, target, source=path)
+  config = hf_checkpoints.read_config(target)
+  assert config['architectures'] == ['LlamaForCausalLM']
+  assert config['tie_word_embeddings'] and config['torch_dtype'] == 'float32'
+  with open(os.path.join(target, 'tokenizer_config.json')) as f:
+    assert json.load(f)['chat_template'] == template
+  tokens, mask = _batch(259)
+  ours = _logits(model, tokens, mask)
+  np.testing.assert_array_equal(_logits(loading.load_pretrained(
+      target, dtype=jnp.float32, remat=None)[0], tokens, mask), ours)
+  reference = hf_checkpoints.reference_logits(
+      transformers.AutoModelForCausalLM.from_pretrained(target), tokens, mask)
+  np.testing.assert_allclose(ours[mask], reference[mask], rtol=1e-4,
+                             atol=1e-4 * np.abs(reference[mask]).max())
+  hf_tokenizer = transformers.AutoTokenizer.from_pretrained(target)
+  assert (hf_tokenizer('it 12 <s>')['input_ids']
+          == tokenizer.encode('it 12 <s>').ids)
+
+
 def test_gguf_export_refuses_other_families(tmp_path):
   model = decoder_lib.DecoderLM(config_lib.ModelConfig.tiny('qwen3'),
                                 rngs=nnx.Rngs(0))

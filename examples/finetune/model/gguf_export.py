@@ -13,7 +13,7 @@ does). The file is written as ``FILE.partial`` and renamed when complete.
 
 import json
 import os
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 import tokenizers
@@ -96,6 +96,7 @@ def check_exportable(config) -> None:
 
 def save_gguf(model: decoder_lib.DecoderLM, tokenizer: tokenizers.Tokenizer,
               path: str, *, tensor_type: str = 'f32',
+              chat_template: Optional[str] = None,
               write: bool = True) -> str:
   """Writes ``model`` as the GGUF file ``path``; returns its path.
 
@@ -104,6 +105,8 @@ def save_gguf(model: decoder_lib.DecoderLM, tokenizer: tokenizers.Tokenizer,
     tokenizer: its tokenizer (byte-level BPE, single digits split).
     path: the file; it must not exist.
     tensor_type: ``'f32'``, ``'f16'`` or ``'bf16'`` for the matrices.
+    chat_template: written as ``tokenizer.chat_template`` if given (e.g.
+      :func:`gguf.chat_template` of the source file).
     write: whether this process writes (every process must call).
 
   Raises:
@@ -132,6 +135,8 @@ def save_gguf(model: decoder_lib.DecoderLM, tokenizer: tokenizers.Tokenizer,
   partial = path + saving.PARTIAL
   writer = gguf.GGUFWriter(partial, 'llama')
   _metadata(writer, config, tokenizer, int(file_type))
+  if chat_template:
+    writer.add_chat_template(chat_template)
   for name, tensor in tensors:
     heads = gguf_lib.rotary_heads(name, config)
     tensor = tensor.astype(np.float32)

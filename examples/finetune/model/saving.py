@@ -27,6 +27,7 @@ import tokenizers
 
 from examples.finetune.model import config as config_lib
 from examples.finetune.model import decoder as decoder_lib
+from examples.finetune.model import gguf as gguf_lib
 from examples.finetune.model import loading
 from examples.finetune.model import weights as weights_lib
 
@@ -160,7 +161,9 @@ def _token(tokenizer: tokenizers.Tokenizer, token_id: Optional[int]):
 
 def _write_tokenizer(folder: str, tokenizer: tokenizers.Tokenizer,
                      config: config_lib.ModelConfig,
-                     source_dir: Optional[str]) -> None:
+                     source: Optional[str]) -> None:
+  source_dir = source if source is not None and os.path.isdir(source) \
+      else None
   copied = []
   if source_dir is not None:
     for name in TOKENIZER_FILES:
@@ -179,6 +182,10 @@ def _write_tokenizer(folder: str, tokenizer: tokenizers.Tokenizer,
                           ('pad_token', config.pad_token_id)):
       if _token(tokenizer, token_id) is not None:
         values[key] = _token(tokenizer, token_id)
+    if source is not None and source.endswith('.gguf'):
+      template = gguf_lib.chat_template(source)
+      if template:
+        values['chat_template'] = template
     _write_json(os.path.join(folder, 'tokenizer_config.json'), values)
 
 
@@ -285,6 +292,6 @@ def save_pretrained(model: decoder_lib.DecoderLM,
                 else hf_config(config, dtype))
     _write_json(os.path.join(folder, 'generation_config.json'),
                 _generation_config(config, source_dir))
-    _write_tokenizer(folder, tokenizer, config, source_dir)
+    _write_tokenizer(folder, tokenizer, config, source)
 
   return write_folder(directory, fill, write=write, replace=replace)
