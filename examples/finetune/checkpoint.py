@@ -25,7 +25,6 @@ store ``jax.random.key_data(key)`` and rebuild the key with
 stored with every save and compared on resume, its history kept.
 """
 
-import hashlib
 import json
 import os
 import re
@@ -35,16 +34,20 @@ from typing import Any, Mapping, NamedTuple, Optional
 import jax
 import orbax.checkpoint as ocp
 
+from examples.finetune import checkpoint_files as files_lib
 from examples.finetune import processes as processes_lib
 
 _STEP_DIR = re.compile(r'^step_(\d{8,})$')
 _PARTIAL = '.partial'
-_FORMAT = 2
-_STATE, _INFO, _MANIFEST = 'state', 'checkpoint.json', 'manifest.json'
+# 3: parameters stored by module path (``params/layers/0/attn/q/kernel``);
+# 2: the layer-wise trainer's ``(outer, layers)`` pair by position.
+FORMAT = 3
+_READABLE_FORMATS = (2, FORMAT)
+_STATE, _INFO, _MANIFEST = 'state', 'checkpoint.json', files_lib.MANIFEST
 
 
-class CheckpointError(ValueError):
-  """A checkpoint is corrupt or does not match the run restoring it."""
+CheckpointError = files_lib.CheckpointError
+_file_digests = files_lib.file_digests  # the manifest's digests (tests replace it)
 
 
 class Checkpoint(NamedTuple):
@@ -56,12 +59,15 @@ class Checkpoint(NamedTuple):
     metadata: the run's settings, as given to :func:`save`.
     history: what the run had recorded so far (losses, evaluations, ...).
     layout: ``[path, shape, dtype]`` of every saved array.
+    format: the format it was written in (``2``: parameters by position;
+      :func:`named_params` reads both).
   """
   path: str
   step: int
   metadata: dict[str, Any]
   history: dict[str, Any]
   layout: list[list[Any]]
+  format: int = FORMAT
 
 
 def _step_dir(directory: str, step: int) -> str:
@@ -89,29 +95,6 @@ def _tree_layout(tree: Any) -> list[list[Any]]:
 
 def _json_normalized(value: Any) -> Any:
   return json.loads(json.dumps(value))
-
-
-def _file_digests(root: str) -> dict[str, str]:
-  digests = {}
-  for folder, _, files in os.walk(root):
-    for name in files:
-      path = os.path.join(folder, name)
-      relative = os.path.relpath(path, root)
-      if relative == _MANIFEST:
-        continue
-      digest = hashlib.sha256()
-      with open(path, 'rb') as f:
-        for chunk in iter(lambda: f.read(1 << 20), b''):
-          digest.update(chunk)
-      digests[relative] = digest.hexdigest()
-  return digests
-
-
-def _write_json(path: str, value: Any):
-  with open(path, 'w') as f:
-    json.dump(value, f, indent=1, sort_keys=True)
-    f.flush()
-    os.fsync(f.fileno())
 
 
 def _prune(directory: str, step: int, keep: Optional[int]):
@@ -164,14 +147,15 @@ def save(directory: str, step: int, state_tree: Any,
   checkpointer.wait_until_finished()
   checkpointer.close()
   if leader:
-    _write_json(os.path.join(partial, _INFO), {
-        'format': _FORMAT,
+    files_lib.write_json(os.path.join(partial, _INFO), {
+        'format': FORMAT,
         'step': int(step),
         'metadata': _json_normalized(dict(metadata)),
         'history': _json_normalized(dict(history or {})),
         'tree': _tree_layout(state_tree),
     })
-    _write_json(os.path.join(partial, _MANIFEST), _file_digests(partial))
+    files_lib.write_json(os.path.join(partial, _MANIFEST),
+                         _file_digests(partial))
     if os.path.exists(final):
       replaced = final + '.replaced'
       os.replace(final, replaced)
@@ -182,26 +166,6 @@ def save(directory: str, step: int, state_tree: Any,
     _prune(directory, step, keep)
   processes_lib.barrier('taco_checkpoint_done')
   return final
-
-
-def _verify_files(path: str):
-  manifest_path = os.path.join(path, _MANIFEST)
-  if not os.path.exists(manifest_path):
-    raise CheckpointError(f'Checkpoint {path} is corrupt: {_MANIFEST} is '
-                          'missing.')
-  with open(manifest_path) as f:
-    expected = json.load(f)
-  found = _file_digests(path)
-  missing = sorted(set(expected) - set(found))
-  changed = sorted(name for name in expected
-                   if name in found and found[name] != expected[name])
-  if missing or changed:
-    raise CheckpointError(
-        f'Checkpoint {path} is corrupt: '
-        + (f'missing files {missing[:5]}' if missing else '')
-        + ('; ' if missing and changed else '')
-        + (f'contents changed in {changed[:5]}' if changed else '')
-        + '. Delete it to resume from an earlier checkpoint.')
 
 
 def latest(directory: str) -> Optional[Checkpoint]:
@@ -221,15 +185,43 @@ def latest(directory: str) -> Optional[Checkpoint]:
   steps = complete_steps(directory)
   if not steps:
     return None
-  path = _step_dir(directory, steps[-1])
-  _verify_files(path)
+  return read(_step_dir(directory, steps[-1]))
+
+
+def is_checkpoint(path: str) -> bool:
+  """Whether ``path`` is one checkpoint's directory (``step_N``)."""
+  return os.path.isfile(os.path.join(path, _INFO))
+
+
+def read(path: str) -> Checkpoint:
+  """The checkpoint in directory ``path``, its files verified (see
+  :func:`latest`); a format-2 one is read too (``Checkpoint.format``)."""
+  path = os.path.abspath(path)
+  files_lib.verify_files(path)
   with open(os.path.join(path, _INFO)) as f:
     info = json.load(f)
-  if info.get('format') != _FORMAT:
+  if info.get('format') not in _READABLE_FORMATS:
     raise CheckpointError(f'Checkpoint {path} has format '
-                          f'{info.get("format")!r}; expected {_FORMAT}.')
+                          f'{info.get("format")!r}; expected {FORMAT}.')
   return Checkpoint(path, info['step'], info['metadata'], info['history'],
-                    info['tree'])
+                    info['tree'], info['format'])
+
+
+def named_params(checkpoint: Checkpoint, tree: Any) -> dict[str, Any]:
+  """The parameters of a restored ``tree`` keyed by module path.
+
+  Format 3 stores them so (``tree['params']``); format 2 stored the
+  layer-wise trainer's ``(outer, layers)`` pair and ``nnx.Optimizer``'s
+  ``(model, optimizer)`` pair by position, read here by that layout.
+  """
+  if checkpoint.format != 2:
+    return tree['params']
+  if 'params' in tree:  # the layer-wise trainer: (outer, layers)
+    params = tree['params']
+    outer, layers = params['0'] if isinstance(params, dict) else params[0], (
+        params['1'] if isinstance(params, dict) else params[1])
+    return {**outer, 'layers': layers}
+  return tree['0'] if '0' in tree else tree[0]  # nnx: (model, optimizer)
 
 
 def _shown(value: Any) -> str:

@@ -108,9 +108,10 @@ class RunConfig:
     num_processes: Processes of a multi-process run.
     process_id: This process's index in [0, --num-processes).
     initialization_timeout: Seconds to wait for the other processes.
-    output_dir: Where results.json and the checkpoints go; None: a new
-      directory per run, runs/finetune/OPTIMIZER-TASK-DATE-TIME, and the
-      newest such directory that holds checkpoints with --resume.
+    output_dir: Where results.json, the checkpoints and the exported model
+      go; None: a new directory per run,
+      runs/finetune/OPTIMIZER-TASK-DATE-TIME, and the newest such directory
+      that holds checkpoints with --resume.
     resume: Continue from the newest checkpoint in OUTPUT_DIR/checkpoints; the
       total --steps counts the steps before the resume too, and every flag
       that changes the run must be as it was unless --resume-allow-changes
@@ -122,6 +123,16 @@ class RunConfig:
       or SIGTERM (the two newest are kept).
     checkpoint_every: Save a checkpoint every N steps (0: only at the end and
       when stopped).
+    export: Write the fine-tuned model as a Hugging Face directory at the end
+      of the run (config.json, model.safetensors, tokenizer files,
+      generation_config.json), which transformers' from_pretrained loads.
+    export_dir: Where --export writes; None: OUTPUT_DIR/model, which a run
+      in OUTPUT_DIR replaces. Another folder must not exist or must be
+      empty, checked before training.
+    eval_only: Evaluate --model without training: a model directory, a .gguf
+      file, a run's output directory (its newest checkpoint) or a checkpoint,
+      OUTPUT_DIR/checkpoints/step_N; prints the held-out metric, writes
+      nothing.
     progress: Show a progress bar.
     compilation_cache: JAX's persistent compilation cache, which this flag
       turns off: what a run compiles (the train step, the evaluation passes)
@@ -171,6 +182,9 @@ class RunConfig:
   resume_allow_changes: tyro.conf.FlagCreatePairsOff[bool] = False
   save_checkpoint: Annotated[bool, tyro.conf.arg(name='checkpoint')] = True
   checkpoint_every: Annotated[int, _NON_NEGATIVE] = 100
+  export: bool = True
+  export_dir: Optional[str] = None
+  eval_only: tyro.conf.FlagCreatePairsOff[bool] = False
   progress: bool = True
   compilation_cache: Annotated[tyro.conf.FlagCreatePairsOff[bool],
                                tyro.conf.arg(

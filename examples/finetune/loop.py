@@ -20,6 +20,7 @@ from flax import nnx
 import jax
 
 from examples.finetune import compile_cache as compile_cache_lib
+from examples.finetune import eval_only
 from examples.finetune import evaluation as evaluation_lib
 from examples.finetune import flags as flags_lib
 from examples.finetune import host_memory
@@ -31,6 +32,7 @@ from examples.finetune import processes as processes_lib
 from examples.finetune import report as report_lib
 from examples.finetune import resume as resume_lib
 from examples.finetune import trainers as trainers_lib
+from examples.finetune.model import saving
 from examples.finetune.model import sharding as sharding_lib
 
 class TrainingRecord(NamedTuple):
@@ -71,13 +73,38 @@ def run(config: flags_lib.RunConfig,
     resume.Interrupted: SIGINT or SIGTERM stopped the run after a step.
   """
   started = time.perf_counter()
+  if config.eval_only:
+    return eval_only.run(config, log)
   prepared = preparation.prepare(config, log)
   record = train(prepared, log)
-  outcome = results(prepared, record, started)
+  exported = export(prepared, log)
+  outcome = {**results(prepared, record, started), 'exported_to': exported}
   if processes_lib.is_leader():
     report_lib.write_json_atomic(
         os.path.join(prepared.config.output_dir, 'results.json'), outcome)
   return outcome
+
+
+def export(prepared: preparation.PreparedRun,
+           log: Callable[[str], None]) -> Optional[str]:
+  """Writes the trained model as a Hugging Face directory (process 0, after
+  every process has gathered its arrays); its path, ``None`` with
+  ``--no-export``."""
+  target = preparation.export_dir(prepared.config)
+  if target is None:
+    return None
+  # The run's own folder (no --export-dir) is replaced, as its checkpoints
+  # are; another one was checked to be empty before training.
+  replace = prepared.config.export_dir is None
+  if replace and os.path.isdir(target) and os.listdir(target):
+    log(f'{target} holds an earlier run\'s model: this run replaces it')
+  with phases.phase(f'exporting the model to {target}', log):
+    path = saving.save_pretrained(
+        prepared.model, prepared.tokenizer, target,
+        source=prepared.model_path, write=processes_lib.is_leader(),
+        replace=replace)
+  processes_lib.barrier('taco_export_done')
+  return path
 
 
 def _evaluate(prepared: preparation.PreparedRun,
@@ -266,7 +293,9 @@ def results(prepared: preparation.PreparedRun, record: TrainingRecord,
   add to the parameters and the state, measured from their shapes) and
   ``updates_16bit`` (all that in words); ``landed_updates`` (with
   ``--measure-landed``: per group, the updates that changed a weight, the
-  updates made and the share, :mod:`landed`; else ``None``).
+  updates made and the share, :mod:`landed`; else ``None``); ``run``
+  adds ``exported_to`` (the model's Hugging Face directory, ``None`` with
+  ``--no-export``).
 
   Args:
     prepared: the run.

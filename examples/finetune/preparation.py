@@ -35,6 +35,7 @@ from examples.finetune.model import config as config_lib
 from examples.finetune.model import decoder as decoder_lib
 from examples.finetune.model import gguf as gguf_lib
 from examples.finetune.model import loading
+from examples.finetune.model import saving
 from examples.finetune.model import weights as weights_lib
 
 # The objective of a classification task whose candidates are single tokens:
@@ -67,6 +68,13 @@ def load_model(path: Optional[str], *, dtype: Any, remat: bool,
   except weights_lib.ModelLoadError as e:
     raise flags_lib.FinetuneError(str(e)) from e
   return model, tokenizer, model_config, path
+
+
+def export_dir(config: flags_lib.RunConfig) -> Optional[str]:
+  """Where the run's model is exported (``None``: ``--no-export``)."""
+  if not config.export:
+    return None
+  return config.export_dir or os.path.join(config.output_dir, 'model')
 
 
 def load_task(config: flags_lib.RunConfig):
@@ -255,10 +263,10 @@ def default_warmup(steps: int) -> int:
   return min(50, steps // 10)
 
 
-def _stop_ids(model_config, tokenizer) -> list[int]:
+def stop_ids(model_config, tokenizer) -> list[int]:
   """End of sequence, and a newline: a generated answer is one line."""
-  stop_ids = [i for i in (model_config.eos_token_id,) if i is not None]
-  return stop_ids + tokenizer.encode('\n', add_special_tokens=False).ids[:1]
+  ids = [i for i in (model_config.eos_token_id,) if i is not None]
+  return ids + tokenizer.encode('\n', add_special_tokens=False).ids[:1]
 
 
 def _measurement(config: flags_lib.RunConfig, checkpoints, hints,
@@ -283,6 +291,11 @@ def prepare(config: flags_lib.RunConfig,
     flags.FinetuneError: an input the run cannot use, as one line.
   """
   config = run_dirs.with_output_dir(config)
+  if config.export and config.export_dir is not None:
+    try:
+      saving.check_target(config.export_dir)
+    except saving.ExportError as e:
+      raise flags_lib.FinetuneError(f'--export-dir: {e}') from e
   checkpoints = resume_lib.open_checkpoints(config, log)
   try:
     task, train_examples, held_out = load_task(config)
@@ -344,7 +357,7 @@ def prepare(config: flags_lib.RunConfig,
   return PreparedRun(
       config=config, checkpoints=checkpoints, task=task, held_out=held_out,
       eval_set=eval_set, tokenizer=tokenizer,
-      stop_ids=_stop_ids(model_config, tokenizer), model=model,
+      stop_ids=stop_ids(model_config, tokenizer), model=model,
       model_config=model_config, model_path=model_path, batches=batches,
       objective=objective, learning_rate=lr, learning_rate_source=lr_source,
       warmup_steps=warmup, trainer=trainer, start_step=start_step,

@@ -34,7 +34,8 @@ _FREE_FIELDS = frozenset({
     'eval_every', 'eval_batch_size', 'memory_limit_gb', 'output_dir',
     'resume', 'resume_allow_changes', 'save_checkpoint', 'checkpoint_every',
     'progress', 'coordinator_address', 'num_processes', 'process_id',
-    'initialization_timeout', 'compilation_cache', 'compilation_cache_dir'})
+    'initialization_timeout', 'compilation_cache', 'compilation_cache_dir',
+    'export', 'export_dir', 'eval_only'})
 
 
 class Interrupted(SystemExit):
@@ -67,6 +68,13 @@ def open_checkpoints(config: flags_lib.RunConfig,
         every=config.checkpoint_every, log=log)
   except checkpoint_lib.CheckpointError as e:
     raise flags_lib.FinetuneError(f'--resume: {e}') from e
+  resumed = checkpoints.resumed_from
+  if resumed is not None and resumed.format != checkpoint_lib.FORMAT:
+    raise flags_lib.FinetuneError(
+        f'--resume: {resumed.path} has format {resumed.format} (parameters '
+        'by position), which cannot resume; export its model with python -m '
+        'examples.finetune.export RUN --to DIR and start a run with --model '
+        'DIR')
   if config.resume and checkpoints.start_step >= config.steps:
     raise flags_lib.FinetuneError(
         f'--resume: the checkpoint is at step {checkpoints.start_step} of '

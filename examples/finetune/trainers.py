@@ -127,12 +127,16 @@ class NnxTrainer:
         nnx.state(self.optimizer, nnx.optimizer.OptState))
 
   def checkpoint_tree(self):
-    return nnx.to_pure_dict(nnx.state((self.model, self.optimizer)))
+    """``{'params': by module path, 'optimizer': nnx.Optimizer's state}``."""
+    return {'params': nnx.to_pure_dict(nnx.state(self.model, nnx.Param)),
+            'optimizer': nnx.to_pure_dict(nnx.state(self.optimizer))}
 
   def load_checkpoint_tree(self, tree) -> None:
-    state = nnx.state((self.model, self.optimizer))
-    nnx.replace_by_pure_dict(state, tree)
-    nnx.update((self.model, self.optimizer), state)
+    for part, name in ((self.model, 'params'), (self.optimizer, 'optimizer')):
+      state = nnx.state(part, nnx.Param) if name == 'params' else \
+          nnx.state(part)
+      nnx.replace_by_pure_dict(state, tree[name])
+      nnx.update(part, state)
 
 
 class LayerwiseTacoTrainer:
@@ -197,11 +201,17 @@ class LayerwiseTacoTrainer:
     return memory_plan.tree_bytes(self.opt_state)
 
   def checkpoint_tree(self):
-    return {'params': self.params, 'opt_state': self.opt_state,
+    """``{'params', 'opt_state', 'step'}``, parameters and their state by
+    module path, as ``nnx.state(model)`` names them (not the layer-wise
+    step's ``(outer, layers)`` positions)."""
+    return {'params': self._layered.named(self.params),
+            'opt_state': self._layered.named_state(self.opt_state),
             'step': np.asarray(self.count, np.int64)}
 
   def load_checkpoint_tree(self, tree) -> None:
-    self.params, self.opt_state = tree['params'], tree['opt_state']
+    self.params = self._layered.from_named(tree['params'])
+    self.opt_state = self._layered.state_from_named(tree['opt_state'],
+                                                    self.opt_state)
     self.count = int(tree['step'])
     self._layered.write_back(self.params)
 

@@ -212,3 +212,24 @@ def test_micro_batches_keep_rows_over_the_batch_axes(mesh_spec, rows, count):
     np.testing.assert_array_equal(
         np.asarray(got), np.asarray(whole).reshape((count, -1, 3)))
     assert tuple(got.sharding.spec)[:2] == (None, want), got.sharding.spec
+
+
+@needs_mesh
+def test_export_from_a_mesh_writes_the_gathered_model(workspace, tmp_path):
+  """Split parameters (FSDP x tensor, the vocabulary over both) are gathered
+  and written as the unsplit model's bytes."""
+  from examples.finetune.model import saving  # pylint: disable=g-import-not-at-top
+  model, tokenizer, _ = loading.load_pretrained(workspace['model'],
+                                                dtype=jnp.float32)
+  saving.save_pretrained(model, tokenizer, str(tmp_path / 'one'),
+                         source=workspace['model'])
+  with jax.set_mesh(sharding.make_mesh(MESH)):
+    split, tokenizer, _ = loading.load_pretrained(workspace['model'],
+                                                  dtype=jnp.float32)
+    table = nnx.state(split, nnx.Param)['embed']['embedding'][...]
+    assert not table.sharding.is_fully_replicated
+    saving.save_pretrained(split, tokenizer, str(tmp_path / 'mesh'),
+                           source=workspace['model'])
+  for name in ('model.safetensors', 'config.json', 'tokenizer.json'):
+    assert ((tmp_path / 'mesh' / name).read_bytes()
+            == (tmp_path / 'one' / name).read_bytes()), name

@@ -99,6 +99,15 @@ def test_two_processes_match_one_process(runs):
   # weight byte for byte; the AdamW moments of the norm scales (gradients
   # summed over the batch's devices) to the last bits.
   _assert_same_state(_final_state(two_dir), _final_state(one_dir))
+  # The model is exported once, by process 0 after every process took part
+  # in gathering the split arrays: the one-process run's bytes, and no
+  # half-written folder beside it.
+  for name in ('model.safetensors', 'config.json', 'tokenizer.json'):
+    with open(os.path.join(two_dir, 'model', name), 'rb') as have, open(
+        os.path.join(one_dir, 'model', name), 'rb') as want:
+      assert have.read() == want.read(), name
+  assert sorted(os.listdir(two_dir)) == ['checkpoints', 'model',
+                                         'results.json']
 
 
 def _assert_same_state(have, want, summed_exactly=False):

@@ -56,6 +56,25 @@ class _GGUFSource:
     return values
 
 
+def gguf_table() -> weights_lib.NameTable:
+  """The GGUF name table (Llama): loading and :mod:`gguf_export` use it."""
+  return _GGUF_LLAMA
+
+
+def rotary_heads(name: str, config: config_lib.ModelConfig) -> Optional[int]:
+  """Heads of a GGUF Q/K tensor (stored in llama.cpp's order), else None."""
+  return {'attn_q.weight': config.num_heads,
+          'attn_k.weight': config.num_kv_heads}.get(name.split('.', 2)[-1])
+
+
+def permute_rotary_rows(weight: np.ndarray, heads: int) -> np.ndarray:
+  """llama.cpp's Q/K row order on an ``(out, in)`` weight: the inverse of
+  :func:`unpermute_rotary_rows`."""
+  head_dim = weight.shape[0] // heads
+  return (weight.reshape(heads, 2, head_dim // 2, -1).swapaxes(1, 2)
+          .reshape(weight.shape))
+
+
 def unpermute_rotary_rows(weight: np.ndarray, heads: int) -> np.ndarray:
   """Undoes llama.cpp's Q/K row order on an ``(out, in)`` weight."""
   head_dim = weight.shape[0] // heads
@@ -138,6 +157,22 @@ def gguf_tokenizer(fields: dict[str, Any]) -> tokenizers.Tokenizer:
   return tokenizer
 
 
+# path -> the chat template of a GGUF file this process loaded: an export
+# of its model carries it into tokenizer_config.json without parsing the
+# file's metadata again (seconds for a 49k-token vocabulary).
+_CHAT_TEMPLATES: dict[str, Optional[str]] = {}
+
+
+def chat_template(path: str) -> Optional[str]:
+  """The ``tokenizer.chat_template`` of the GGUF file ``path``, if any."""
+  path = os.path.abspath(path)
+  if path not in _CHAT_TEMPLATES:
+    import gguf  # pylint: disable=g-import-not-at-top
+    field = gguf.GGUFReader(path).fields.get('tokenizer.chat_template')
+    _CHAT_TEMPLATES[path] = None if field is None else field.contents()
+  return _CHAT_TEMPLATES[path]
+
+
 def load_gguf(path: str, **build
               ) -> tuple[decoder_lib.DecoderLM, tokenizers.Tokenizer,
                           config_lib.ModelConfig]:
@@ -153,6 +188,8 @@ def load_gguf(path: str, **build
     raise weights_lib.ModelLoadError(
         f'cannot read GGUF file {path}: {e}') from None
   fields = {name: field.contents() for name, field in reader.fields.items()}
+  _CHAT_TEMPLATES[os.path.abspath(path)] = fields.get(
+      'tokenizer.chat_template')
   config = _gguf_config(fields, {tensor.name for tensor in reader.tensors})
   tokenizer = gguf_tokenizer(fields)
   source = _GGUFSource(reader, config.num_heads, config.num_kv_heads)

@@ -11,6 +11,7 @@ from a live model, using the model's own submodules, so the loss equals
 from typing import Any, Callable, NamedTuple
 
 from flax import nnx
+import jax
 import jax.numpy as jnp
 
 from examples.finetune import losses as losses_lib
@@ -32,6 +33,41 @@ class LayeredModel(NamedTuple):
   loss: taco_optax.layerwise.LayeredLoss
   params: tuple[Any, Any]
   write_back: Callable[[tuple[Any, Any]], None]
+
+  def named(self, params: tuple[Any, Any]) -> dict[str, Any]:
+    """``params`` keyed by module path, as ``nnx.state(model, nnx.Param)``:
+    ``{'embed': ..., 'layers': {0: block, ...} or stacked, ...}``."""
+    outer, layers = params
+    if isinstance(layers, (list, tuple)):
+      layers = dict(enumerate(layers))
+    return {**outer, 'layers': layers}
+
+  def named_state(self, opt_state: Any) -> Any:
+    """``opt_state`` with each ``(outer, layers)`` pair in it :meth:`named`
+    (the layer-wise step's optimizer state mirrors its parameters)."""
+    return jax.tree.map(lambda x: self.named(x) if _is_pair(x) else x,
+                        opt_state, is_leaf=_is_pair)
+
+  def state_from_named(self, named_state: Any, like: Any) -> Any:
+    """:meth:`named_state` undone, laid out as the optimizer state ``like``.
+    """
+    return jax.tree.map(
+        lambda x, named: self.from_named(named) if _is_pair(x) else named,
+        like, named_state, is_leaf=_is_pair)
+
+  def from_named(self, named: dict[str, Any]) -> tuple[Any, Any]:
+    """:meth:`named` undone (its ``layers`` a list again when unscanned)."""
+    outer = {key: value for key, value in named.items() if key != 'layers'}
+    layers = named['layers']
+    if isinstance(self.params[1], (list, tuple)):
+      layers = [layers[i] for i in range(len(self.params[1]))]
+    return outer, layers
+
+
+def _is_pair(x: Any) -> bool:
+  """An ``(outer, layers)`` pair: a plain tuple (not an optax state)."""
+  return (type(x) is tuple and len(x) == 2  # pylint: disable=unidiomatic-typecheck
+          and isinstance(x[0], dict) and isinstance(x[1], (list, dict)))
 
 
 def _outer_modules(model) -> dict[str, nnx.Module]:

@@ -56,6 +56,13 @@ _HF_TABLES = {
                'mlp.fc1': 'mlp.dense_h_to_4h', 'mlp.fc2': 'mlp.dense_4h_to_h'},
         layer='gpt_neox.layers.{}.', leaf=weights_lib.TORCH_LEAVES),
 }
+
+
+def hf_table(family: str) -> weights_lib.NameTable:
+  """The Hugging Face name table of ``family``: loading and export use it."""
+  return _HF_TABLES[family]
+
+
 class _SafetensorsSource:
   """One ``model.safetensors`` or shards listed in the index file."""
 

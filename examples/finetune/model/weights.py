@@ -86,6 +86,21 @@ def _to_flax(name: str, leaf: str, tensor: np.ndarray,
   return tensor
 
 
+def _to_torch(name: str, leaf: str, tensor: np.ndarray,
+              config: config_lib.ModelConfig) -> np.ndarray:
+  """Our layout -> PyTorch layout for one tensor: :func:`_to_flax` undone."""
+  if name.endswith('query_key_value.weight'):
+    d = tensor.shape[0]
+    per_head = tensor.reshape(d, 3, config.num_heads, config.head_dim)
+    return per_head.transpose(2, 1, 3, 0).reshape(-1, d)
+  if name.endswith('query_key_value.bias'):
+    per_head = tensor.reshape(3, config.num_heads, config.head_dim)
+    return per_head.transpose(1, 0, 2).reshape(-1)
+  if leaf == 'kernel':
+    return tensor.T
+  return tensor
+
+
 def _checkpoint_name(table: NameTable, names: tuple[str, ...],
                      layer: Optional[int]) -> str:
   module, leaf = '.'.join(names[:-1]), names[-1]
@@ -147,6 +162,41 @@ def _load_parameters(abstract_state: Any, source: TensorSource,
         f'checkpoint holds {len(unused)} tensors this {config.family} model '
         f'does not use (unsupported variant?), e.g. {unused[:3]}.')
   return state
+
+
+def _host_copy(value: jax.Array) -> np.ndarray:
+  """The whole array on this host; a collective when it spans processes."""
+  if isinstance(value, jax.Array) and not value.is_fully_addressable:
+    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+    return np.asarray(multihost_utils.process_allgather(value, tiled=True))
+  return np.asarray(jax.device_get(value))
+
+
+def named_tensors(model: decoder_lib.DecoderLM, table: NameTable
+                  ) -> Iterator[tuple[str, np.ndarray]]:
+  """``(checkpoint name, PyTorch-layout tensor)`` of every parameter.
+
+  The inverse of loading: the same ``table`` names each parameter, and
+  :func:`_to_torch` undoes :func:`_to_flax`. A scanned model yields one
+  tensor per layer; a tied head yields nothing (the embedding is the head).
+  Every process must iterate (arrays split over processes are gathered).
+  """
+  config = model.config
+  state = nnx.state(model, nnx.Param)
+  leaves, _ = jax.tree_util.tree_flatten_with_path(state)
+  for path, value in leaves:
+    names = decoder_lib.path_names(path)
+    values = _host_copy(value)
+    if names[0] != 'layers':
+      parts = [(_checkpoint_name(table, names, None), values)]
+    elif model.scan_layers:
+      parts = [(_checkpoint_name(table, names[1:], i), values[i])
+               for i in range(config.num_layers)]
+    else:
+      parts = [(_checkpoint_name(table, names[2:], int(names[1])), values)]
+    for name, tensor in parts:
+      yield name, np.ascontiguousarray(
+          _to_torch(name, names[-1], tensor, config))
 
 
 def build(config: config_lib.ModelConfig, source: TensorSource,
