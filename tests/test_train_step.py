@@ -230,10 +230,14 @@ def test_layerwise_step_peak_memory_is_near_forward(scan_layers):
     assert plain_overhead > fused_overhead + 0.8, (plain_overhead,
                                                    fused_overhead)
   else:
-    # Measured: 0.40 layerwise, 0.57 plain: unrolled, XLA frees most
-    # gradients early by itself; without _data_dependency it was 1.46.
-    assert fused_overhead < 0.45, fused_overhead
-    assert plain_overhead > fused_overhead, (plain_overhead, fused_overhead)
+    # Unrolled, XLA frees most gradients early by itself; without
+    # _data_dependency the layer-wise step was at 1.46. Measured 0.195
+    # layerwise on jax 0.10.2 and 0.12 alike; plain 0.257 on jax 0.10.2 and
+    # 0.168 on jax 0.12, whose XLA:CPU frees the plain path's gradients
+    # earlier still. The step stays within 0.05 x the weights of it.
+    assert fused_overhead < 0.25, fused_overhead
+    assert fused_overhead < plain_overhead + 0.05, (plain_overhead,
+                                                    fused_overhead)
 
 
 def _assert_same_step(got, expected, exact_params=True):

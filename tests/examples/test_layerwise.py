@@ -126,7 +126,8 @@ def test_layerwise_steps_equal_optax_path(family, scan_layers):
                                atol=1e-8, err_msg=str(name))
   # The whole optimizer state, float8 history included, bit for bit, but for
   # AdamW's moments: the vectors' gradients come from a recomputed backward
-  # pass that sums in another order (a last-bit difference, measured).
+  # pass that sums in another order (a last-bit difference, measured), and
+  # float8 history values at a rounding boundary (below).
   # nnx.Optimizer adds its own step counter beside the optax state.
   plain_state = _flat(nnx.state(plain.optimizer, nnx.optimizer.OptState))
   assert int(plain_state.pop(('step',))) == steps
@@ -139,6 +140,19 @@ def test_layerwise_steps_equal_optax_path(family, scan_layers):
       'mu' in name or 'nu' in name)
   differing = [name for name, x in lean_state.items()
                if x.tobytes() != plain_state[name].tobytes()]
+  # A scanned layer's TACO gradient also sums in another order (jax >= 0.12
+  # on XLA:CPU): an entry at a float8 rounding boundary may then round to
+  # the neighbouring float8 value (measured: 1 entry, 0.6875 vs 0.75); its
+  # row index and every other entry stay bit for bit.
+  history = [name for name in differing if name[:2] == ('inner_states', 'taco')
+             and 'values' in name]
+  for name in history:
+    codes = [x.view(np.uint8).astype(np.int16)
+             for x in (lean_state[name], plain_state[name])]
+    apart = codes[0] != codes[1]
+    assert apart.sum() <= 2, (name, int(apart.sum()))
+    assert (np.abs(codes[0] - codes[1])[apart] == 1).all(), name
+  differing = [name for name in differing if name not in history]
   assert all(is_moment(name) for name in differing), differing
   for name in differing:
     scale = np.abs(plain_state[name]).max()
