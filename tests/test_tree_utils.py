@@ -81,3 +81,20 @@ def test_tree_cast_keeps_the_structure_and_tree_norm_of_updates():
   assert jax.tree.structure(cast) == jax.tree.structure(state)
   updates, _ = tx.update(GRADS, state, PARAMS)
   assert float(otu.tree_norm(updates)) > 0
+
+
+def test_the_states_norm_is_taken_in_float32():
+  # float8 histories square to NaN past 448 in float8: the documented way
+  # casts first, and gives the float64 norm of every state leaf (tree_cast
+  # casts them all, counts and indices too, as tree_norm reads an adamw
+  # state's count).
+  tx = taco_optax.taco(1e-3)
+  params = {'w': jnp.ones((8, 4))}
+  grads = {'w': jnp.sin(jnp.arange(32.0).reshape(8, 4))}
+  _, state = tx.update(grads, tx.init(params), params)
+  got = float(otu.tree_norm(otu.tree_cast(state, jnp.float32)))
+  leaves = [np.asarray(x, np.float64) for x in jax.tree.leaves(state)]
+  history = state.inner_states['taco'].inner_state[0].values['w']
+  assert np.abs(np.asarray(history, np.float32)).max() > 21  # squares > 448
+  expected = np.sqrt(sum(float((x ** 2).sum()) for x in leaves))
+  np.testing.assert_allclose(got, expected, rtol=1e-6)
