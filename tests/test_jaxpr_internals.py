@@ -15,35 +15,20 @@ from jax.extend import core as jex_core
 from jax.sharding import PartitionSpec as P
 
 from taco_optax._src.transform import jaxpr_internals as jx
+from tests import jaxpr_cases
 
 X = jnp.ones((2, 4))
 W = jnp.ones((4, 3))
 
 
-def _eqns(fn, *args):
-  return jax.make_jaxpr(fn)(*args).jaxpr.eqns
+_eqns = jaxpr_cases.eqns
+_shard_map = jaxpr_cases.shard_map
+_custom_vjp = jaxpr_cases.custom_vjp
+_custom_jvp = jaxpr_cases.custom_jvp
 
 
 def _last(fn, *args):
   return _eqns(fn, *args)[-1]
-
-
-def _shard_map(fn):
-  mesh = jax.make_mesh((1,), ('d',))
-  return jax.shard_map(fn, mesh=mesh, in_specs=(P(), P()), out_specs=P())
-
-
-def _custom_vjp(fn):
-  wrapped = jax.custom_vjp(fn)
-  wrapped.defvjp(lambda w, x: (fn(w, x), (w, x)), lambda r, g: (
-      jnp.zeros_like(r[0]), jnp.zeros_like(r[1])))
-  return wrapped
-
-
-def _custom_jvp(fn):
-  wrapped = jax.custom_jvp(fn)
-  wrapped.defjvp(lambda p, t: (fn(*p), fn(*t)))
-  return wrapped
 
 
 CALL_CASES = {

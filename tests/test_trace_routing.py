@@ -21,6 +21,7 @@ from taco_optax._src.transform import ToAdam
 from taco_optax._src.transform import source_of
 from taco_optax._src.transform import trace_dimension_numbers
 from taco_optax._src.transform import trace_walk
+from tests import jaxpr_cases
 from tests.routing_checks import assert_adam_dense
 from tests.routing_checks import assert_one_per_input
 
@@ -67,26 +68,10 @@ def _one_update(fn, params, *args, loss=None):
 # is pinned in tests/test_jaxpr_internals.py) ---------------------------------
 
 
-def _eqns(fn, *args):
-  return jax.make_jaxpr(fn)(*args).jaxpr.eqns
-
-
-def _shard_map(fn):
-  mesh = jax.make_mesh((1,), ('d',))
-  return jax.shard_map(fn, mesh=mesh, in_specs=(P(), P()), out_specs=P())
-
-
-def _custom_vjp(fn):
-  wrapped = jax.custom_vjp(fn)
-  wrapped.defvjp(lambda w, x: (fn(w, x), (w, x)), lambda r, g: (
-      jnp.zeros_like(r[0]), jnp.zeros_like(r[1])))
-  return wrapped
-
-
-def _custom_jvp(fn):
-  wrapped = jax.custom_jvp(fn)
-  wrapped.defjvp(lambda p, t: (fn(*p), fn(*t)))
-  return wrapped
+_eqns = jaxpr_cases.eqns
+_shard_map = jaxpr_cases.shard_map
+_custom_vjp = jaxpr_cases.custom_vjp
+_custom_jvp = jaxpr_cases.custom_jvp
 
 
 def test_einsum_emits_a_transpose_after_its_dot_general():

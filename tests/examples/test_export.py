@@ -303,21 +303,30 @@ def test_refusals_are_one_line_and_write_nothing(run, tmp_path):
   assert sorted(os.listdir(tmp_path)) == ['bare-run', 'occupied', 'qwen3']
 
 
-def test_checkpoint_of_another_model_is_refused_in_one_line(run, tmp_path):
-  """A run whose checkpoint names another model file (here one with
-  another vocabulary): refused by the first parameter that differs."""
-  other_model = str(tmp_path / 'other-llama')
-  test_cli._write_tiny_llama(other_model, vocab_size=300)  # pylint: disable=protected-access
-  copy = tmp_path / 'run'
+def _run_with_edited_checkpoint(run, copy, edit):
+  """A copy of the run whose latest checkpoint.json is ``edit(info)``, its
+  manifest rewritten to match (so only the edit is what is refused)."""
   shutil.copytree(run['output_dir'], copy)
   found = checkpoint_lib.latest(str(copy / 'checkpoints'))
   info_path = os.path.join(found.path, 'checkpoint.json')
   with open(info_path) as f:
     info = json.load(f)
-  info['metadata']['model file'] = other_model
-  checkpoint_files.write_json(info_path, info)
+  checkpoint_files.write_json(info_path, edit(info))
   checkpoint_files.write_json(os.path.join(found.path, 'manifest.json'),
                               checkpoint_files.file_digests(found.path))
+  return copy
+
+
+def test_checkpoint_of_another_model_is_refused_in_one_line(run, tmp_path):
+  """A run whose checkpoint names another model file (here one with
+  another vocabulary): refused by the first parameter that differs."""
+  other_model = str(tmp_path / 'other-llama')
+  test_cli._write_tiny_llama(other_model, vocab_size=300)  # pylint: disable=protected-access
+  def other_model_file(info):
+    info['metadata']['model file'] = other_model
+    return info
+
+  copy = _run_with_edited_checkpoint(run, tmp_path / 'run', other_model_file)
   line = _refusal('examples.finetune.export',
                   [str(copy), '--to', str(tmp_path / 'out')])
   assert 'embed/embedding of shape (264, 32)' in line, line
@@ -355,15 +364,8 @@ def test_positional_checkpoint_still_reads_by_its_layout(run):
 
 def test_positional_checkpoint_refuses_to_resume_in_one_line(run, tmp_path,
                                                               capsys):
-  copy = tmp_path / 'old-run'
-  shutil.copytree(run['output_dir'], copy)
-  found = checkpoint_lib.latest(str(copy / 'checkpoints'))
-  info_path = os.path.join(found.path, 'checkpoint.json')
-  with open(info_path) as f:
-    info = json.load(f)
-  checkpoint_files.write_json(info_path, {**info, 'format': 2})
-  checkpoint_files.write_json(os.path.join(found.path, 'manifest.json'),
-                              checkpoint_files.file_digests(found.path))
+  copy = _run_with_edited_checkpoint(run, tmp_path / 'old-run',
+                                     lambda info: {**info, 'format': 2})
   capsys.readouterr()
   assert cli.main(['--model', run['source'], *run['task'], '--steps', '4',
                    '--batch-size', '2', '--lr', '3e-2', '--resume',
