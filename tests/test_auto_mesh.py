@@ -183,8 +183,15 @@ HLO_CASES = {
 @pytest.mark.parametrize('kernel, context_mesh', [
     ('cpu', False), ('reference', False), ('auto', True)])
 def test_auto_mesh_update_gathers_candidates_not_the_gradient(
-    monkeypatch, case, kernel, context_mesh):
+    monkeypatch, request, case, kernel, context_mesh):
   monkeypatch.setenv('TACO_OPTAX_KERNEL', kernel)
+  # XLA calls the partitioning rule only when it compiles: a program the
+  # run's persistent compilation cache holds (the same HLO from another case
+  # or file) would be loaded without calling it, and nothing be recorded.
+  cached = jax.config.jax_enable_compilation_cache
+  jax.config.update('jax_enable_compilation_cache', False)
+  request.addfinalizer(
+      lambda: jax.config.update('jax_enable_compilation_cache', cached))
   shape, spec, dims, row_shards, candidate_shards = HLO_CASES[case]
   k = 16
   rows = int(np.prod(shape[:-1]))
