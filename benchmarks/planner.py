@@ -95,9 +95,8 @@ def plan_on_mesh(hf_config, mesh_shape, *, batch, seq, dtype=jnp.bfloat16):
   formula = api.plan_memory_on_mesh(config, mesh_shape, dtype=dtype,
                                     batch=batch, seq=seq)
   taco = api.optimizer('taco').build(3e-5, api.decoder_hints(config))
-  state = lambda tx: api.device_bytes(jax.eval_shape(tx.init,
-                                                     formula.params))
-  taco_state, adamw_state = state(taco), state(optax.adamw(1e-5))
+  taco_state = formula.state_bytes(taco)
+  adamw_state = formula.state_bytes(optax.adamw(1e-5))
   return {
       'config': config, 'terms': formula.terms, 'taco_state': taco_state,
       'adamw_state': adamw_state,

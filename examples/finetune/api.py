@@ -39,6 +39,7 @@ from typing import Any, Callable, NamedTuple, Optional, Sequence
 from flax import nnx
 import jax
 import jax.numpy as jnp
+import optax
 
 from examples.finetune import data as data_lib
 from examples.finetune import evaluation as evaluation_lib
@@ -183,10 +184,23 @@ class MemoryPlan(NamedTuple):
       ``head_phase``, ``layer_phase``, ``embed_matrix_grads``, ...), or on a
       mesh one device's (a ``mesh_memory_plan.MeshTerms``).
     params: the abstract ``(outer, layers)`` parameters it was computed
-      from, for ``jax.eval_shape`` of an optimizer's ``init``.
+      from (on a mesh, with their shardings on an abstract mesh).
   """
   terms: memory_plan.Terms
   params: Any
+
+  def state_bytes(self, tx: optax.GradientTransformation) -> int:
+    """Bytes of ``tx``'s state for :attr:`params`: one device's shards on
+    a mesh. The state is traced under the parameters' abstract mesh: outside
+    it jax >= 0.11 drops an abstract mesh's shardings from ``eval_shape``'s
+    outputs, and every moment would count whole."""
+    shardings = [getattr(x, 'sharding', None)
+                 for x in jax.tree.leaves(self.params)]
+    meshes = {s.mesh for s in shardings if s is not None}
+    context = (jax.sharding.use_abstract_mesh(*meshes) if meshes
+               else contextlib.nullcontext())
+    with context:
+      return device_bytes(jax.eval_shape(tx.init, self.params))
 
   def layerwise_peak(self, state_bytes: int) -> int:
     """Predicted peak bytes of the layer-wise TACO step."""

@@ -32,7 +32,8 @@ def with_shardings(params, mesh):
   """Abstract ``(outer, layers)`` parameters (``ShapeDtypeStruct``) with the
   example's shardings (``model/sharding.py``) on ``mesh``, a device mesh or
   an :func:`abstract_mesh`. ``jax.eval_shape`` of an optimizer's ``init`` on
-  them gives its state's shardings too."""
+  them, under ``jax.sharding.use_abstract_mesh`` of that mesh, gives its
+  state's shardings too (``api.MemoryPlan.state_bytes``)."""
   from examples.finetune.model import decoder as decoder_lib  # pylint: disable=g-import-not-at-top
   from examples.finetune.model import sharding as sharding_lib  # pylint: disable=g-import-not-at-top
   mesh_shape = dict(zip(mesh.axis_names, mesh.axis_sizes))

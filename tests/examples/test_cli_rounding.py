@@ -252,23 +252,46 @@ def _measured_trainer(taco_step, dtype, mode, lr=3e-3):
                                tx, measurement)
 
 
+def _changed_entries(before, after):
+  """``{group: entries whose bits changed}``: TACO's matrices (every
+  parameter of two or more axes in the tiny Llama) and the rest."""
+  changed = {group: 0 for group in landed.GROUPS}
+  for old, new in zip(before, after):
+    group = landed.GROUPS[0] if old.ndim >= 2 else landed.GROUPS[1]
+    changed[group] += int((old != new).sum())
+  return changed
+
+
 @pytest.mark.long
 def test_both_taco_paths_count_the_same_landed_updates():
-  """The layer-wise step counts moves from the shapes, the optax path from a
-  float32 update: the same moves. What lands may differ by a weight or two:
-  in bfloat16 the two paths' backward passes differ in their last bits."""
+  """Each path's count is the entries its step changed, exactly, and both
+  count the same moves. The landed counts are not compared across the
+  paths: in bfloat16 their backward passes differ in the last bits (the
+  layer-wise step runs each block's backward as its own program), which
+  moves a few stochastic roundings (measured over three steps: norm
+  scales 167 vs 166 landed of 320 on jax 0.10.2, 167 vs 163 on jax 0.12;
+  with float32 compute 172 vs 166 on jax 0.10.2). That the two paths round
+  the same update to the same bits is ``tests/test_rounding.py``'s."""
   batch = _tiny_batch()
   counts = {}
   for taco_step in ('layerwise', 'optax'):
     trainer = _measured_trainer(taco_step, jnp.bfloat16, 'stochastic')
+    changed = {group: 0 for group in landed.GROUPS}
     for _ in range(3):
+      before = [np.array(x) for x in jax.tree.leaves(
+          nnx.state(trainer.model, nnx.Param))]
       trainer.step(batch)
+      after = [np.array(x) for x in jax.tree.leaves(
+          nnx.state(trainer.model, nnx.Param))]
+      for group, n in _changed_entries(before, after).items():
+        changed[group] += n
     counts[taco_step] = trainer.measurement.counts.shares()
+    for group in landed.GROUPS:
+      assert counts[taco_step][group]['landed'] == changed[group] > 0, (
+          taco_step, group)
   for group in landed.GROUPS:
     assert (counts['layerwise'][group]['moved']
             == counts['optax'][group]['moved'] > 0)
-    assert counts['layerwise'][group]['landed'] == pytest.approx(
-        counts['optax'][group]['landed'], rel=0.01)
   # The first step (warm-up, rate 0) moves nothing; then every column one.
   assert 0 < counts['optax']['matrices']['landed'] < (
       counts['optax']['matrices']['moved'])

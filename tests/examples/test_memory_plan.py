@@ -2,6 +2,7 @@
 
 import jax
 import jax.numpy as jnp
+import optax
 import pytest
 
 from benchmarks import memory
@@ -108,14 +109,17 @@ def test_mesh_plan_counts_each_devices_shards():
   table = whole.params[0]['embed']['embedding']
   assert (whole.terms.table_copy, fsdp.terms.table_copy) == (
       0, table.size * 4 // 8)
-  state = lambda p: api.device_bytes(jax.eval_shape(
-      api.optimizer('taco').build(3e-5, api.decoder_hints(config)).init,
-      p.params))
+  state = lambda p: p.state_bytes(
+      api.optimizer('taco').build(3e-5, api.decoder_hints(config)))
   # TACO's history of the table is replicated over the vocabulary's split
   # (its rows), the Adam state of the norm scales whole.
   assert state(whole) / 2 < state(fsdp) < state(whole)
   assert fsdp.layerwise_peak(state(fsdp)) < whole.layerwise_peak(
       state(whole)) / 3
+  # AdamW's two moments of every leaf, split as the leaf is, and its count.
+  adamw = optax.adamw(1e-5)
+  for plan_ in (whole, fsdp, mixed):
+    assert plan_.state_bytes(adamw) == 2 * plan_.terms.weights + 4
 
 
 def test_mesh_plain_step_keeps_two_blocks_gathered_at_any_depth():
