@@ -42,22 +42,6 @@ __all__ = ('LayerwisePeftTrainer',)
 _logger = logging.getLogger('taco_optax')
 
 
-def pair_parts(parts: transform.TacoParts, params: Any,
-               relayout: Any) -> transform.TacoParts:
-  """``parts`` of an optimizer built for ``params``, for its relayout.
-
-  The dimension numbers and update scales are read per leaf of ``params``
-  (what ``nnx.Optimizer`` hands to the optimizer) and moved with the leaves.
-  """
-  dims = transform.leaf_dimension_numbers(parts.dimension_numbers, params)
-  scales = transform.leaf_scales(parts.update_scale, params)
-  pair_dims = relayout.target.unflatten([dims[i] for i in relayout.order])
-  pair_scales = relayout.target.unflatten(
-      [scales[i] for i in relayout.order])
-  return parts._replace(dimension_numbers=lambda _: pair_dims,
-                        update_scale=pair_scales)
-
-
 class LayerwisePeftTrainer(peft_trainer.PeftTrainer):
   """tunix's ``PeftTrainer`` whose train step is TACO's layer-wise step.
 
@@ -252,7 +236,8 @@ class LayerwisePeftTrainer(peft_trainer.PeftTrainer):
       inputs = dict(inputs, **{tunix_model.DENOMINATOR: jnp.full(
           (self._taco_fused_steps,), tokens / self._taco_fused_steps)})
     step = layerwise.step_from_parts(
-        layered.loss, pair_parts(self._taco_parts, params, relayout),
+        layered.loss,
+        layerwise.pair_parts(self._taco_parts, params, relayout),
         accumulation_steps=self._taco_fused_steps, with_grad_norm=True)
     new_params, new_state, loss, grad_norm = step(
         relayout.forward(params),

@@ -19,7 +19,6 @@ import jax
 import jax.numpy as jnp
 
 from taco_optax._src import layerwise
-from taco_optax._src.integrations import relayout as relayout_lib
 
 TABLE = 'input_embedding'
 # A batch key the layer-wise trainer adds: the denominator of each
@@ -95,7 +94,7 @@ class Layered(NamedTuple):
     relayout: model ``State`` -> ``(outer, [Layer, ...])`` and back.
   """
   loss: layerwise.LayeredLoss
-  relayout: relayout_lib.Relayout
+  relayout: layerwise.Relayout
 
 
 def split(params: Any) -> tuple[dict[str, Any], list[Layer]]:
@@ -198,7 +197,7 @@ def layered(model: Any) -> Layered:
   loss = layerwise.LayeredLoss(embed=embed, layer=layer, head=head,
                                    scan_layers=False)
   params = nnx.as_pure(nnx.state(model, nnx.Param))
-  return Layered(loss, relayout_lib.Relayout.of(params, split))
+  return Layered(loss, layerwise.Relayout.of(params, split))
 
 
 def _split(module):

@@ -33,6 +33,7 @@ from taco_optax._src.layerwise import ordering
 from taco_optax._src.layerwise import outer as outer_lib
 from taco_optax._src.layerwise import winners
 from taco_optax._src.layerwise import layered_loss
+from taco_optax._src.layerwise import relayout
 from taco_optax._src.layerwise.layered_loss import LayeredLoss
 
 Params = Any
@@ -163,11 +164,22 @@ def train_step(loss: LayeredLoss,
     TACO: Ternary Absolute-max Column-wise One-sparse Optimizer for LLM
     Fine-Tuning, 2026 (Section 5, immediate gradient processing).
   """
-  return step_from_parts(loss, transform.parts_of(optimizer),
-                         accumulation_steps=accumulation_steps,
-                         clip_global_norm=clip_global_norm,
-                         column_block_elements=column_block_elements,
-                         with_grad_norm=with_grad_norm)
+  parts = transform.parts_of(optimizer)
+  options = dict(accumulation_steps=accumulation_steps,
+                 clip_global_norm=clip_global_norm,
+                 column_block_elements=column_block_elements,
+                 with_grad_norm=with_grad_norm)
+  if isinstance(loss, LayeredLoss):
+    return step_from_parts(loss, parts, **options)
+  if not callable(loss):
+    raise TypeError('train_step takes the loss as a function loss_fn(params, '
+                    'batch) -> scalar, or a LayeredLoss; got '
+                    f'{type(loss).__name__}.')
+  _check_options(**options)
+  return relayout.traced_step(
+      loss, parts, lambda layered, pair: step_from_parts(layered, pair,
+                                                         **options),
+      accumulation_steps)
 
 
 def _is_int_at_least(value: Any, minimum: int) -> bool:
@@ -189,6 +201,21 @@ def step_from_parts(loss: LayeredLoss, parts: transform.TacoParts, *,
   must then describe the ``(outer, layers)`` pair. The other arguments are
   :func:`train_step`'s.
   """
+  _check_options(accumulation_steps, clip_global_norm, column_block_elements,
+                 with_grad_norm)
+  one_batch = _one_batch_step(loss, parts, clip_global_norm,
+                              column_block_elements, with_grad_norm)
+  if accumulation_steps is None:
+    return _checking_params(one_batch, loss)
+  return _checking_params(accumulated_step.accumulated_step(
+      loss, parts, accumulation_steps, clip_global_norm,
+      column_block_elements, one_batch, with_grad_norm), loss)
+
+
+def _check_options(accumulation_steps: Optional[int],
+                   clip_global_norm: Optional[float],
+                   column_block_elements: int, with_grad_norm: bool) -> None:
+  """Raises, naming the argument, for options the step cannot take."""
   if clip_global_norm is not None:
     if isinstance(clip_global_norm, bool) or not clip_global_norm > 0:
       raise ValueError('clip_global_norm must be a number > 0; got '
@@ -198,17 +225,11 @@ def step_from_parts(loss: LayeredLoss, parts: transform.TacoParts, *,
                      f'{column_block_elements!r}.')
   if not isinstance(with_grad_norm, bool):
     raise ValueError(f'with_grad_norm must be a bool; got {with_grad_norm!r}.')
-  one_batch = _one_batch_step(loss, parts, clip_global_norm,
-                              column_block_elements, with_grad_norm)
-  if accumulation_steps is None:
-    return _checking_params(one_batch, loss)
-  if not _is_int_at_least(accumulation_steps, 1):
+  if accumulation_steps is not None and not _is_int_at_least(
+      accumulation_steps, 1):
     raise ValueError('accumulation_steps must be an int >= 1 (or None for a '
                      f'batch without a micro-batch axis); got '
                      f'{accumulation_steps!r}.')
-  return _checking_params(accumulated_step.accumulated_step(
-      loss, parts, accumulation_steps, clip_global_norm,
-      column_block_elements, one_batch, with_grad_norm), loss)
 
 
 def _checking_params(step: TrainStep, loss: LayeredLoss) -> TrainStep:

@@ -7,9 +7,12 @@ What the package's public face and its siblings use: the public names
 one place that gives a ``taco(...)``'s :class:`TacoParts` (the layer-wise step
 and tunix's trainer apply them by hand); each leaf's :class:`LeafPlan`; the
 layout helpers of dimension numbers; and the stochastic rounding's bits, which
-the layer-wise step draws at its winners exactly as the optax path does.
+the layer-wise step draws at its winners exactly as the optax path does;
+:mod:`jaxpr_internals`, the one reader of jaxpr internals (the tracer's and
+the layer-wise step's, which reads a plain loss's blocks).
 """
 
+from taco_optax._src.transform import jaxpr_internals
 from taco_optax._src.transform.alias import taco
 from taco_optax._src.transform.parts import TacoParts
 from taco_optax._src.transform.parts import TacoStates
@@ -44,6 +47,7 @@ from taco_optax._src.transform.scale import leaf_histories
 from taco_optax._src.transform.scale import taco_state
 from taco_optax._src.transform.state_shardings import state_shardings
 from taco_optax._src.transform.trees import is_masked
+from taco_optax._src.transform.trees import is_variable
 from taco_optax._src.transform.trace_routing import trace_dimension_numbers
 
 __all__ = (
@@ -62,6 +66,8 @@ __all__ = (
     'flat_index',
     'is_low_precision',
     'is_masked',
+    'is_variable',
+    'jaxpr_internals',
     'leaf_dimension_numbers',
     'leaf_histories',
     'leaf_key',

@@ -135,3 +135,37 @@ def all_gather_axis(eqn: Any) -> tuple[bool, int]:
   an untiled one inserts ``axis``."""
   return (bool(eqn.params.get('tiled', False)),
           eqn.params['all_gather_dimension'])
+
+
+# Remat's primitive: ``checkpoint`` (named ``remat2`` in the jaxprs it prints
+# on jax 0.10 to 0.12).
+REMATS = ('checkpoint', 'remat2')
+
+
+def is_remat(eqn: Any) -> bool:
+  """Whether the equation is a ``jax.checkpoint`` (``nnx.remat``, ``nn.remat``,
+  ``eqx.filter_checkpoint``) of a sub-jaxpr."""
+  return primitive(eqn) in REMATS
+
+
+def scan_options(eqn: Any) -> tuple[int, bool]:
+  """``(length, reverse)`` of a ``scan``."""
+  return eqn.params['length'], bool(eqn.params['reverse'])
+
+
+def function_of(eqns: Sequence[Any], invars: Sequence[Any],
+                outvars: Sequence[Any]) -> Any:
+  """``f(*values of invars) -> [values of outvars]``: ``eqns`` (a slice of a
+  jaxpr's equations, in order, with every operand among ``invars`` or an
+  earlier equation's results) run as a function, as ``jax.core.eval_jaxpr``
+  runs a jaxpr."""
+  jaxpr = jex_core.Jaxpr((), list(invars), list(outvars), list(eqns))
+  return jex_core.jaxpr_as_fun(jex_core.ClosedJaxpr(jaxpr, ()))
+
+
+def closed_function(jaxpr: Any) -> Any:
+  """``f(*invars' values) -> [outvars' values]`` of a ``Jaxpr`` or a
+  ``ClosedJaxpr`` (a remat's or a scan body's)."""
+  if not hasattr(jaxpr, 'consts'):
+    jaxpr = jex_core.ClosedJaxpr(jaxpr, ())
+  return jex_core.jaxpr_as_fun(jaxpr)
