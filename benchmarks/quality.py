@@ -224,7 +224,7 @@ def run(out_dir: str, budget: Budget, render_only: bool = False,
 
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-  parser.add_argument('--out', default='docs',
+  parser.add_argument('--out', default='docs/measured',
                       help='writes <out>/results.md and <out>/results/')
   parser.add_argument('--smoke', action='store_true',
                       help='a seconds-long run on a tiny random model')

@@ -113,7 +113,7 @@ def unrolled(layer_backward: LayerBackward, layers: list[Any],
     # mesh it waits for every update of the layer: XLA otherwise combines the
     # gradients' reductions of every layer into one at the end, keeping them
     # all alive (on one device waiting for one is enough, and waiting for
-    # all made XLA:CPU keep more: docs/mesh_memory.md).
+    # all made XLA:CPU keep more: docs/measured/mesh_memory.md).
     if any(kernels.explicit_sharding(p) is not None for p in written):
       d_hidden = ordering.ordered_after_all(d_hidden, written)
     elif written:

@@ -4,7 +4,7 @@ The tied table's gradient is the projection's share (``d_logits^T features``,
 formed a block of columns at a time from the logits' cotangent) plus the
 lookup's share, which backprop reaches only after every layer. Keeping the
 logits' cotangent until then costs ``positions x vocab`` floats through the
-whole backward pass (``docs/memory.md`` measures it). But the lookup only
+whole backward pass (``docs/measured/memory.md`` measures it). But the lookup only
 touches the table's rows of the batch's tokens, so:
 
 1. at the head (:func:`select_outside`): per column, the candidates of every
