@@ -87,7 +87,7 @@ def unrolled(layer_backward: LayerBackward, layers: list[Any],
     # not this layer's own, so this layer's recomputation can run while the
     # layer above runs its backward pass (XLA:CPU runs independent kernels
     # side by side), at the cost of one layer's recomputation more alive
-    # (docs/performance.md).
+    # (docs/measured/performance_log.md, "Whole train steps").
     layer_input = ordering.ordered_after(layer_inputs[l], previous_d_hidden)
     # A weight split over a mesh is gathered whole for its use; the same
     # gather in the forward and here would be merged by XLA, keeping every

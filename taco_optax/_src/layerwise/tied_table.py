@@ -142,7 +142,8 @@ def merge_batch_tokens(outside: HeadCandidates, tokens: jax.Array,
                           min(k, tokens.size))
   # Each list holds the top of its rows in the same order, so the top k of
   # their union is the top k of all: a sort of k + max(k, r) per column,
-  # not of every batch token (docs/performance.md, "Whole train steps").
+  # not of every batch token (docs/measured/performance_log.md, "Whole
+  # train steps").
   all_values = jnp.concatenate(
       [outside.values, jnp.take_along_axis(candidates, best, -1)], -1)
   all_tokens = jnp.concatenate([outside.indices, tokens[best]], -1)
