@@ -9,8 +9,8 @@ with the rules below (a token that fits none is not a name and is skipped):
 * a path: a token of path characters whose first part is a top-level folder
   of the repository (``docs/memory.md``, ``taco_optax/_src/kernels/csrc/``),
   with an optional ``:line`` or ``::test`` suffix, must exist from the root;
-  in a markdown page a bare ``NAME.md`` must exist beside the page or at the
-  root;
+  in a markdown page a bare ``NAME.md``, backticked or not, must exist beside
+  the page, in ``docs/`` or at the root;
 * a dotted name starting with ``taco_optax``, ``examples``, ``benchmarks`` or
   ``tests`` (call parentheses dropped) must be a module, or an attribute of
   one, read from the source without importing it (so a benchmark's optional
@@ -46,6 +46,8 @@ _LINE_SUFFIX = re.compile(r'(:\d+([-,]\d+)*|::[\w\[\]-]+)$')
 _CALL = re.compile(r'^([\w.]+)\(.*\)$', re.S)
 _PYTHON_M = re.compile(r'python3? -m ([\w.]+)')
 _FENCE = re.compile(r'^\s*```')
+_PROSE_PAGE = re.compile(
+    r'(?<![\w/.\-(\[`])((?:[\w.\-]+/)*[\w\-]+\.md)\b(?![\w/`)\]])')
 _FILE_SUFFIXES = frozenset(('md', 'py', 'json', 'jsonl', 'toml', 'txt', 'cc',
                             'h', 'png', 'gguf', 'safetensors', 'sh', 'cfg'))
 # Private names that are not ours: a NamedTuple's methods, a throwaway.
@@ -183,6 +185,8 @@ def _spans(text, first_line):
 
 
 def _markdown_spans(path):
+  """(line, token) for every backticked span outside code blocks, and every
+  page name (``NAME.md``, ``docs/NAME.md``) the prose gives outside them."""
   lines = path.read_text().splitlines()
   in_fence = False
   for number, line in enumerate(lines, 1):
@@ -191,6 +195,10 @@ def _markdown_spans(path):
       continue
     if not in_fence:
       yield from _spans(line, number)
+      # Link targets are tests/test_readme.py's to check.
+      prose = re.sub(r'\]\([^)]*\)', '', re.sub(r'`[^`]*`', '', line))
+      for match in _PROSE_PAGE.finditer(prose):
+        yield number, match.group(1)
 
 
 def _docstrings(path):
@@ -225,9 +233,9 @@ def _problem(token, *, page_dir=None, module_path=None):
   if '/' in bare and first in TOP_DIRS:
     return None if (ROOT / bare).exists() else f'no file {bare}'
   if '/' not in bare and bare.endswith('.md') and page_dir is not None:
-    if (page_dir / bare).exists() or (ROOT / bare).exists():
+    if any((where / bare).exists() for where in (page_dir, ROOT / 'docs', ROOT)):
       return None
-    return f'no file {bare} (beside the page or at the root)'
+    return f'no file {bare} (beside the page, in docs/ or at the root)'
   if not _DOTTED.fullmatch(token) or token in _NOT_NAMES:
     return None
   parts = token.split('.')
@@ -301,6 +309,8 @@ def test_every_backticked_name_exists():
 @pytest.mark.parametrize('token, stale', [
     ('docs/measured/memory.md', False),
     ('docs/memory.md', True),
+    ('FACTS.md', True),
+    ('layerwise.md', False),
     ('taco_optax/_src/kernels/csrc/', False),
     ('taco_optax/csrc/', True),
     ('tests/test_readme.py::test_relative_links', False),
