@@ -28,7 +28,7 @@ label words), at each of ``--cli-seqs``.
   python -m benchmarks.accumulation [--dtype float32] [--micro-batch 4]
       [--seq 64] [--layers N] [--layouts scanned,unrolled]
       [--cli-batch 8] [--cli-steps 4] [--cli-seqs 64,512]
-      [--write docs/accumulation.md]
+      [--write docs/measured/accumulation.md]
 """
 
 import argparse
@@ -209,80 +209,9 @@ def main():
                                table=output.getvalue()))
 
 
-_DOC_HEAD = """# Gradient accumulation at inference memory
+_DOC_HEAD = """# Gradient accumulation: compiled peak memory (written by `{command}`)
 
-`taco_optax.layerwise.train_step(loss, taco(...), accumulation_steps=A)`
-takes a batch whose every leaf leads with a micro-batch axis of size `A` and
-makes one step on the mean gradient of the `A` micro-batches: the step
-`optax.MultiSteps(taco(...), A)` makes when fed them one at a time, without
-its float32 gradient-sized accumulator. The pieces run layer-major: the
-embedding and each layer's forward over the micro-batches one after another
-(keeping each one's layer inputs), the head's backward likewise, then each
-layer's backward over the `A` micro-batches, folding that one layer's
-gradient into a float32 running mean (MultiSteps' `acc + (g - acc)/(a + 1)`)
-before its column step.
-
-What is equal to `MultiSteps(taco(...), A)` (tests/test_accumulation.py):
-
-* bfloat16 parameters: params and the whole state, bit for bit;
-* float32: TACO's history (values, indices, exponents) and learning-rate
-  state bit for bit; the vectors' gradients (Adam's moments) are reduced in
-  another order by the per-layer backward, and a winner's `p - lr * s` may be
-  one fused multiply-add, as without accumulation;
-* a leaf read by both the embedding and the head (a tied token table): its
-  mean is `mean(head shares) + mean(embedding shares)` instead of
-  `mean(head share + embedding share)`: its stored indices and exponents are
-  still those of MultiSteps and of the numpy rule on the float64 mean
-  gradient (tests/reference.py); its stored FP8 values may differ by their
-  rounding.
-
-What costs memory beyond one micro-batch: the saved layer inputs of all `A`
-micro-batches (as large as the whole batch's), the `A` cotangents of the
-current layer's output, one layer's float32 gradient accumulator, and the
-mean gradient of each outer leaf. A token table's mean (its two-phase update
-needs the batch's tokens at the head, which accumulation spreads over `A`
-calls) is kept whichever way takes fewer bytes
-(`taco_optax/_src/layerwise/micro_batch_table.py`):
-
-* a float32 accumulator, one more table, into which each micro-batch's
-  share, the head's and the lookup's, is folded a block of columns at a time
-  from its factors (no dense share is formed);
-* or every micro-batch's factors themselves (the projection's features and
-  logits' cotangent, the lookup's ids and rows' cotangent), from which the
-  table's update forms the mean a block of columns at a time, in the
-  accumulator's arithmetic. They are the smaller when the micro-batches
-  score few positions: the CLI's default task scores one per sequence
-  (49152 + 576 floats each against the 49152 x 576 table); a
-  language-modelling loss over micro-batches of 4 x 64 scores 252 positions
-  each (200 MB for four against the table's 113 MB), over 2 x 64, 126
-  (100 MB).
-
-Each layer's accumulator and stacked input cotangents are made from that
-layer's cotangents, so with unrolled layers XLA cannot form them all at the
-start of the step (it did: 11 MB more per layer for the accumulators, 433 MB
-more than the whole batch at the CLI's 30 layers; one hidden state of the
-whole batch per layer for the cotangents, 261 MiB at the CLI's seq 512).
-
-Where it stands (read from the tables below): with every token scored over
-micro-batches of 4 x 64 (the first two tables), the table's accumulator is
-the smaller, and beyond `A = 1` the step holds a constant extra of about one
-float32 token table (108 MiB for SmolLM2-135M's 49152 x 576 table); each
-further micro-batch costs only its saved hidden states (the layers' inputs
-and the current layer's cotangent). Against the whole batch in one step
-(`one batch`), accumulation saves the logits of all but one micro-batch
-(each `micro-batch x seq x vocab` floats, twice: the softmax and its
-cotangent) and pays the table's accumulator. At the CLI's default shape (the
-last table) the factors are kept, no table-sized buffer is added, and
-`--grad-accum 4` is below `--batch-size 8` in one step at both lengths. What
-would remove the constant where the factors are larger: select the tied
-table's candidates per micro-batch as the two-phase update does for one
-batch (not exact as it stands: a column's top-k of a sum is not the merge
-of per-part top-k's).
-
-`clip_global_norm=c` with accumulation clips the mean gradient, as
-`MultiSteps(chain(clip_by_global_norm(c), taco(...)), A)` does (tested).
-
-Written by `{command}`, {stamp}.
+{stamp}. What the step does and how to read these tables: [accumulation.md](../accumulation.md).
 
 ```
 {table}```

@@ -24,7 +24,7 @@ on the gradients only, so every rounding sees the same ones. The last line is
 (bfloat16, the paper's rate, averaged over TACO's matrix kinds).
 
     python -m benchmarks.landed_updates [--layers 4] [--steps 3]
-        [--write docs/landed_updates.md]
+        [--write docs/measured/landed_updates.md]
 """
 
 import argparse

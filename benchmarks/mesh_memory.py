@@ -14,7 +14,7 @@ size for scale. Nothing is trained.
 
   # every mesh of benchmarks/mesh_sweep.py, TACO on both paths and AdamW,
   # with the buffers alive at each peak (XLA's dump), as Markdown:
-  python -m benchmarks.mesh_memory --sweep --write docs/mesh_memory.md
+  python -m benchmarks.mesh_memory --sweep --write docs/measured/mesh_memory.md
 
 Further words are the example's flags (``--batch-size``, ``--seq-len``, ...).
 """

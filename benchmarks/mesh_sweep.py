@@ -1,6 +1,6 @@
 """Per-device memory of the example's step over a sweep of meshes.
 
-``python -m benchmarks.mesh_memory --sweep [--write docs/mesh_memory.md]
+``python -m benchmarks.mesh_memory --sweep [--write docs/measured/mesh_memory.md]
 [--jobs 2] [--rss-mesh fsdp=8] [example flags]``: for every mesh of
 :data:`MESHES` (one device, FSDP over 2, 4 and 8, data x FSDP, FSDP x tensor)
 and every run of :data:`RUNS` (TACO's layer-wise step, TACO on the optax

@@ -28,7 +28,7 @@ task's best mean over seeds (:func:`fitted_rate`).
     python -m benchmarks.multiclass_runs --tasks trec --optimizers taco \
         --steps 160 --settings 'mu=0.9,warmup=0'
     python -m benchmarks.multiclass_runs --table
-    python -m benchmarks.multiclass_runs --write docs/multiclass.md
+    python -m benchmarks.multiclass_runs --write docs/measured/multiclass.md
     python -m benchmarks.multiclass_runs --record \\
         benchmarks/data/multiclass_runs.json
 """

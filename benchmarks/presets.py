@@ -1,6 +1,6 @@
 """Hugging Face ``config.json`` values of the models the benchmarks size.
 
-Only the keys that :meth:`examples.finetune.config.ModelConfig.from_hf_config`
+Only the keys that :meth:`examples.finetune.model.config.ModelConfig.from_hf_config`
 reads, copied from each model's public ``config.json``.
 """
 

@@ -38,6 +38,7 @@ from benchmarks import _quality_results
 from benchmarks import _quality_runs
 from benchmarks import _quality_small
 from benchmarks import _quality_stages as quality_stages
+from benchmarks import provenance
 from examples.finetune import api
 
 OPTIMIZER_NAMES = ('taco', 'adamw', 'adafactor', 'lion', 'muon', 'sophia',
@@ -187,7 +188,7 @@ def run(out_dir: str, budget: Budget, render_only: bool = False,
   meta.update(jax_version=jax.__version__, backend=jax.default_backend(),
               cpu_count=os.cpu_count(), platform=platform.platform())
   session = results.start_session()
-  session.update(stages=list(stages),
+  session.update(stages=list(stages), commit=provenance.commit(),
                  load_average_at_start=list(os.getloadavg()))
   if 'transfer' in stages:
     stage('transfer', quality_stages.stage_transfer, results, budget,
@@ -224,7 +225,7 @@ def run(out_dir: str, budget: Budget, render_only: bool = False,
 
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-  parser.add_argument('--out', default='docs',
+  parser.add_argument('--out', default='docs/measured',
                       help='writes <out>/results.md and <out>/results/')
   parser.add_argument('--smoke', action='store_true',
                       help='a seconds-long run on a tiny random model')

@@ -24,7 +24,7 @@ milliseconds per thousand of them (where compile time goes).
   python -m benchmarks.train_step [--dtypes float32,bfloat16]
       [--batches 4,16] [--seq 64] [--layers N] [--steps 2] [--rounds 3]
       [--optimizers taco_layerwise,taco_optax,adamw,adafactor,lion,muon]
-      [--write docs/train_step.md]
+      [--write docs/measured/train_step.md]
 """
 
 import argparse

@@ -15,7 +15,7 @@ too), and, each in a fresh process, the peak RSS after 3 steps and the
 losses of the first 5. The gradient saving is ``(peak of peft_taco - peak of
 layerwise_taco) / gradient bytes`` (a float32 gradient of every parameter).
 
-  python -m benchmarks.tunix_trainers [--out docs/tunix_memory.md]
+  python -m benchmarks.tunix_trainers [--out docs/measured/tunix_memory.md]
 
 The last line is ``gradient_bytes_saved=<fraction> loss_max_rel=<value>``.
 """

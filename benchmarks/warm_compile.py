@@ -9,7 +9,7 @@ load) and whether it came from the cache (``compilation_cache.train_step``:
 ``miss`` or ``hit``, counted from JAX's cache events). The last line is
 ``cold_compile_s=... warm_compile_s=... warm_over_cold=...``.
 
-  python -m benchmarks.warm_compile [--write docs/warm_compile.md]
+  python -m benchmarks.warm_compile [--write docs/measured/warm_compile.md]
       [-- EXAMPLE ARGS...]   (default: --steps 3 --eval-size 8)
 
 The train step's program depends on the model, batch and sequence length,

@@ -127,11 +127,11 @@ def _tables(text):
 
 def test_quality_table_is_the_one_the_runs_script_wrote():
   # The README's TACO-against-AdamW table is the summary that
-  # `python -m benchmarks.multiclass_runs --write docs/multiclass.md` wrote,
+  # `python -m benchmarks.multiclass_runs --write docs/measured/multiclass.md` wrote,
   # so it cannot drift from the recorded runs.
   text = README.read_text()
   section = text.split('## How well it trains')[1].split('\n## ')[0]
   table, = _tables(section)
   assert '| TACO − AdamW, paired |' in table.splitlines()[0]
   assert table in _tables(
-      (docs_pages.ROOT / 'docs' / 'multiclass.md').read_text())
+      (docs_pages.ROOT / 'docs' / 'measured' / 'multiclass.md').read_text())

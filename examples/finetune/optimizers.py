@@ -8,9 +8,9 @@ the optimizer.
 Default learning rates depend on the number of steps: ``rate = reference *
 (40 / steps) ** steps_exponent``, the peak of the example's warm-up +
 linear-decay schedule. TACO's and AdamW's 40-step references are fitted over
-seeds on three tasks (``docs/multiclass.md``, ``python -m
+seeds on three tasks (``docs/measured/multiclass.md``, ``python -m
 benchmarks.multiclass_runs``); their exponents carry them to the 10-step rates
-of the sweep in ``docs/learning_rate.md`` (two real tasks, three budgets,
+of the sweep in ``docs/measured/learning_rate.md`` (two real tasks, three budgets,
 ``python -m benchmarks.lr_sweep``), which found no effect of the batch size
 (the same best rate at 10 x 4 and 10 x 16), so the batch does not enter the
 rule; the other optimizers keep their papers' rate relative to AdamW and
@@ -267,12 +267,12 @@ def _galore(schedule, hints, taco):
 
 # The 40-step references are the rates fitted over seeds on three tasks
 # (tweets, BBC topics, TREC question types; three or more seeds, 200 held
-# out: docs/multiclass.md, ``benchmarks.multiclass_runs``): the rate run on
+# out: docs/measured/multiclass.md, ``benchmarks.multiclass_runs``): the rate run on
 # all three whose mean accuracy falls least short of each task's best (TACO
 # 5.6e-4, the best of 1e-4, 3.2e-4 and 5.6e-4 on every task; AdamW 3.2e-5,
 # the better of 1e-5 and 3.2e-5 on every task). The steps exponents carry
 # them to the robust rate of the single-seed sweep at 10 steps
-# (docs/learning_rate.md, ``benchmarks.lr_sweep``: TACO 3.2e-4, AdamW 1e-5),
+# (docs/measured/learning_rate.md, ``benchmarks.lr_sweep``: TACO 3.2e-4, AdamW 1e-5),
 # so both rates are lower for a shorter run (AdamW's first steps move every
 # weight by about the rate; TACO's 1e-3 fell to chance on the tweets at 10
 # steps). Neither moved with the batch: the rule has no batch term. At 160
@@ -281,7 +281,7 @@ def _galore(schedule, hints, taco):
 # paper's 3e-5 at 2000 steps went, trailed AdamW by 6.3 points on TREC), so
 # the rule holds 5.6e-4 to 160 steps and only then moves to 3e-5 at 2000.
 # tests/test_lr_sweep.py ties these constants to the recorded runs.
-_SOURCE = ('docs/multiclass.md (40 and 160 steps), docs/learning_rate.md (10 '
+_SOURCE = ('docs/measured/multiclass.md (40 and 160 steps), docs/measured/learning_rate.md (10 '
            'steps)')
 TACO_RULE = BudgetRule(5.6e-4, -0.41, _SOURCE,
                        long_run=(2000, 3e-5),  # the paper's rate at 2000 steps

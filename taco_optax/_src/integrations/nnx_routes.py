@@ -8,7 +8,7 @@ routed by the module that holds it:
 ``nnx.LinearGeneral`` ``kernel``             batch, ``in_features`` (reduction),
                                              ``out_features`` (output)
 ``nnx.Einsum`` ``kernel``; any module with   read from the einsum
-an ``einsum_str`` (tunix, Gemma), its        (:mod:`taco_optax._einsum`)
+an ``einsum_str`` (tunix, Gemma), its        (:mod:`einsum`)
 one weight of the einsum's rank
 ``nnx.Embed`` ``embedding``, tunix's         rows are tokens: reduction 1
 ``input_embedding`` ``(vocab, d)``           (features), output 0; scale 1

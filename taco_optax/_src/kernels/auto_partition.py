@@ -9,8 +9,8 @@ fused CPU kernel (a custom call has no partitioning rule of its own).
 shardings it chose for the ``(N, m)`` rows, and each device runs:
 
 * rows ``N`` split, the candidate axis ``m`` whole: the local step (what
-  ``_kernels`` chose) on its own rows; only the finiteness flag is combined;
-* ``m`` split as well: ``_kernels``' sharded step (the exact merged top-k:
+  ``dispatch`` chose) on its own rows; only the finiteness flag is combined;
+* ``m`` split as well: ``dispatch``' sharded step (the exact merged top-k:
   the top ``k`` of each slice, ``k * shards`` candidates all-gathered and
   merged in ``lax.top_k``'s order), as on an Explicit mesh.
 

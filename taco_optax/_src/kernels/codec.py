@@ -1,6 +1,6 @@
 """The FP8 history codec: ``k`` values per row with a power-of-two row scale.
 
-A row is one of the paper's columns (see ``_column_step``). FP8 E4M3 has a
+A row is one of the paper's columns (see ``reference``). FP8 E4M3 has a
 narrow range (largest finite 448, smallest subnormal 2**-9), while fine-tuning
 gradients are often 1e-4 to 1e-8 per entry: a raw cast would underflow to zero
 and silently lose the history. Each row is therefore stored as FP8 values

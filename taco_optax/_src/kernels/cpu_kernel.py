@@ -1,7 +1,7 @@
 """TACO's column step as one fused C++ kernel on CPU, through XLA's FFI.
 
 :func:`cpu_column_step` gives bit for bit the results of
-:func:`taco_optax._column_step.reference_column_step` on XLA:CPU, in one pass
+:func:`reference.reference_column_step` on XLA:CPU, in one pass
 over each gradient row, with rows split across XLA's CPU threads: the merge
 ``mu M + (1 - mu) G``, the top-k (ties to the lowest row), the FP8 encode and
 the winners. XLA's own ``lax.top_k`` on CPU sorts an index array per row on
@@ -13,7 +13,7 @@ the handler always matches the runtime's FFI version. The library is cached
 per user in ``$TACO_OPTAX_CACHE_DIR``, else ``$XDG_CACHE_HOME/taco_optax``,
 else ``~/.cache/taco_optax``, under a name keyed by the source, jaxlib,
 compiler and machine. Without a working C++ compiler :func:`availability`
-says why (``_kernels`` then chooses the reference); nothing fails at import or
+says why (``dispatch`` then chooses the reference); nothing fails at import or
 install time. This module never falls back on its own.
 """
 
@@ -174,9 +174,9 @@ def cpu_column_step(grad_rows: jax.Array, values: jax.Array,
   """One TACO step on rows with the fused CPU kernel.
 
   Same arguments and results as
-  :func:`taco_optax._column_step.reference_column_step` (single device), for
+  :func:`reference.reference_column_step` (single device), for
   the inputs :func:`supports` accepts and a ``mu`` whose ``1 - mu`` XLA does
-  not fold away (``reference.decay_folds_away``; ``_kernels`` chooses the
+  not fold away (``reference.decay_folds_away``; ``dispatch`` chooses the
   reference then). Works under ``jax.jit`` and
   ``jax.vmap`` (batch axes are passed to the kernel, which treats each batch
   entry as its own leaf: its own ``mu`` and finiteness).
@@ -190,7 +190,7 @@ def cpu_column_step(grad_rows: jax.Array, values: jax.Array,
     update_topk: ``r``, winners per row, ``1 <= r <= k``.
 
   Returns:
-    A :class:`taco_optax._column_step.ColumnStep`.
+    A :class:`reference.ColumnStep`.
 
   Raises:
     RuntimeError: if the kernel is not available (see :func:`availability`).

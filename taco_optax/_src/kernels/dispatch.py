@@ -2,8 +2,8 @@
 
 The implementations are leaves that never call each other or fall back on
 their own: :func:`reference.reference_column_step` (plain ``jax.numpy``,
-the oracle), ``_cpu_kernel`` (fused C++ through XLA's FFI) and
-``_pallas_kernel`` (Pallas/Triton). :func:`choose` picks one from the
+the oracle), ``cpu_kernel`` (fused C++ through XLA's FFI) and
+``pallas_kernel`` (Pallas/Triton). :func:`choose` picks one from the
 ``implementation`` argument of :func:`taco_optax.taco` /
 :func:`taco_optax.scale_by_taco`:
 
@@ -22,7 +22,7 @@ transformation is built, so a built optimizer keeps one choice. Either kernel
 gives way to the reference, with a log line, where its result would not be
 the reference's bit for bit: a Python ``mu`` whose ``1 - mu`` rounds to 1
 (XLA folds the reference's multiply), Pallas rows over
-``_pallas_kernel.MAX_ROW_LENGTH``, and a leaf split over an Explicit mesh
+``pallas_kernel.MAX_ROW_LENGTH``, and a leaf split over an Explicit mesh
 (per-shard selection). Each choice is logged once per process on the
 ``taco_optax`` logger, and the traced step carries it as the name scope
 ``taco_column_step_<implementation>``.
@@ -202,7 +202,7 @@ def column_step(grad_rows: jax.Array, values: jax.Array, indices: jax.Array,
   Same arguments and results as :func:`reference.reference_column_step`,
   plus the resolved ``implementation`` and, inside ``shard_map`` on an
   Explicit mesh, the leaf's ``shards`` (the rows are this device's slices).
-  On an Auto mesh XLA partitions the step through ``_auto_partition``'s rule.
+  On an Auto mesh XLA partitions the step through ``auto_partition``'s rule.
   """
   if shards is not None:
     choice = Choice('reference', 'a leaf split over an Explicit mesh merges '

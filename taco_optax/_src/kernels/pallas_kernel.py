@@ -1,7 +1,7 @@
 """TACO's column step as a Pallas (Triton) kernel for GPUs.
 
 :func:`pallas_column_step` gives the results of
-:func:`taco_optax._column_step.reference_column_step` bit for bit. Each program
+:func:`reference.reference_column_step` bit for bit. Each program
 of the grid holds a block of ``rows_per_program`` gradient rows in registers,
 padded to a power of two along the row (Triton's tensors must be), reads the
 gradient once in its own dtype and does, per row:
@@ -23,7 +23,7 @@ float order, ``-0.0`` ties with ``0.0`` as under ``abs``, and no float
 ``max``'s NaN rule is involved.
 
 Around the kernel, on ``(N, k)`` arrays only, plain ``jax.numpy`` decodes the
-stored history and, after it, encodes the new one with ``_codec``: keeping or
+stored history and, after it, encodes the new one with ``codec``: keeping or
 replacing the history needs the whole leaf's finite flag, which exists only
 once every program has finished, so that epilogue is needed anyway, and sharing
 the codec's code keeps the FP8 rounding identical. The gradient itself is never
@@ -74,12 +74,12 @@ def supports(grad_rows: jax.Array, values: jax.Array, indices: jax.Array,
   """Whether :func:`pallas_column_step` takes these dtypes and shapes.
 
   Rows longer than :data:`MAX_ROW_LENGTH` are accepted here (dtypes and
-  shapes only); :func:`pallas_column_step` refuses them and ``_kernels``
+  shapes only); :func:`pallas_column_step` refuses them and ``dispatch``
   chooses the reference for them.
 
   Args:
     grad_rows: ``(N, m)`` float32 or bfloat16 gradient rows.
-    values: ``(N, k)`` history values in a storage dtype of ``_codec``.
+    values: ``(N, k)`` history values in a storage dtype of ``codec``.
     indices: ``(N, k)`` int32 or int16 history indices.
     update_topk: winners per row.
 
@@ -204,10 +204,10 @@ def pallas_column_step(grad_rows: jax.Array, values: jax.Array,
   """One TACO step on rows with the Pallas kernel.
 
   Same arguments and results as
-  :func:`taco_optax._column_step.reference_column_step` (single device), for
+  :func:`reference.reference_column_step` (single device), for
   the inputs :func:`supports` accepts with rows of at most
   :data:`MAX_ROW_LENGTH` and a ``mu`` whose ``1 - mu`` XLA does not fold away
-  (``_kernels`` chooses the reference otherwise; this function never does).
+  (``dispatch`` chooses the reference otherwise; this function never does).
 
   Args:
     grad_rows, values, indices, exponents, mu, update_topk: as for the
@@ -216,7 +216,7 @@ def pallas_column_step(grad_rows: jax.Array, values: jax.Array,
       without it the kernel needs a GPU with Triton.
 
   Returns:
-    A :class:`taco_optax._column_step.ColumnStep`.
+    A :class:`reference.ColumnStep`.
 
   Raises:
     ValueError: for inputs :func:`supports` rejects.

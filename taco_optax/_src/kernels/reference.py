@@ -7,7 +7,7 @@ rows. Keeping selection 2-D with the candidate axis last is what XLA's fast
 GPU TopK kernel requires (rank <= 2, last axis).
 
 :func:`reference_column_step` is the step in plain ``jax.numpy``. Callers go
-through ``_kernels.column_step``, the one place that may run a fused kernel
+through ``dispatch.column_step``, the one place that may run a fused kernel
 instead on one device; on a mesh the caller hands in a :class:`Selection` whose
 merge and top-k work across devices.
 """
@@ -74,7 +74,7 @@ def scatter_add_rows(dense: jax.Array, indices: jax.Array,
 class Selection(NamedTuple):
   """How a leaf's candidates are formed and ranked.
 
-  The single-device :data:`SINGLE_DEVICE`; on a mesh, ``_mesh.selection``
+  The single-device :data:`SINGLE_DEVICE`; on a mesh, ``mesh.selection``
   returns one whose functions work on this device's slice of every row (with
   global row indices) and combine results across devices.
 

@@ -87,7 +87,7 @@ def unrolled(layer_backward: LayerBackward, layers: list[Any],
     # not this layer's own, so this layer's recomputation can run while the
     # layer above runs its backward pass (XLA:CPU runs independent kernels
     # side by side), at the cost of one layer's recomputation more alive
-    # (docs/performance.md).
+    # (docs/measured/performance_log.md, "Whole train steps").
     layer_input = ordering.ordered_after(layer_inputs[l], previous_d_hidden)
     # A weight split over a mesh is gathered whole for its use; the same
     # gather in the forward and here would be merged by XLA, keeping every
@@ -113,7 +113,7 @@ def unrolled(layer_backward: LayerBackward, layers: list[Any],
     # mesh it waits for every update of the layer: XLA otherwise combines the
     # gradients' reductions of every layer into one at the end, keeping them
     # all alive (on one device waiting for one is enough, and waiting for
-    # all made XLA:CPU keep more: docs/mesh_memory.md).
+    # all made XLA:CPU keep more: docs/measured/mesh_memory.md).
     if any(kernels.explicit_sharding(p) is not None for p in written):
       d_hidden = ordering.ordered_after_all(d_hidden, written)
     elif written:

@@ -4,7 +4,7 @@ The tied table's gradient is the projection's share (``d_logits^T features``,
 formed a block of columns at a time from the logits' cotangent) plus the
 lookup's share, which backprop reaches only after every layer. Keeping the
 logits' cotangent until then costs ``positions x vocab`` floats through the
-whole backward pass (``docs/memory.md`` measures it). But the lookup only
+whole backward pass (``docs/measured/memory.md`` measures it). But the lookup only
 touches the table's rows of the batch's tokens, so:
 
 1. at the head (:func:`select_outside`): per column, the candidates of every
@@ -142,7 +142,8 @@ def merge_batch_tokens(outside: HeadCandidates, tokens: jax.Array,
                           min(k, tokens.size))
   # Each list holds the top of its rows in the same order, so the top k of
   # their union is the top k of all: a sort of k + max(k, r) per column,
-  # not of every batch token (docs/performance.md, "Whole train steps").
+  # not of every batch token (docs/measured/performance_log.md, "Whole
+  # train steps").
   all_values = jnp.concatenate(
       [outside.values, jnp.take_along_axis(candidates, best, -1)], -1)
   all_tokens = jnp.concatenate([outside.indices, tokens[best]], -1)

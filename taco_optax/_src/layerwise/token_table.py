@@ -4,7 +4,7 @@ A decoder reads its ``[vocab, d]`` token table twice: ``embed`` looks rows up,
 and the head projects the final states onto it (tied), or onto an untied
 ``[d, vocab]`` kernel. Left to ``jax.vjp`` both uses produce a dense
 vocabulary-sized gradient, which the layer-wise step would hold through the
-whole backward pass (``docs/memory.md`` measures it). Written as
+whole backward pass (``docs/measured/memory.md`` measures it). Written as
 :class:`TableLookup` and :class:`TableProjection`, the step instead keeps each
 use's small factors (the looked-up rows' cotangent; the features and the
 logits' cotangent) and forms the table's gradient a block of columns at a
