@@ -1,8 +1,12 @@
 """The layer-wise TACO train step: each layer's gradient dies as it appears.
 
-:func:`train_step` turns a loss written as :class:`LayeredLoss` (``embed ->
-layer x L -> head``) and a :func:`taco_optax.taco` optimizer into a train step
-whose peak memory is about inference's: the backward pass is written one layer
+:func:`train_step` turns a plain ``loss_fn(params, batch)`` whose blocks are
+rematerialised (each under ``jax.checkpoint`` / ``nnx.remat`` / ``nn.remat`` /
+``eqx.filter_checkpoint``, or stacked in one scan with a rematerialised body;
+:func:`layered_loss_of` reads them from its jaxpr), or a loss written as
+:class:`LayeredLoss` (``embed -> layer x L -> head``), and a
+:func:`taco_optax.taco` optimizer into a train step whose peak memory is about
+inference's: the backward pass is written one layer
 at a time and every weight's winners are written into it in place. A language
 model's token tables read through :class:`TableLookup` and
 :class:`TableProjection` never get a dense gradient either.
@@ -17,6 +21,7 @@ Examples:
   TableLookup
   TableProjection
   TrainStep
+  layered_loss_of
   remat_layers
   table_mean_bytes
   train_step
@@ -29,12 +34,14 @@ from taco_optax._src.layerwise import remat_layers
 from taco_optax._src.layerwise import table_mean_bytes
 from taco_optax._src.layerwise import train_step
 from taco_optax._src.layerwise import TrainStep
+from taco_optax._src.layerwise import layered_loss_of
 
 __all__ = (
     'LayeredLoss',
     'TableLookup',
     'TableProjection',
     'TrainStep',
+    'layered_loss_of',
     'remat_layers',
     'table_mean_bytes',
     'train_step',
