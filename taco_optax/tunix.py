@@ -23,8 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from taco_optax._src import transform
 from taco_optax._src import layerwise
+from taco_optax._src import transform
 from taco_optax._src.integrations import tunix_api
 from taco_optax._src.integrations import tunix_model
 
@@ -68,10 +68,10 @@ class LayerwisePeftTrainer(peft_trainer.PeftTrainer):
   the result equals ``PeftTrainer`` with the same optimizer up to the
   floating-point order of the recomputed gradients (tested in float32; with
   16-bit parameters the stochastic rounding draws its bits per leaf of the
-  re-laid tree, so they differ from ``PeftTrainer``'s: both are unbiased). The model is a
-  tunix decoder (``embedder``, a list of ``layers``, ``final_norm``, tied or
-  ``lm_head``: ``Qwen3``, ``Llama3``, ``Gemma3``...) trained with tunix's
-  default loss on full parameters. Supported: tunix 0.1.7 and 0.1.8 (whose
+  re-laid tree, so they differ from ``PeftTrainer``'s: both are unbiased).
+  The model is a tunix decoder (``embedder``, a list of ``layers``,
+  ``final_norm``, tied or ``lm_head``: ``Qwen3``, ``Llama3``, ``Gemma3``...)
+  trained with tunix's default loss on full parameters. Supported: tunix 0.1.7 and 0.1.8 (whose
   train steps differ; the trainer reads which one tunix has when it is
   built, see ``docs/tunix.md``).
 

@@ -30,11 +30,11 @@ convolutions; other modules' matrices        Adam, saying so (and, for other
 import logging
 from typing import Any, Mapping, NamedTuple, Optional
 
+from flax import linen as nn
+from flax import struct
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import linen as nn
-from flax import struct
 
 from taco_optax._src import transform
 from taco_optax._src.integrations import einsum

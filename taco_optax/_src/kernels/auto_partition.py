@@ -29,13 +29,13 @@ import math
 from typing import Any, Callable, Union
 
 import jax
-import jax.numpy as jnp
 from jax.experimental.custom_partitioning import custom_partitioning
+import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec
 
-from taco_optax._src.kernels import reference
 from taco_optax._src.kernels import mesh as mesh_lib
+from taco_optax._src.kernels import reference
 
 # (grad_rows, values, indices, exponents, mu, update_topk) -> ColumnStep.
 LocalStep = Callable[..., reference.ColumnStep]
@@ -65,7 +65,8 @@ def _split_axes(sharding: Any, shape: tuple[int, ...]
   return mesh, rows, candidates
 
 
-def _specs(rows: mesh_lib.MeshAxes, candidates: mesh_lib.MeshAxes, array_mu: bool
+def _specs(rows: mesh_lib.MeshAxes, candidates: mesh_lib.MeshAxes,
+           array_mu: bool
            ) -> tuple[tuple[PartitionSpec, ...], tuple[PartitionSpec, ...]]:
   """Argument and result specs of the op for a row/candidate split."""
   row = mesh_lib.spec_entry(rows)

@@ -32,8 +32,8 @@ kernels' ``(N, k)`` rows here too (:func:`history_rows`,
 :func:`stored_history`).
 """
 
-import math
 import logging
+import math
 import os
 from typing import NamedTuple, Optional, Union
 
@@ -42,9 +42,9 @@ import jax.numpy as jnp
 
 from taco_optax._src.kernels import auto_partition
 from taco_optax._src.kernels import codec
-from taco_optax._src.kernels import reference
 from taco_optax._src.kernels import cpu_kernel
 from taco_optax._src.kernels import mesh
+from taco_optax._src.kernels import reference
 
 ENV = 'TACO_OPTAX_KERNEL'
 IMPLEMENTATIONS = ('auto', 'cpu', 'pallas', 'reference')
@@ -249,7 +249,8 @@ def _empty_step(grad_rows: jax.Array, values: jax.Array, indices: jax.Array,
       finite=jnp.array(True))
 
 
-def history_step(grad_rows: jax.Array, history: codec.History, *, update_topk: int,
+def history_step(grad_rows: jax.Array, history: codec.History, *,
+                 update_topk: int,
                  mu: Union[float, jax.Array], implementation: str,
                  shards: Optional[mesh.LeafSharding] = None
                  ) -> tuple[reference.ColumnStep, codec.History]:

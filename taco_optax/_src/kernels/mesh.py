@@ -1,4 +1,4 @@
-"""TACO on a device mesh: where a leaf's pieces live, and an exact sharded top-k.
+"""TACO on a device mesh: where a leaf's pieces live; an exact sharded top-k.
 
 A TACO leaf's state is ``batch + (k, n)`` (values, indices) and ``batch +
 (n,)`` (exponents): the output axes are gone, so the state shards like the

@@ -14,7 +14,6 @@ import dataclasses
 from typing import Any, Callable, Iterator, NamedTuple, Optional
 
 import jax
-import optax
 
 from taco_optax._src import kernels
 from taco_optax._src import transform

@@ -1,4 +1,4 @@
-"""A tied token table's TACO step in two phases, so the logits' cotangent dies early.
+"""A tied token table's TACO step in two phases; the logits' cotangent dies.
 
 The tied table's gradient is the projection's share (``d_logits^T features``,
 formed a block of columns at a time from the logits' cotangent) plus the
@@ -12,8 +12,9 @@ touches the table's rows of the batch's tokens, so:
    (values and token indices) and the projection's gradient at the batch's
    tokens;
 2. after the layers (:func:`merge_batch_tokens`): form the candidates of the
-   batch's tokens from both shares, merge them with the kept ones in ``lax.top_k``'s order
-   (magnitude, then lower row) and finish the step as the column step does.
+   batch's tokens from both shares, merge them with the kept ones in
+   ``lax.top_k``'s order (magnitude, then lower row) and finish the step as
+   the column step does.
 
 The arithmetic of every candidate is the reference column step's, so the
 result equals the one-pass step on the summed gradient (tested bit for bit).

@@ -28,11 +28,11 @@ from taco_optax._src.layerwise import accumulated_step
 from taco_optax._src.layerwise import backward
 from taco_optax._src.layerwise import clipping
 from taco_optax._src.layerwise import finish
+from taco_optax._src.layerwise import layered_loss
 from taco_optax._src.layerwise import leaves as leaves_lib
 from taco_optax._src.layerwise import ordering
 from taco_optax._src.layerwise import outer as outer_lib
 from taco_optax._src.layerwise import winners
-from taco_optax._src.layerwise import layered_loss
 from taco_optax._src.layerwise.layered_loss import LayeredLoss
 
 Params = Any
@@ -60,7 +60,8 @@ def train_step(loss: LayeredLoss,
   winners of each column into the weight,
 
   .. math::
-    W_{j, i^*_j} \leftarrow W_{j, i^*_j} - \eta\, s\, \mathrm{sign}(M_{t, j})_{i^*_j},
+    W_{j, i^*_j} \leftarrow
+    W_{j, i^*_j} - \eta\, s\, \mathrm{sign}(M_{t, j})_{i^*_j},
 
   inside the loop carry, so with donated ``params`` the weights are updated in
   place and the gradient of layer ``l`` is dead before layer ``l - 1`` starts.

@@ -7,16 +7,15 @@ from typing import Any, Optional, Union
 import jax
 import optax
 
+from taco_optax._src import kernels
 from taco_optax._src.transform import default_routing
 from taco_optax._src.transform import dimension_numbers as dn
 from taco_optax._src.transform import hyperparams
 from taco_optax._src.transform import inject_guard
-from taco_optax._src import kernels
 from taco_optax._src.transform import parts as parts_lib
 from taco_optax._src.transform import rounding as rounding_lib
 from taco_optax._src.transform import scale
 from taco_optax._src.transform import trees
-
 
 
 def taco(
@@ -112,10 +111,10 @@ def taco(
     rounding: how updates of bfloat16 and float16 parameters are rounded.
       ``'stochastic'`` (the default): the new weight is the exact float32
       sum ``w + u`` of the weight and its update rounded up or down at
-      random, unbiased (both branches; see below). ``'nearest'``: ``optax.apply_updates``' rounding to
-      nearest, which drops every step below half an ulp (a bfloat16 weight
-      of 0.02 has an ulp of 1.2e-4). Parameters of other dtypes are not
-      affected.
+      random, unbiased (both branches; see below). ``'nearest'``:
+      ``optax.apply_updates``' rounding to nearest, which drops every step
+      below half an ulp (a bfloat16 weight of 0.02 has an ulp of 1.2e-4).
+      Parameters of other dtypes are not affected.
     rounding_seed: the seed of stochastic rounding's random bits; a run is
       reproducible and resumes bit for bit.
 

@@ -13,7 +13,6 @@ from typing import Any, Callable, NamedTuple, Optional, Sequence, Union
 
 import jax
 import jax.numpy as jnp
-import optax
 
 from taco_optax._src.transform import trees
 

@@ -20,7 +20,6 @@ import optax
 from taco_optax._src.transform import branch
 from taco_optax._src.transform import inputs
 from taco_optax._src.transform import plan as plan_lib
-from taco_optax._src.transform import scale
 
 TACO_LABEL = 'taco'
 ADAM_LABEL = 'adam'

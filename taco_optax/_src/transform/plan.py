@@ -13,8 +13,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from taco_optax._src.transform import dimension_numbers as dn
 from taco_optax._src import kernels
+from taco_optax._src.transform import dimension_numbers as dn
 from taco_optax._src.transform import trees
 
 ScaleTree = Union[float, None, Any]

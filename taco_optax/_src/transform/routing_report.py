@@ -1,4 +1,4 @@
-"""``routing_report``: which leaves a :func:`taco` sends where, and the bytes."""
+"""``routing_report``: which leaves :func:`taco` sends where, and the bytes."""
 
 from typing import Any, NamedTuple, Optional
 
@@ -6,9 +6,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from taco_optax._src.transform import parts as parts_lib
 from taco_optax._src.transform import default_routing as default_routing_lib
 from taco_optax._src.transform import dimension_numbers as dn
+from taco_optax._src.transform import parts as parts_lib
 from taco_optax._src.transform import trees
 
 

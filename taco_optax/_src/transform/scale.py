@@ -11,8 +11,8 @@ import optax
 from taco_optax._src import kernels
 from taco_optax._src.transform import dimension_numbers as dn
 from taco_optax._src.transform import hyperparams
-from taco_optax._src.transform import inputs
 from taco_optax._src.transform import inject_guard
+from taco_optax._src.transform import inputs
 from taco_optax._src.transform import plan as plan_lib
 from taco_optax._src.transform import trees
 
@@ -94,7 +94,8 @@ def _check_int(name: str, value: Any, minimum: int):
 
 
 def _checked_settings(k, mu, update_topk, values_dtype, index_dtype):
-  """``(k, update_topk, values_dtype, index_dtype)`` with defaults, validated."""
+  """``(k, update_topk, values_dtype, index_dtype)``, defaults filled in,
+  validated."""
   update_topk = 1 if update_topk is None else update_topk
   if isinstance(k, _DefaultK):
     k = int(k)
@@ -108,7 +109,8 @@ def _checked_settings(k, mu, update_topk, values_dtype, index_dtype):
     raise ValueError(f'update_topk={update_topk} must be <= k={k}.')
   hyperparams.check_mu(mu)
   if not jnp.issubdtype(index_dtype, jnp.integer):
-    raise ValueError(f'index_dtype must be an integer dtype, got {index_dtype}.')
+    raise ValueError(
+        f'index_dtype must be an integer dtype, got {index_dtype}.')
   if not jnp.issubdtype(values_dtype, jnp.floating):
     raise ValueError(f'values_dtype must be a float dtype, got {values_dtype}.')
   return k, update_topk, values_dtype, index_dtype
