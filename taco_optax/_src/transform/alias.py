@@ -189,14 +189,14 @@ def _parts(learning_rate: optax.ScalarOrSchedule, k: Optional[int],
     # Inside the partition the TACO branch sees MaskedNode for other leaves.
     return per_leaf(params, lambda d: optax.MaskedNode() if d is None else d)
 
+  direction = scale.taco_direction(
+      k, mu, update_topk=update_topk, weight_dimension_numbers=masked_dims,
+      update_scale=update_scale, values_dtype=values_dtype,
+      index_dtype=index_dtype, implementation=implementation)
   return parts_lib.TacoParts(
       param_labels=param_labels,
       dimension_numbers=dims_tree,
-      direction=scale.scale_by_taco(
-          k=k, mu=mu, update_topk=update_topk,
-          weight_dimension_numbers=masked_dims, update_scale=update_scale,
-          values_dtype=values_dtype, index_dtype=index_dtype,
-          implementation=implementation),
+      direction=direction.transformation,
       learning_rate=hyperparams.scale_by_checked_learning_rate(learning_rate),
       adam=_adam(adam_learning_rate, *adam,
                  rounding_seed=rounding_seed if stochastic else None),
@@ -204,7 +204,8 @@ def _parts(learning_rate: optax.ScalarOrSchedule, k: Optional[int],
       update_scale=update_scale, implementation=implementation,
       rounding=(rounding_lib.stochastic_rounding(rounding_seed) if stochastic
                 else None),
-      rounding_seed=rounding_seed, default_routing=default_routing)
+      rounding_seed=rounding_seed, k=direction.k,
+      direction_plans=direction.plans, default_routing=default_routing)
 
 
 def _adam(learning_rate, b1, b2, eps, eps_root, weight_decay, *,

@@ -20,6 +20,7 @@ import optax
 from taco_optax._src.transform import branch
 from taco_optax._src.transform import inputs
 from taco_optax._src.transform import plan as plan_lib
+from taco_optax._src.transform import scale
 
 TACO_LABEL = 'taco'
 ADAM_LABEL = 'adam'
@@ -59,6 +60,9 @@ class TacoParts(NamedTuple):
       (:func:`stochastic_rounding`), ``None`` with ``'nearest'``; the Adam
       branch ends with its own.
     rounding_seed: the seed of the stochastic rounding's random bits.
+    k: the history length of :func:`scale_by_taco` (``None``: all rows).
+    direction_plans: ``updates -> list`` of each leaf's plan in the TACO
+      branch, where the Adam leaves are ``optax.MaskedNode``.
     default_routing: ``weight_dimension_numbers`` was not given: every
       rank-2 leaf is a matrix, nothing else.
   """
@@ -73,6 +77,8 @@ class TacoParts(NamedTuple):
   implementation: str
   rounding: Optional[optax.GradientTransformation]
   rounding_seed: int
+  k: Optional[int]
+  direction_plans: Callable[[Any], list[Optional[plan_lib.LeafPlan]]]
   default_routing: bool = False
 
   def plans(self, params: Any) -> list[Optional[plan_lib.LeafPlan]]:
@@ -85,8 +91,10 @@ class TacoParts(NamedTuple):
     """The ``optax.partition`` of the pieces, carrying these parts."""
     partition = optax.partition(
         transforms={
-            TACO_LABEL: branch.taco_branch(self.direction, self.learning_rate,
-                                           self.rounding, self.rounding_seed),
+            TACO_LABEL: branch.taco_branch(
+                scale.TacoDirection(self.direction, self.direction_plans,
+                                    self.mu, self.k),
+                self.learning_rate, self.rounding, self.rounding_seed),
             ADAM_LABEL: self.adam,
         },
         param_labels=self.param_labels,

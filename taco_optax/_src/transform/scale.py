@@ -1,7 +1,7 @@
 """``scale_by_taco``: the TACO direction with a sparse FP8 gradient history."""
 
 import math
-from typing import Any, NamedTuple, Optional, Union
+from typing import Any, Callable, NamedTuple, Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -274,6 +274,31 @@ def scale_by_taco(
     Fine-Tuning, 2026 (Sections 3 and 5).
   """
   inject_guard.refuse_scheduled_routing('taco_optax.scale_by_taco')
+  return taco_direction(
+      k, mu, update_topk=update_topk,
+      weight_dimension_numbers=weight_dimension_numbers,
+      update_scale=update_scale, values_dtype=values_dtype,
+      index_dtype=index_dtype, implementation=implementation).transformation
+
+
+class TacoDirection(NamedTuple):
+  """:func:`scale_by_taco`'s ``transformation`` and what :func:`taco`'s
+  branch reads of it: ``plans`` (``tree -> list`` of each leaf's
+  :class:`LeafPlan`, ``None`` for a non-TACO leaf), ``mu`` and ``k``."""
+  transformation: optax.GradientTransformation
+  plans: Callable[[Any], list[Optional[plan_lib.LeafPlan]]]
+  mu: Union[float, jax.Array]
+  k: Optional[int]
+
+
+def taco_direction(k: Optional[int], mu: Union[float, jax.Array], *,
+                   update_topk: Optional[int],
+                   weight_dimension_numbers: dn.WeightDimNumOrFn | None,
+                   update_scale: ScaleTree, values_dtype: Any,
+                   index_dtype: Any, implementation: Optional[str]
+                   ) -> TacoDirection:
+  """:func:`scale_by_taco` of these arguments, with its plans, ``mu`` and
+  ``k`` (:class:`TacoDirection`)."""
   k, update_topk, values_dtype, index_dtype = _checked_settings(
       k, mu, update_topk, values_dtype, index_dtype)
   implementation = kernels.resolve(implementation)
@@ -327,7 +352,8 @@ def scale_by_taco(
     return (treedef.unflatten([direction for direction, _ in out]),
             taco_state(treedef, [history for _, history in out]))
 
-  return ScaleByTaco(init_fn, update_fn, plans, mu, k)
+  return TacoDirection(optax.GradientTransformation(init_fn, update_fn),
+                       plans, mu, k)
 
 
 def check_history_shapes(updates: Any, histories: list[kernels.History],
@@ -354,18 +380,6 @@ def check_history_shapes(updates: Any, histories: list[kernels.History],
           f'keeping {kept} of their rows: '
           'give update gradients of the shapes given to init.')
 
-
-class ScaleByTaco(optax.GradientTransformation):
-  """What :func:`scale_by_taco` returns: optax's ``(init, update)``, plus
-  ``plans(tree)`` (each leaf's plan), ``mu`` and ``k``, for :func:`taco`'s branch
-  (``branch``)."""
-
-  def __new__(cls, init, update, plans=None, mu=None, k=None):
-    transformation = super().__new__(cls, init, update)
-    transformation.plans = plans
-    transformation.mu = mu
-    transformation.k = k
-    return transformation
 
 
 def leaf_direction(grad: jax.Array, history: kernels.History,
