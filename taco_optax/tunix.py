@@ -71,9 +71,9 @@ class LayerwisePeftTrainer(peft_trainer.PeftTrainer):
   re-laid tree, so they differ from ``PeftTrainer``'s: both are unbiased).
   The model is a tunix decoder (``embedder``, a list of ``layers``,
   ``final_norm``, tied or ``lm_head``: ``Qwen3``, ``Llama3``, ``Gemma3``...)
-  trained with tunix's default loss on full parameters. Supported: tunix 0.1.7 and 0.1.8 (whose
-  train steps differ; the trainer reads which one tunix has when it is
-  built, see ``docs/tunix.md``).
+  trained with tunix's default loss on full parameters. Supported: tunix
+  0.1.7 and 0.1.8 (whose train steps differ; the trainer reads which one
+  tunix has when it is built, see ``docs/tunix.md``).
 
   ``gradient_accumulation_steps=A`` is fused into the step: the trainer
   groups each ``A`` consecutive batches of ``train_ds`` (an incomplete last

@@ -35,7 +35,7 @@ kernels' ``(N, k)`` rows here too (:func:`history_rows`,
 import logging
 import math
 import os
-from typing import NamedTuple, Optional, Union
+from typing import Literal, NamedTuple, Optional, Union, get_args
 
 import jax
 import jax.numpy as jnp
@@ -47,14 +47,16 @@ from taco_optax._src.kernels import mesh
 from taco_optax._src.kernels import reference
 
 ENV = 'TACO_OPTAX_KERNEL'
-IMPLEMENTATIONS = ('auto', 'cpu', 'pallas', 'reference')
+# What runs the column step: 'auto' chooses among the others.
+Implementation = Literal['auto', 'cpu', 'pallas', 'reference']
+IMPLEMENTATIONS: tuple[str, ...] = get_args(Implementation)
 _logger = logging.getLogger('taco_optax')
 # The choices logged so far: process-wide on purpose, as the logger is (each
 # choice is said once per process, not once per trace).
 _logged = set()
 
 
-def resolve(implementation: Optional[str]) -> str:
+def resolve(implementation: Optional[Implementation]) -> str:
   """``implementation``, or ``$TACO_OPTAX_KERNEL`` (default auto) for None.
 
   Raises:

@@ -29,6 +29,7 @@ from taco_optax._src.transform.parts import taco_states
 from taco_optax._src.transform.parts import with_taco_states
 from taco_optax._src.transform.plan import LeafPlan
 from taco_optax._src.transform.plan import leaf_scales
+from taco_optax._src.transform.rounding import Rounding
 from taco_optax._src.transform.rounding import advanced
 from taco_optax._src.transform.rounding import element_bits
 from taco_optax._src.transform.rounding import flat_index
@@ -54,6 +55,7 @@ __all__ = (
     'TacoParts',
     'TacoState',
     'TacoStates',
+    'Rounding',
     'ToAdam',
     'advanced',
     'as_tuple',

@@ -5,11 +5,11 @@ learning_rate[, rounding]), ADAM_LABEL: adam}, param_labels)``. The
 layer-wise train step and tunix's trainer apply those pieces by hand, so
 they need them back: :func:`parts_of` gives them, from the
 transformation :func:`taco` returns (its ``update`` is a :class:`TacoUpdate`,
-which carries the :class:`TacoParts`), and refuses anything else naming the wrapper and what to
-do instead. The TACO branch's pieces are named once (:data:`TACO_PIECES`):
-:meth:`TacoParts.transformation` runs them in that order (as ``branch``'s
-chain) and :func:`taco_states` / :func:`with_taco_states` read and write their
-states by those names.
+which carries the :class:`TacoParts`), and refuses anything else naming
+the wrapper and what to do instead. The TACO branch's pieces are named
+once (:data:`TACO_PIECES`): :meth:`TacoParts.transformation` runs them in
+that order (as ``branch``'s chain) and :func:`taco_states` /
+:func:`with_taco_states` read and write their states by those names.
 """
 
 import dataclasses

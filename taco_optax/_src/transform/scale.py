@@ -166,9 +166,9 @@ def scale_by_taco(
     update_topk: Optional[int] = None,
     weight_dimension_numbers: dn.WeightDimNumOrFn | None = None,
     update_scale: ScaleTree = None,
-    values_dtype: Any = None,
-    index_dtype: Any = None,
-    implementation: Optional[str] = None,
+    values_dtype: Optional[jax.typing.DTypeLike] = None,
+    index_dtype: Optional[jax.typing.DTypeLike] = None,
+    implementation: Optional[kernels.Implementation] = None,
 ) -> optax.GradientTransformation:
   r"""The TACO direction: per column, the sign of the largest history entry.
 
@@ -294,8 +294,10 @@ class TacoDirection(NamedTuple):
 def taco_direction(k: Optional[int], mu: Union[float, jax.Array], *,
                    update_topk: Optional[int],
                    weight_dimension_numbers: dn.WeightDimNumOrFn | None,
-                   update_scale: ScaleTree, values_dtype: Any,
-                   index_dtype: Any, implementation: Optional[str]
+                   update_scale: ScaleTree,
+                   values_dtype: Optional[jax.typing.DTypeLike],
+                   index_dtype: Optional[jax.typing.DTypeLike],
+                   implementation: Optional[kernels.Implementation]
                    ) -> TacoDirection:
   """:func:`scale_by_taco` of these arguments, with its plans, ``mu`` and
   ``k`` (:class:`TacoDirection`)."""
