@@ -147,7 +147,7 @@ class LayerwisePeftTrainer(peft_trainer.PeftTrainer):
     self._taco_default_loss = self.loss_fn
     self._taco_micro_batch_weights = micro_batch_weights or (
         'tokens' if self._taco_tunix.token_weighted else 'equal')
-    self._taco_jitted = None
+    self._taco_jitted: Optional[tuple[Any, Any]] = None
 
   @property
   def fused_accumulation_steps(self) -> Optional[int]:

@@ -35,7 +35,7 @@ kernels' ``(N, k)`` rows here too (:func:`history_rows`,
 import logging
 import math
 import os
-from typing import Literal, NamedTuple, Optional, Union, get_args
+from typing import Literal, NamedTuple, Optional, Union, cast, get_args
 
 import jax
 import jax.numpy as jnp
@@ -53,23 +53,24 @@ IMPLEMENTATIONS: tuple[str, ...] = get_args(Implementation)
 _logger = logging.getLogger('taco_optax')
 # The choices logged so far: process-wide on purpose, as the logger is (each
 # choice is said once per process, not once per trace).
-_logged = set()
+_logged: set[str] = set()
 
 
-def resolve(implementation: Optional[Implementation]) -> str:
+def resolve(implementation: Optional[Implementation]) -> Implementation:
   """``implementation``, or ``$TACO_OPTAX_KERNEL`` (default auto) for None.
 
   Raises:
     ValueError: for a name outside :data:`IMPLEMENTATIONS`.
   """
   source = 'implementation'
-  if implementation is None:
+  chosen: Optional[str] = implementation
+  if chosen is None:
     source = ENV
-    implementation = os.environ.get(ENV, '').strip().lower() or 'auto'
-  if implementation not in IMPLEMENTATIONS:
-    raise ValueError(f'{source}={implementation!r}; expected one of '
+    chosen = os.environ.get(ENV, '').strip().lower() or 'auto'
+  if chosen not in IMPLEMENTATIONS:
+    raise ValueError(f'{source}={chosen!r}; expected one of '
                      f'{IMPLEMENTATIONS}.')
-  return implementation
+  return cast(Implementation, chosen)
 
 
 class Choice(NamedTuple):

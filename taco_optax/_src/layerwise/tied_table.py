@@ -193,7 +193,9 @@ def head_phase(gradient: token_table.TableGradient, ids: jax.Array,
   chunk = winners.column_chunk(write.plan.local_layout(param.shape),
                                write.block_elements)
   return HeadPhase(tokens, inverse, select_outside(
-      gradient, tokens, history, write.plan, write.mu, chunk,
+      # mypy: two phases run only where applies() found a column chunk,
+      # and measure implies phase 1 measured.
+      gradient, tokens, history, write.plan, write.mu, chunk,  # type: ignore[arg-type]
       measure=write.measure))
 
 
@@ -226,7 +228,9 @@ def update(param: jax.Array, phase: HeadPhase,
   square_sum = None
   if write.measure:  # the batch's tokens' rows: both shares, summed
     inside = lookup_grads.T + phase.outside.inside
-    square_sum = phase.outside.square_sum + winners.square_sum(jnp.where(
+    # mypy: two phases run only where applies() found a column chunk, and
+    # measure implies phase 1 measured.
+    square_sum = phase.outside.square_sum + winners.square_sum(jnp.where(  # type: ignore[operator]
         phase.tokens < plan.layout.m, inside, jnp.zeros((), inside.dtype)))
   delta = winners.winner_delta(step, param.dtype, write._replace(after=None))
   columns = jnp.arange(param.shape[axis], dtype=jnp.int32)[:, None]

@@ -172,7 +172,7 @@ def _parts(learning_rate: optax.ScalarOrSchedule, k: Optional[int],
   default_routing = weight_dimension_numbers is None
   if default_routing:
     weight_dimension_numbers = dn.rank2_matrices
-  implementation = kernels.resolve(implementation)
+  resolved = kernels.resolve(implementation)
   stochastic = rounding_lib.check_mode(rounding) == 'stochastic'
 
   def dims_tree(params):
@@ -197,7 +197,7 @@ def _parts(learning_rate: optax.ScalarOrSchedule, k: Optional[int],
   direction = scale.taco_direction(
       k, mu, update_topk=update_topk, weight_dimension_numbers=masked_dims,
       update_scale=update_scale, values_dtype=values_dtype,
-      index_dtype=index_dtype, implementation=implementation)
+      index_dtype=index_dtype, implementation=resolved)
   return parts_lib.TacoParts(
       param_labels=param_labels,
       dimension_numbers=dims_tree,
@@ -206,7 +206,7 @@ def _parts(learning_rate: optax.ScalarOrSchedule, k: Optional[int],
       adam=_adam(adam_learning_rate, adam,
                  rounding_seed=rounding_seed if stochastic else None),
       mu=mu, update_topk=1 if update_topk is None else update_topk,
-      update_scale=update_scale, implementation=implementation,
+      update_scale=update_scale, implementation=resolved,
       rounding=(rounding_lib.stochastic_rounding(rounding_seed) if stochastic
                 else None),
       rounding_seed=rounding_seed, k=direction.k,

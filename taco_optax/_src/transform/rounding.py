@@ -37,7 +37,9 @@ _LOW_PRECISION = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 class StochasticRoundingState(NamedTuple):
   """State of :func:`stochastic_rounding`: the steps taken (``int32``)."""
-  count: jax.Array
+  # optax's name for a step count (as ScaleByAdamState's), shadowing
+  # tuple.count.
+  count: jax.Array  # type: ignore[assignment]
 
 
 def advanced(state: StochasticRoundingState) -> StochasticRoundingState:

@@ -303,11 +303,11 @@ def taco_direction(k: Optional[int], mu: Union[float, jax.Array], *,
   ``k`` (:class:`TacoDirection`)."""
   k, update_topk, values_dtype, index_dtype = _checked_settings(
       k, mu, update_topk, values_dtype, index_dtype)
-  implementation = kernels.resolve(implementation)
+  resolved = kernels.resolve(implementation)
 
   def plans(tree):
     return plan_lib.leaf_plans(tree, weight_dimension_numbers, update_scale,
-                            update_topk, implementation)
+                            update_topk, resolved)
 
   def init_leaf(param, plan):
     if plan is None:
