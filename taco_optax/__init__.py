@@ -14,7 +14,7 @@ from the modules by :mod:`taco_optax.nnx`, :mod:`taco_optax.linen` and
 :func:`trace_dimension_numbers`.
 """
 
-from taco_optax import layerwise
+from taco_optax import layerwise  # noqa: F401  (the public submodule, imported with the package)
 from taco_optax._src.transform import TacoDimensionNumbers
 from taco_optax._src.transform import TacoState
 from taco_optax._src.transform import routing_report

@@ -30,11 +30,11 @@ Examples:
 from taco_optax._src.layerwise import LayeredLoss
 from taco_optax._src.layerwise import TableLookup
 from taco_optax._src.layerwise import TableProjection
+from taco_optax._src.layerwise import TrainStep
+from taco_optax._src.layerwise import layered_loss_of
 from taco_optax._src.layerwise import remat_layers
 from taco_optax._src.layerwise import table_mean_bytes
 from taco_optax._src.layerwise import train_step
-from taco_optax._src.layerwise import TrainStep
-from taco_optax._src.layerwise import layered_loss_of
 
 __all__ = (
     'LayeredLoss',

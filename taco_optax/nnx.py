@@ -10,12 +10,12 @@ Needs Flax: ``pip install "taco_optax[flax]"``.
 from typing import Any, Mapping, Optional
 
 import jax
-import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec
+import optax
 
-from taco_optax._src import transform
 from taco_optax._src import kernels
+from taco_optax._src import transform
 
 try:
   from flax import nnx
@@ -110,7 +110,8 @@ def update_scales(model: nnx.Module, wrt: Any = nnx.Param) -> nnx.State:
   """
   found = nnx_routes.table_paths(model, wrt)
   return nnx_routes.state_of(
-      model, wrt, lambda path: nnx_routes.TABLE_SCALE if path in found else None)
+      model, wrt,
+      lambda path: nnx_routes.TABLE_SCALE if path in found else None)
 
 
 def for_nnx_optimizer(tx: optax.GradientTransformation

@@ -23,8 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from taco_optax._src import transform
 from taco_optax._src import layerwise
+from taco_optax._src import transform
 from taco_optax._src.integrations import tunix_api
 from taco_optax._src.integrations import tunix_model
 
@@ -52,12 +52,12 @@ class LayerwisePeftTrainer(peft_trainer.PeftTrainer):
   the result equals ``PeftTrainer`` with the same optimizer up to the
   floating-point order of the recomputed gradients (tested in float32; with
   16-bit parameters the stochastic rounding draws its bits per leaf of the
-  re-laid tree, so they differ from ``PeftTrainer``'s: both are unbiased). The model is a
-  tunix decoder (``embedder``, a list of ``layers``, ``final_norm``, tied or
-  ``lm_head``: ``Qwen3``, ``Llama3``, ``Gemma3``...) trained with tunix's
-  default loss on full parameters. Supported: tunix 0.1.7 and 0.1.8 (whose
-  train steps differ; the trainer reads which one tunix has when it is
-  built, see ``docs/tunix.md``).
+  re-laid tree, so they differ from ``PeftTrainer``'s: both are unbiased).
+  The model is a tunix decoder (``embedder``, a list of ``layers``,
+  ``final_norm``, tied or ``lm_head``: ``Qwen3``, ``Llama3``, ``Gemma3``...)
+  trained with tunix's default loss on full parameters. Supported: tunix
+  0.1.7 and 0.1.8 (whose train steps differ; the trainer reads which one
+  tunix has when it is built, see ``docs/tunix.md``).
 
   ``gradient_accumulation_steps=A`` is fused into the step: the trainer
   groups each ``A`` consecutive batches of ``train_ds`` (an incomplete last
@@ -131,7 +131,7 @@ class LayerwisePeftTrainer(peft_trainer.PeftTrainer):
     self._taco_default_loss = self.loss_fn
     self._taco_micro_batch_weights = micro_batch_weights or (
         'tokens' if self._taco_tunix.token_weighted else 'equal')
-    self._taco_jitted = None
+    self._taco_jitted: Optional[tuple[Any, Any]] = None
 
   @property
   def fused_accumulation_steps(self) -> Optional[int]:

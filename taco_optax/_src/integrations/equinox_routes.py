@@ -28,7 +28,7 @@ axes must be the shape the module declares (``(out_features,
 in_features)``), else the weight is refused.
 """
 
-from typing import Any, Mapping, NamedTuple, Optional
+from typing import Any, Mapping, NamedTuple, Optional, cast
 
 import equinox as eqx
 import jax
@@ -116,7 +116,9 @@ def _linear_rule(site: Site) -> Optional[Route]:
   if 'scalar' in (module.in_features, module.out_features):
     return Route(transform.ToAdam(
         "eqx.nn.Linear weight with a 'scalar' side: a vector"))
-  return _declared(site, (module.out_features, module.in_features),
+  # Both are ints here ('scalar' returned above).
+  sides = cast(tuple[int, int], (module.out_features, module.in_features))
+  return _declared(site, sides,
                    'eqx.nn.Linear weight (out, in)')
 
 

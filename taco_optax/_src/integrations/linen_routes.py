@@ -30,11 +30,11 @@ convolutions; other modules' matrices        Adam, saying so (and, for other
 import logging
 from typing import Any, Mapping, NamedTuple, Optional
 
+from flax import linen as nn
+from flax import struct
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import linen as nn
-from flax import struct
 
 from taco_optax._src import transform
 from taco_optax._src.integrations import einsum
@@ -197,7 +197,8 @@ def _call_einsum_str(module: nn.Module, method: str, args, kwargs):
 
 def _owns_its_scope(module: nn.Module) -> bool:
   # Not a lifted transform's wrapper (the module it wraps has the scope).
-  path = module.scope.path
+  # mypy: a bound module has a scope.
+  path = module.scope.path  # type: ignore[union-attr]
   return path[-1:] == (() if module.name is None else (module.name,))
 
 
@@ -214,7 +215,8 @@ def _record_own_params(module: nn.Module, call, records: dict, box: bool
   ranks = {name: jnp.ndim(value) for name, value in raw.items()}
   einsum_str = _call_einsum_str(module, *call)
   for name, value in own.items():
-    path = module.scope.path + (name,)
+    # mypy: a bound module has a scope.
+    path = module.scope.path + (name,)  # type: ignore[union-attr]
     if path not in records:
       shape = tuple(jnp.shape(raw[name]))
       site = _Site(module, name, shape, _owner(module), '/'.join(path),
@@ -231,7 +233,9 @@ class _Recorder:
   """
 
   def __init__(self, box: bool):
-    self.box, self.records, self._active = box, {}, []
+    self.box = box
+    self.records: dict[Any, Any] = {}
+    self._active: list[Any] = []
     self._root = None  # the scope of module.init itself
 
   def __call__(self, next_fun, args, kwargs, context):
@@ -301,8 +305,9 @@ def _stacked(record: Record, inserted: tuple[int, ...],
   entry = record.route.entry
   if isinstance(entry, transform.ToAdam):
     return entry  # Adam needs no axes
-  layers, axes = [], [transform.as_tuple(entry.reduction_axis),
-                      transform.as_tuple(entry.output_axis)]
+  layers: list[Any] = []
+  axes = [transform.as_tuple(entry.reduction_axis),
+          transform.as_tuple(entry.output_axis)]
   for index in inserted:  # each add_axis shifts the axes at or after it
     layers = [a + (a >= index) for a in layers] + [index]
     axes = [tuple(a + (a >= index) for a in group) for group in axes]

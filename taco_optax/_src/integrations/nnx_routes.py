@@ -30,9 +30,9 @@ axes: each layer is its own matrix.
 
 from typing import Any, Mapping, NamedTuple, Optional
 
+from flax import nnx
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
 from taco_optax._src import transform
 from taco_optax._src.integrations import einsum

@@ -1,4 +1,4 @@
-"""What the installed tunix offers the layer-wise trainer, checked when it is built.
+"""What the installed tunix offers the layer-wise trainer, checked at build.
 
 tunix's ``PeftTrainer`` changed its train step between releases:
 

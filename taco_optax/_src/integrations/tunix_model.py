@@ -1,4 +1,4 @@
-"""A tunix decoder written as ``embed -> layers -> head`` for the layer-wise step.
+"""A tunix decoder as ``embed -> layers -> head``, for the layer-wise step.
 
 tunix's language models (``Qwen3``, ``Llama3``, ``Gemma3``, ...) share one
 shape: ``embedder.encode(tokens)``, a Python list of ``layers`` each called as

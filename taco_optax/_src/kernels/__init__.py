@@ -21,6 +21,7 @@ from taco_optax._src.kernels.codec import History
 from taco_optax._src.kernels.codec import decode_history
 from taco_optax._src.kernels.dispatch import ENV
 from taco_optax._src.kernels.dispatch import IMPLEMENTATIONS
+from taco_optax._src.kernels.dispatch import Implementation
 from taco_optax._src.kernels.dispatch import history_rows
 from taco_optax._src.kernels.dispatch import history_step
 from taco_optax._src.kernels.dispatch import resolve
@@ -46,6 +47,7 @@ __all__ = (
     'ENV',
     'EXPONENT_DTYPE',
     'IMPLEMENTATIONS',
+    'Implementation',
     'ColumnStep',
     'History',
     'LeafAxes',

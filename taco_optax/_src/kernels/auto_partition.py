@@ -29,13 +29,13 @@ import math
 from typing import Any, Callable, Union
 
 import jax
-import jax.numpy as jnp
 from jax.experimental.custom_partitioning import custom_partitioning
+import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec
 
-from taco_optax._src.kernels import reference
 from taco_optax._src.kernels import mesh as mesh_lib
+from taco_optax._src.kernels import reference
 
 # (grad_rows, values, indices, exponents, mu, update_topk) -> ColumnStep.
 LocalStep = Callable[..., reference.ColumnStep]
@@ -65,12 +65,14 @@ def _split_axes(sharding: Any, shape: tuple[int, ...]
   return mesh, rows, candidates
 
 
-def _specs(rows: mesh_lib.MeshAxes, candidates: mesh_lib.MeshAxes, array_mu: bool
+def _specs(rows: mesh_lib.MeshAxes, candidates: mesh_lib.MeshAxes,
+           array_mu: bool
            ) -> tuple[tuple[PartitionSpec, ...], tuple[PartitionSpec, ...]]:
   """Argument and result specs of the op for a row/candidate split."""
   row = mesh_lib.spec_entry(rows)
   per_row = PartitionSpec(row, None)
-  arguments = (PartitionSpec(row, mesh_lib.spec_entry(candidates)), per_row,
+  arguments: tuple[PartitionSpec, ...] = (
+      PartitionSpec(row, mesh_lib.spec_entry(candidates)), per_row,
                per_row, PartitionSpec(row))
   arguments += (PartitionSpec(),) if array_mu else ()
   results = (per_row, PartitionSpec(row), per_row, per_row, per_row,
@@ -166,7 +168,7 @@ def _make_op(local_step: LocalStep, sharded_step: ShardedStep,
 # The op of each (step function, static mu, update_topk): process-wide, so
 # that every trace of the same step reuses one custom_partitioning op (a new
 # op per trace would defeat jit's cache). Holds functions only, no arrays.
-_ops = {}
+_ops: dict[tuple[Any, ...], Any] = {}
 
 
 def partitioned_step(grad_rows: jax.Array, values: jax.Array,
@@ -201,6 +203,6 @@ def partitioned_step(grad_rows: jax.Array, values: jax.Array,
   key = (local_step, sharded_step, static_mu, update_topk)
   if key not in _ops:
     _ops[key] = _make_op(local_step, sharded_step, static_mu, update_topk)
-  arrays = (grad_rows, values, indices, exponents)
+  arrays: tuple[jax.Array, ...] = (grad_rows, values, indices, exponents)
   arrays += (jnp.asarray(mu),) if static_mu is None else ()
   return reference.ColumnStep(*_ops[key](*arrays))

@@ -32,42 +32,45 @@ kernels' ``(N, k)`` rows here too (:func:`history_rows`,
 :func:`stored_history`).
 """
 
-import math
 import logging
+import math
 import os
-from typing import NamedTuple, Optional, Union
+from typing import Literal, NamedTuple, Optional, Union, cast, get_args
 
 import jax
 import jax.numpy as jnp
 
 from taco_optax._src.kernels import auto_partition
 from taco_optax._src.kernels import codec
-from taco_optax._src.kernels import reference
 from taco_optax._src.kernels import cpu_kernel
 from taco_optax._src.kernels import mesh
+from taco_optax._src.kernels import reference
 
 ENV = 'TACO_OPTAX_KERNEL'
-IMPLEMENTATIONS = ('auto', 'cpu', 'pallas', 'reference')
+# What runs the column step: 'auto' chooses among the others.
+Implementation = Literal['auto', 'cpu', 'pallas', 'reference']
+IMPLEMENTATIONS: tuple[str, ...] = get_args(Implementation)
 _logger = logging.getLogger('taco_optax')
 # The choices logged so far: process-wide on purpose, as the logger is (each
 # choice is said once per process, not once per trace).
-_logged = set()
+_logged: set[str] = set()
 
 
-def resolve(implementation: Optional[str]) -> str:
+def resolve(implementation: Optional[Implementation]) -> Implementation:
   """``implementation``, or ``$TACO_OPTAX_KERNEL`` (default auto) for None.
 
   Raises:
     ValueError: for a name outside :data:`IMPLEMENTATIONS`.
   """
   source = 'implementation'
-  if implementation is None:
+  chosen: Optional[str] = implementation
+  if chosen is None:
     source = ENV
-    implementation = os.environ.get(ENV, '').strip().lower() or 'auto'
-  if implementation not in IMPLEMENTATIONS:
-    raise ValueError(f'{source}={implementation!r}; expected one of '
+    chosen = os.environ.get(ENV, '').strip().lower() or 'auto'
+  if chosen not in IMPLEMENTATIONS:
+    raise ValueError(f'{source}={chosen!r}; expected one of '
                      f'{IMPLEMENTATIONS}.')
-  return implementation
+  return cast(Implementation, chosen)
 
 
 class Choice(NamedTuple):
@@ -249,7 +252,8 @@ def _empty_step(grad_rows: jax.Array, values: jax.Array, indices: jax.Array,
       finite=jnp.array(True))
 
 
-def history_step(grad_rows: jax.Array, history: codec.History, *, update_topk: int,
+def history_step(grad_rows: jax.Array, history: codec.History, *,
+                 update_topk: int,
                  mu: Union[float, jax.Array], implementation: str,
                  shards: Optional[mesh.LeafSharding] = None
                  ) -> tuple[reference.ColumnStep, codec.History]:

@@ -1,4 +1,4 @@
-"""TACO on a device mesh: where a leaf's pieces live, and an exact sharded top-k.
+"""TACO on a device mesh: where a leaf's pieces live; an exact sharded top-k.
 
 A TACO leaf's state is ``batch + (k, n)`` (values, indices) and ``batch +
 (n,)`` (exponents): the output axes are gone, so the state shards like the
@@ -129,19 +129,19 @@ def leaf_sharding(shape: Sequence[int], spec: PartitionSpec,
   shape = tuple(shape)
   batch, reduction, output = axes
   param_axes = padded_spec(spec, len(shape))
-  for ax, axes in enumerate(param_axes):
-    split = math.prod(mesh_shape[a] for a in axes)
+  for ax, mesh_axes in enumerate(param_axes):
+    split = math.prod(mesh_shape[a] for a in mesh_axes)
     if shape[ax] % split:
       raise ValueError(
           f'Axis {ax} of a TACO leaf of shape {shape} has size {shape[ax]}, '
-          f'not divisible by the {split} shards of mesh axes {axes} '
+          f'not divisible by the {split} shards of mesh axes {mesh_axes} '
           f'(spec {spec}).')
   if any(param_axes[ax] for ax in reduction[1:]):
     raise ValueError(
         f'Only the first reduction axis of a TACO leaf may be sharded; got '
         f'spec {spec} for shape {shape} with reduction axes {reduction}. '
         'Shard the first reduction axis, or reorder reduction_axis.')
-  split = lambda ax: math.prod(mesh_shape[a] for a in param_axes[ax])
+  shards_of = lambda ax: math.prod(mesh_shape[a] for a in param_axes[ax])
   batch_entries = tuple(spec_entry(param_axes[ax]) for ax in batch)
   columns_entry = spec_entry(param_axes[reduction[0]])
   return LeafSharding(
@@ -149,7 +149,7 @@ def leaf_sharding(shape: Sequence[int], spec: PartitionSpec,
       batch_axes=batch,
       output_axes=output,
       output_sizes=tuple(shape[ax] for ax in output),
-      local_output_sizes=tuple(shape[ax] // split(ax) for ax in output),
+      local_output_sizes=tuple(shape[ax] // shards_of(ax) for ax in output),
       values_spec=PartitionSpec(*batch_entries, None, columns_entry),
       exponents_spec=PartitionSpec(*batch_entries, columns_entry),
   )
@@ -189,8 +189,8 @@ def block_start(shards: LeafSharding, axis: int, size: int) -> Any:
 
 def global_rows(local_indices: jax.Array, shards: LeafSharding) -> jax.Array:
   """Global row (flat output) indices of this device's local ``indices``."""
-  parts = jnp.unravel_index(local_indices, shards.local_output_sizes)
-  parts = [p + o for p, o in zip(parts, _offsets(shards))]
+  local = jnp.unravel_index(local_indices, shards.local_output_sizes)
+  parts = [p + o for p, o in zip(local, _offsets(shards))]
   return jnp.ravel_multi_index(parts, shards.output_sizes,
                                mode='wrap').astype(jnp.int32)
 
@@ -199,9 +199,9 @@ def local_rows(global_indices: jax.Array, shards: LeafSharding
                ) -> tuple[jax.Array, jax.Array]:
   """``(local indices, held here)`` of global row indices."""
   local_sizes = shards.local_output_sizes
-  parts = jnp.unravel_index(global_indices.astype(jnp.int32),
+  whole = jnp.unravel_index(global_indices.astype(jnp.int32),
                             shards.output_sizes)
-  parts = [p - o for p, o in zip(parts, _offsets(shards))]
+  parts = [p - o for p, o in zip(whole, _offsets(shards))]
   held = jnp.ones(global_indices.shape, bool)
   for part, size in zip(parts, local_sizes):
     held &= (part >= 0) & (part < size)
@@ -300,8 +300,9 @@ def map_over_shards(local_update: Any, mesh: Any, shards: LeafSharding,
   leaves, treedef = jax.tree.flatten(hyperparams)
   is_array = [isinstance(x, jax.Array) for x in leaves]
   replicated_args = [x for x, a in zip(leaves, is_array) if a]
-  history_specs = codec.History(shards.values_spec, shards.values_spec,
-                                shards.exponents_spec)
+  # The history's tree, of specs (_make: a History holds arrays elsewhere).
+  history_specs = codec.History._make(
+      (shards.values_spec, shards.values_spec, shards.exponents_spec))
   in_specs = ((shards.param_spec,) * len(arrays), history_specs)
   out_specs = (shards.param_spec, history_specs)
 

@@ -40,9 +40,9 @@ import functools
 from typing import Union
 
 import jax
-import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+import jax.numpy as jnp
 
 from taco_optax._src.kernels import codec
 from taco_optax._src.kernels import reference

@@ -1,4 +1,4 @@
-"""TACO's step on one leaf's rows: merge the history, select, encode, pick winners.
+"""TACO's step on a leaf's rows: merge the history, select, encode, pick.
 
 Everything here works on "rows": a 2-D array of shape ``(N, m)`` whose row ``i``
 is one of the paper's columns (all ``m`` entries that compete for that column's
@@ -65,7 +65,8 @@ def column_topk(candidates: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
 
 def scatter_add_rows(dense: jax.Array, indices: jax.Array,
                      values: jax.Array) -> jax.Array:
-  """Adds ``values[i, s]`` to ``dense[i, indices[i, s]]``; indices unique per row."""
+  """Adds ``values[i, s]`` to ``dense[i, indices[i, s]]`` (indices unique per
+  row)."""
   rows = jnp.arange(dense.shape[0], dtype=jnp.int32)[:, None]
   return dense.at[rows, indices.astype(jnp.int32)].add(
       values.astype(dense.dtype), unique_indices=True, mode='promise_in_bounds')

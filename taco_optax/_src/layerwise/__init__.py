@@ -13,12 +13,12 @@ step's layers with FSDP gathers issued when used (:func:`remat_layers`).
 
 from taco_optax._src.layerwise.layered_loss import LayeredLoss
 from taco_optax._src.layerwise.micro_batch_table import table_mean_bytes
+from taco_optax._src.layerwise.relayout import Relayout
+from taco_optax._src.layerwise.relayout import pair_parts
 from taco_optax._src.layerwise.remat import remat_layers
 from taco_optax._src.layerwise.token_table import TableLookup
 from taco_optax._src.layerwise.token_table import TableProjection
 from taco_optax._src.layerwise.traced_loss import layered_loss_of
-from taco_optax._src.layerwise.relayout import Relayout
-from taco_optax._src.layerwise.relayout import pair_parts
 from taco_optax._src.layerwise.train_step import TrainStep
 from taco_optax._src.layerwise.train_step import step_from_parts
 from taco_optax._src.layerwise.train_step import train_step

@@ -40,7 +40,8 @@ def micro_batch_count(batches: Batch) -> int:
     raise ValueError(
         'with accumulation_steps, every leaf of the batch needs a leading '
         f'micro-batch axis of one size; got leading sizes {shown}.')
-  return sizes.pop()
+  # mypy: None in sizes raised above.
+  return sizes.pop()  # type: ignore[return-value]
 
 
 def check_micro_batches(batches: Batch, steps: int) -> None:
@@ -187,11 +188,19 @@ def head_means(head: Callable[[Params, Any, Batch], jax.Array],
       (jnp.arange(count, dtype=jnp.int32), hidden, batches))
   means = dict(zip(dense.keys, acc))
   if keep:
-    array = token_table.table_at(outer, head.table)
-    means[table] = micro_batch_table.MeanGradient(
-        array, head.table_axis, (), count=count,
+    # mypy: a kept table comes with a TableProjection head / TableLookup
+    # embed (table set).
+    array = token_table.table_at(outer, head.table)  # type: ignore[attr-defined]
+    # mypy: a kept table comes with a TableProjection head / TableLookup
+    # embed (table set).
+    means[table] = micro_batch_table.MeanGradient(  # type: ignore[index]
+        # mypy: a kept table comes with a TableProjection head /
+        # TableLookup embed (table set).
+        array, head.table_axis, (), count=count,  # type: ignore[attr-defined]
         shares=(micro_batch_table.Share(
-            lambda f: token_table.projection_gradient(head, array, *f),
+            # mypy: a kept table comes with a TableProjection head
+            # / TableLookup embed (table set).
+            lambda f: token_table.projection_gradient(head, array, *f),  # type: ignore[arg-type]
             kept),))
   elif table is not None:
     means[table] = table_acc
@@ -286,14 +295,18 @@ def embed_means(embed: Callable[[Params, Batch], Any], outer: Params,
              for key, a, g in zip(read.keys, acc, grads)], table_acc), kept
   table_start = None
   if table is not None and not keep:
-    table_start = start(table, token_table.table_at(outer, embed.table))
+    # mypy: a kept table comes with a TableProjection head / TableLookup
+    # embed (table set).
+    table_start = start(table, token_table.table_at(outer, embed.table))  # type: ignore[attr-defined]
   (acc, table_acc), kept = jax.lax.scan(
       body, ([start(key, x) for key, x in zip(read.keys, read.values)],
              table_start),
       (jnp.arange(count, dtype=jnp.int32), d_hidden, batches))
   means = {**head_means, **dict(zip(read.keys, acc))}
   if keep:
-    means[table] = _with_lookup(embed, outer, head_means.get(table), kept,
+    # mypy: a kept table comes with a TableProjection head / TableLookup
+    # embed (table set).
+    means[table] = _with_lookup(embed, outer, head_means.get(table), kept,  # type: ignore[arg-type,index]
                                 count)
   elif table is not None:
     means[table] = table_acc

@@ -76,7 +76,8 @@ def unrolled(layer_backward: LayerBackward, layers: list[Any],
     input, ``{key: Updated}`` of the layers' TACO leaves and ``{key:
     gradient}`` of their Adam leaves.
   """
-  updated, grads = {}, {}
+  updated: dict[Key, Any] = {}
+  grads: dict[Key, Any] = {}
   # The cotangent of the output of the layer after this one: see below.
   previous_d_hidden = d_hidden
   for l in reversed(range(len(layers))):

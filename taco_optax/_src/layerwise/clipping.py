@@ -10,7 +10,7 @@ gradient clipped as ``clip_by_global_norm`` clips it. The cost is one more
 forward and backward pass.
 """
 
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Mapping, Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -62,7 +62,7 @@ def layer_squares(layer_backward, layers, layer_inputs, d_hidden,
                                        reverse=True)
     summed = jax.tree.map(lambda s: _ordered_sum(list(s)), per_layer)
     return d_hidden, dict(leaves_lib.keyed(summed, leaves_lib.LAYERS))
-  sums = {}
+  sums: dict[Key, Any] = {}
   for l in reversed(range(len(layers))):
     grads, d_hidden = layer_backward(layers[l], layer_inputs[l], d_hidden)
     sums.update(leaves_lib.keyed(
@@ -83,10 +83,11 @@ def _ordered_sum(values) -> jax.Array:
   return total
 
 
-def global_norm(params: Any, squares: dict[Key, jax.Array]) -> jax.Array:
+def global_norm(params: Any,
+                squares: Mapping[Key, Union[float, jax.Array]]) -> jax.Array:
   """``optax.tree.norm``'s norm from each leaf's ``sum(g**2)``, summed in
   the pair's leaf order, as optax sums them (``0 + s_0 + s_1 + ...``)."""
-  total = 0
+  total: Union[float, jax.Array] = 0
   for key, _ in leaves_lib.keyed(params, ()):
     total = total + squares[key]
   return jnp.sqrt(jnp.asarray(total))

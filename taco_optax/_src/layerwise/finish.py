@@ -75,7 +75,8 @@ def global_norm(step: leaves_lib.StepLeaves,
   if missing:
     raise ValueError('the layer-wise step did not measure the gradient of '
                      + ', '.join(missing))
-  terms = [jnp.sum(result.square_sum) for result in updated.values()]
+  # mypy: every result has its square_sum here: missing ones raised above.
+  terms = [jnp.sum(result.square_sum) for result in updated.values()]  # type: ignore[arg-type]
   terms += [winners.square_sum(g) for g in grads.values()]
   return jnp.sqrt(sum(terms, jnp.zeros((), jnp.float32)))
 

@@ -14,7 +14,6 @@ import dataclasses
 from typing import Any, Callable, Iterator, NamedTuple, Optional
 
 import jax
-import optax
 
 from taco_optax._src import kernels
 from taco_optax._src import transform
@@ -54,7 +53,8 @@ class Leaf(NamedTuple):
       rounds stochastically, else ``None``.
   """
   key: Key
-  index: int
+  # A field named like tuple.index (shadowing it), as callers read it.
+  index: int  # type: ignore[assignment]
   plan: Optional[transform.LeafPlan]
   history: kernels.History
   rounding: Optional[winners.LeafRounding]
@@ -125,7 +125,8 @@ class StepLeaves:
               else self.clip(grad))
     return Updated(*weight_update.taco_leaf_update(
         param, grad, leaf.history, winners.WinnerWrite(
-            plan=leaf.plan, mu=self.parts.mu,
+            # mypy: only TACO leaves (plan set) are written.
+            plan=leaf.plan, mu=self.parts.mu,  # type: ignore[arg-type]
             learning_rate=self.parts.learning_rate,
             learning_rate_state=self.states.learning_rate,
             block_elements=self.column_block_elements, after=after,
@@ -171,7 +172,7 @@ def _rounding_keys(parts: transform.TacoParts, states: transform.TacoStates,
 
 def merged(*results: dict[Key, Any]) -> dict[Key, Any]:
   """The union of the pieces' results; a key in two of them is an error."""
-  out = {}
+  out: dict[Key, Any] = {}
   for result in results:
     twice = out.keys() & result.keys()
     if twice:

@@ -176,7 +176,8 @@ def table_write(step: leaves_lib.StepLeaves,
                 leaf: leaves_lib.Leaf) -> winners.WinnerWrite:
   """How the tied table's winners are written."""
   return winners.WinnerWrite(
-      plan=leaf.plan, mu=step.parts.mu,
+      # mypy: a two-phase table (phase set) has a TableLookup embed and a plan.
+      plan=leaf.plan, mu=step.parts.mu,  # type: ignore[arg-type]
       learning_rate=step.parts.learning_rate,
       learning_rate_state=step.states.learning_rate,
       block_elements=step.column_block_elements, rounding=leaf.rounding,
@@ -201,7 +202,9 @@ def after_head(loss: LayeredLoss, step: leaves_lib.StepLeaves, outer: Params,
     key = roles.two_phase
     leaf = step.leaves[key]
     phase = tied_table.head_phase(
-        grads.pop(key), loss.embed.ids(batch),
+        # mypy: a two-phase table (phase set) has a TableLookup embed
+        # and a plan.
+        grads.pop(key), loss.embed.ids(batch),  # type: ignore[attr-defined]
         dict(leaves_lib.keyed(outer, leaves_lib.OUTER))[key], leaf.history,
         table_write(step, leaf))
     d_hidden = ordering.ordered_after(d_hidden, phase.outside.values)
@@ -226,11 +229,14 @@ def after_embedding(loss: LayeredLoss, step: leaves_lib.StepLeaves,
     leaf = step.leaves[key]
     if key == head.roles.two_phase:
       updated[key] = leaves_lib.Updated(*tied_table.update(
-          params[key], head.phase, loss.embed.gather, d_rows, leaf.history,
+          # mypy: a two-phase table (phase set) has a TableLookup
+          # embed and a plan.
+          params[key], head.phase, loss.embed.gather, d_rows, leaf.history,  # type: ignore[arg-type,attr-defined]
           table_write(step, leaf)))
       del grads[key]
       continue
-    table = token_table.lookup_gradient(loss.embed, params[key], ids, d_rows)
+    # mypy: lookups.tables has entries only for a TableLookup embed.
+    table = token_table.lookup_gradient(loss.embed, params[key], ids, d_rows)  # type: ignore[arg-type]
     projected = head.grads.get(key)
     grads[key] = table.plus(
         projected if isinstance(projected, token_table.TableGradient)

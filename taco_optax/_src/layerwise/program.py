@@ -24,7 +24,7 @@ class Program:
   num_params: int
   param_names: list[str]
 
-  def __post_init__(self):
+  def __post_init__(self) -> None:
     jaxpr = self.jaxpr
     self.param_vars = list(jaxpr.invars[:self.num_params])
     self.batch_vars = list(jaxpr.invars[self.num_params:])

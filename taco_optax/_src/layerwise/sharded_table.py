@@ -1,4 +1,4 @@
-"""A token table split over its rows on a mesh, updated a block of columns at a time.
+"""A token table split by rows on a mesh, updated a block of columns at a time.
 
 When a table's vocabulary (its rows, TACO's output axis) is split over mesh
 axes and its gradient is a :class:`TableGradient` whose uses keep to each

@@ -1,19 +1,20 @@
-"""A tied token table's TACO step in two phases, so the logits' cotangent dies early.
+"""A tied token table's TACO step in two phases; the logits' cotangent dies.
 
 The tied table's gradient is the projection's share (``d_logits^T features``,
 formed a block of columns at a time from the logits' cotangent) plus the
 lookup's share, which backprop reaches only after every layer. Keeping the
 logits' cotangent until then costs ``positions x vocab`` floats through the
-whole backward pass (``docs/measured/memory.md`` measures it). But the lookup only
-touches the table's rows of the batch's tokens, so:
+whole backward pass (``docs/measured/memory.md`` measures it). But the lookup
+only touches the table's rows of the batch's tokens, so:
 
 1. at the head (:func:`select_outside`): per column, the candidates of every
    row outside the batch's tokens are final; keep their top ``max(k, r)``
    (values and token indices) and the projection's gradient at the batch's
    tokens;
 2. after the layers (:func:`merge_batch_tokens`): form the candidates of the
-   batch's tokens from both shares, merge them with the kept ones in ``lax.top_k``'s order
-   (magnitude, then lower row) and finish the step as the column step does.
+   batch's tokens from both shares, merge them with the kept ones in
+   ``lax.top_k``'s order (magnitude, then lower row) and finish the step as
+   the column step does.
 
 The arithmetic of every candidate is the reference column step's, so the
 result equals the one-pass step on the summed gradient (tested bit for bit).
@@ -193,7 +194,9 @@ def head_phase(gradient: token_table.TableGradient, ids: jax.Array,
   chunk = winners.column_chunk(write.plan.local_layout(param.shape),
                                write.block_elements)
   return HeadPhase(tokens, inverse, select_outside(
-      gradient, tokens, history, write.plan, write.mu, chunk,
+      # mypy: two phases run only where applies() found a column chunk,
+      # and measure implies phase 1 measured.
+      gradient, tokens, history, write.plan, write.mu, chunk,  # type: ignore[arg-type]
       measure=write.measure))
 
 
@@ -226,7 +229,9 @@ def update(param: jax.Array, phase: HeadPhase,
   square_sum = None
   if write.measure:  # the batch's tokens' rows: both shares, summed
     inside = lookup_grads.T + phase.outside.inside
-    square_sum = phase.outside.square_sum + winners.square_sum(jnp.where(
+    # mypy: two phases run only where applies() found a column chunk, and
+    # measure implies phase 1 measured.
+    square_sum = phase.outside.square_sum + winners.square_sum(jnp.where(  # type: ignore[operator]
         phase.tokens < plan.layout.m, inside, jnp.zeros((), inside.dtype)))
   delta = winners.winner_delta(step, param.dtype, write._replace(after=None))
   columns = jnp.arange(param.shape[axis], dtype=jnp.int32)[:, None]

@@ -129,7 +129,8 @@ class TableProjection:
     features = self.features(outer, hidden, batch)
     table = table_at(outer, self.table)
     check_projection(self, features, table)
-    return self.loss(self.project(features, table), batch)
+    # mypy: project is set in __post_init__ when not given.
+    return self.loss(self.project(features, table), batch)  # type: ignore[misc]
 
 
 def check_projection(head: TableProjection, features: jax.Array,
@@ -319,7 +320,8 @@ def projection_backward(head: TableProjection, outer: Params, hidden: Any,
                                                 batch)
   feats, features_vjp = jax.vjp(features, split.others, hidden)
   check_projection(head, feats, split.table)
-  logits, project_vjp = jax.vjp(lambda f: head.project(f, split.table), feats)
+  # mypy: project is set in __post_init__ when not given.
+  logits, project_vjp = jax.vjp(lambda f: head.project(f, split.table), feats)  # type: ignore[misc]
   value, loss_vjp = jax.vjp(lambda x: head.loss(x, batch), logits)
   (d_logits,) = loss_vjp(jnp.ones_like(value))
   (d_features,) = project_vjp(d_logits)

@@ -102,10 +102,10 @@ def _param_only_in(program: program_lib.Program, var: Any, block: int) -> None:
     name = program.param_names[program.param_index[var]]
     raise ValueError(
         f'The parameter {name} is read by a block and elsewhere in loss_fn '
-        '(another block, or outside the blocks): the layer-wise step updates '
-        'each block\'s parameters in that block\'s backward pass, so a block\'s '
-        'parameters must be its own. Read a shared parameter outside the '
-        'blocks only, or give each block its own.')
+        '(another block, or outside the blocks): the layer-wise step '
+        'updates each block\'s parameters in that block\'s backward pass, so '
+        'a block\'s parameters must be its own. Read a shared parameter '
+        'outside the blocks only, or give each block its own.')
 
 
 class _Roles(NamedTuple):
@@ -242,7 +242,8 @@ def _unrolled(program: program_lib.Program, blocks: list[int]):
   block = _internals.closed_function(_internals.called_jaxpr(eqns[blocks[0]]))
   static = [v for _, v in second.static]
 
-  def layer(p, hidden, statics):
+  def layer(p: Sequence[Any], hidden: Sequence[Any],
+            statics: Sequence[Any]) -> tuple[Any, ...]:
     operands: list[Any] = [None] * len(eqns[blocks[0]].invars)
     for q, leaf in zip(second.params, p):
       operands[q] = leaf
@@ -320,8 +321,9 @@ def layered_loss_of(loss_fn: Callable[[Any, Any], jax.Array], params: Any,
     raise ValueError('loss_fn must return one scalar, the loss (as for '
                      'jax.grad); it returned '
                      f'{[getattr(v.aval, "shape", v) for v in jaxpr.outvars]}.')
-  program = program_lib.Program(jaxpr, list(closed.consts), len(leaves_with_paths),
-                     [jax.tree_util.keystr(p) for p, _ in leaves_with_paths])
+  program = program_lib.Program(
+      jaxpr, list(closed.consts), len(leaves_with_paths),
+      [jax.tree_util.keystr(p) for p, _ in leaves_with_paths])
   eqns = jaxpr.eqns
   blocks = [i for i, eqn in enumerate(eqns) if _is_block(eqn)]
   if not blocks:

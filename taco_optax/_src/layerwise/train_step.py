@@ -28,12 +28,12 @@ from taco_optax._src.layerwise import accumulated_step
 from taco_optax._src.layerwise import backward
 from taco_optax._src.layerwise import clipping
 from taco_optax._src.layerwise import finish
+from taco_optax._src.layerwise import layered_loss
 from taco_optax._src.layerwise import leaves as leaves_lib
 from taco_optax._src.layerwise import ordering
 from taco_optax._src.layerwise import outer as outer_lib
-from taco_optax._src.layerwise import winners
-from taco_optax._src.layerwise import layered_loss
 from taco_optax._src.layerwise import relayout
+from taco_optax._src.layerwise import winners
 from taco_optax._src.layerwise.layered_loss import LayeredLoss
 
 Params = Any
@@ -61,7 +61,8 @@ def train_step(loss: LayeredLoss,
   winners of each column into the weight,
 
   .. math::
-    W_{j, i^*_j} \leftarrow W_{j, i^*_j} - \eta\, s\, \mathrm{sign}(M_{t, j})_{i^*_j},
+    W_{j, i^*_j} \leftarrow
+    W_{j, i^*_j} - \eta\, s\, \mathrm{sign}(M_{t, j})_{i^*_j},
 
   inside the loop carry, so with donated ``params`` the weights are updated in
   place and the gradient of layer ``l`` is dead before layer ``l - 1`` starts.
@@ -165,10 +166,11 @@ def train_step(loss: LayeredLoss,
     Fine-Tuning, 2026 (Section 5, immediate gradient processing).
   """
   parts = transform.parts_of(optimizer)
-  options = dict(accumulation_steps=accumulation_steps,
-                 clip_global_norm=clip_global_norm,
-                 column_block_elements=column_block_elements,
-                 with_grad_norm=with_grad_norm)
+  options: dict[str, Any] = dict(
+      accumulation_steps=accumulation_steps,
+      clip_global_norm=clip_global_norm,
+      column_block_elements=column_block_elements,
+      with_grad_norm=with_grad_norm)
   if isinstance(loss, LayeredLoss):
     return step_from_parts(loss, parts, **options)
   if not callable(loss):

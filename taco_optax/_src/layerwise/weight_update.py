@@ -85,7 +85,9 @@ def _local_update(param: jax.Array, grad: Any, history: kernels.History,
     grad = grad.dense()
   if isinstance(grad, token_table.TableGradient):  # formed block by block
     return LeafUpdate(*column_blocks.chunked_leaf_update(
-        param, grad, history, layout, chunk, write, None))
+        # mypy: a TableGradient reaches here only with a chunk (else
+        # densified above).
+        param, grad, history, layout, chunk, write, None))  # type: ignore[arg-type]
   square_sum = _measured(grad, write)
   param, history = local_leaf_update(param, grad, history,
                                      write=write._replace(measure=False))

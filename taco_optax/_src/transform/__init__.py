@@ -1,4 +1,4 @@
-"""The optax transformation: :func:`taco`, :func:`scale_by_taco` and their parts.
+"""The optax transformation: :func:`taco`, :func:`scale_by_taco`, their parts.
 
 What the package's public face and its siblings use: the public names
 (:func:`taco`, :func:`scale_by_taco`, :class:`TacoState`,
@@ -14,24 +14,25 @@ the layer-wise step's, which reads a plain loss's blocks).
 
 from taco_optax._src.transform import jaxpr_internals
 from taco_optax._src.transform.alias import taco
+from taco_optax._src.transform.dimension_numbers import MatrixLayout
+from taco_optax._src.transform.dimension_numbers import TacoDimensionNumbers
+from taco_optax._src.transform.dimension_numbers import ToAdam
+from taco_optax._src.transform.dimension_numbers import as_tuple
+from taco_optax._src.transform.dimension_numbers import decided
+from taco_optax._src.transform.dimension_numbers import leaf_dimension_numbers
+from taco_optax._src.transform.dimension_numbers import normalize_axes
+from taco_optax._src.transform.dimension_numbers import path_name
+from taco_optax._src.transform.dimension_numbers import source_of
+from taco_optax._src.transform.overrides import Overrides
 from taco_optax._src.transform.parts import TacoParts
 from taco_optax._src.transform.parts import TacoStates
 from taco_optax._src.transform.parts import parts_of
 from taco_optax._src.transform.parts import replace_init
 from taco_optax._src.transform.parts import taco_states
 from taco_optax._src.transform.parts import with_taco_states
-from taco_optax._src.transform.dimension_numbers import MatrixLayout
-from taco_optax._src.transform.dimension_numbers import TacoDimensionNumbers
-from taco_optax._src.transform.dimension_numbers import ToAdam
-from taco_optax._src.transform.dimension_numbers import decided
-from taco_optax._src.transform.dimension_numbers import source_of
-from taco_optax._src.transform.dimension_numbers import as_tuple
-from taco_optax._src.transform.dimension_numbers import leaf_dimension_numbers
-from taco_optax._src.transform.dimension_numbers import normalize_axes
-from taco_optax._src.transform.dimension_numbers import path_name
-from taco_optax._src.transform.overrides import Overrides
 from taco_optax._src.transform.plan import LeafPlan
 from taco_optax._src.transform.plan import leaf_scales
+from taco_optax._src.transform.rounding import Rounding
 from taco_optax._src.transform.rounding import advanced
 from taco_optax._src.transform.rounding import element_bits
 from taco_optax._src.transform.rounding import flat_index
@@ -42,13 +43,13 @@ from taco_optax._src.transform.rounding import rounded_update
 from taco_optax._src.transform.rounding import stochastic_rounding
 from taco_optax._src.transform.routing_report import routing_report
 from taco_optax._src.transform.scale import TacoState
-from taco_optax._src.transform.scale import scale_by_taco
 from taco_optax._src.transform.scale import leaf_histories
+from taco_optax._src.transform.scale import scale_by_taco
 from taco_optax._src.transform.scale import taco_state
 from taco_optax._src.transform.state_shardings import state_shardings
+from taco_optax._src.transform.trace_routing import trace_dimension_numbers
 from taco_optax._src.transform.trees import is_masked
 from taco_optax._src.transform.trees import is_variable
-from taco_optax._src.transform.trace_routing import trace_dimension_numbers
 
 __all__ = (
     'LeafPlan',
@@ -58,6 +59,7 @@ __all__ = (
     'TacoParts',
     'TacoState',
     'TacoStates',
+    'Rounding',
     'ToAdam',
     'advanced',
     'as_tuple',

@@ -2,21 +2,20 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional, Union
+from typing import NamedTuple, Optional, Union
 
 import jax
 import optax
 
+from taco_optax._src import kernels
 from taco_optax._src.transform import default_routing
 from taco_optax._src.transform import dimension_numbers as dn
 from taco_optax._src.transform import hyperparams
 from taco_optax._src.transform import inject_guard
-from taco_optax._src import kernels
 from taco_optax._src.transform import parts as parts_lib
 from taco_optax._src.transform import rounding as rounding_lib
 from taco_optax._src.transform import scale
 from taco_optax._src.transform import trees
-
 
 
 def taco(
@@ -27,16 +26,16 @@ def taco(
     update_topk: Optional[int] = None,
     weight_dimension_numbers: dn.WeightDimNumOrFn | None = None,
     update_scale: scale.ScaleTree = None,
-    values_dtype: Any = None,
-    index_dtype: Any = None,
+    values_dtype: Optional[jax.typing.DTypeLike] = None,
+    index_dtype: Optional[jax.typing.DTypeLike] = None,
     adam_learning_rate: Optional[optax.ScalarOrSchedule] = None,
     adam_b1: float = 0.9,
     adam_b2: float = 0.999,
     adam_eps: float = 1e-8,
     adam_eps_root: float = 0.0,
     adam_weight_decay: Optional[float] = None,
-    implementation: Optional[str] = None,
-    rounding: str = 'stochastic',
+    implementation: Optional[kernels.Implementation] = None,
+    rounding: rounding_lib.Rounding = 'stochastic',
     rounding_seed: int = 0,
 ) -> optax.GradientTransformation:
   r"""TACO for matrices, AdamW for vectors and scalars.
@@ -112,10 +111,10 @@ def taco(
     rounding: how updates of bfloat16 and float16 parameters are rounded.
       ``'stochastic'`` (the default): the new weight is the exact float32
       sum ``w + u`` of the weight and its update rounded up or down at
-      random, unbiased (both branches; see below). ``'nearest'``: ``optax.apply_updates``' rounding to
-      nearest, which drops every step below half an ulp (a bfloat16 weight
-      of 0.02 has an ulp of 1.2e-4). Parameters of other dtypes are not
-      affected.
+      random, unbiased (both branches; see below). ``'nearest'``:
+      ``optax.apply_updates``' rounding to nearest, which drops every step
+      below half an ulp (a bfloat16 weight of 0.02 has an ulp of 1.2e-4).
+      Parameters of other dtypes are not affected.
     rounding_seed: the seed of stochastic rounding's random bits; a run is
       reproducible and resumes bit for bit.
 
@@ -144,7 +143,9 @@ def taco(
       weight_dimension_numbers=weight_dimension_numbers,
       update_scale=update_scale, values_dtype=values_dtype,
       index_dtype=index_dtype, adam_learning_rate=adam_learning_rate,
-      adam=(adam_b1, adam_b2, adam_eps, adam_eps_root, adam_weight_decay),
+      adam=AdamSettings(b1=adam_b1, b2=adam_b2, eps=adam_eps,
+                        eps_root=adam_eps_root,
+                        weight_decay=adam_weight_decay),
       implementation=implementation, rounding=rounding,
       rounding_seed=rounding_seed)
   optimizer = parts.transformation()
@@ -157,18 +158,21 @@ def taco(
 def _parts(learning_rate: optax.ScalarOrSchedule, k: Optional[int],
            mu: Union[float, jax.Array], *, update_topk: Optional[int],
            weight_dimension_numbers: dn.WeightDimNumOrFn | None,
-           update_scale: scale.ScaleTree, values_dtype: Any,
-           index_dtype: Any,
+           update_scale: scale.ScaleTree,
+           values_dtype: Optional[jax.typing.DTypeLike],
+           index_dtype: Optional[jax.typing.DTypeLike],
            adam_learning_rate: Optional[optax.ScalarOrSchedule],
-           adam: tuple[Any, ...], implementation: Optional[str],
-           rounding: str, rounding_seed: int) -> parts_lib.TacoParts:
-  """:func:`taco`'s pieces; ``adam`` is ``(b1, b2, eps, eps_root, decay)``."""
+           adam: AdamSettings,
+           implementation: Optional[kernels.Implementation],
+           rounding: rounding_lib.Rounding,
+           rounding_seed: int) -> parts_lib.TacoParts:
+  """:func:`taco`'s pieces."""
   if adam_learning_rate is None:
     adam_learning_rate = learning_rate
   default_routing = weight_dimension_numbers is None
   if default_routing:
     weight_dimension_numbers = dn.rank2_matrices
-  implementation = kernels.resolve(implementation)
+  resolved = kernels.resolve(implementation)
   stochastic = rounding_lib.check_mode(rounding) == 'stochastic'
 
   def dims_tree(params):
@@ -190,26 +194,37 @@ def _parts(learning_rate: optax.ScalarOrSchedule, k: Optional[int],
     # Inside the partition the TACO branch sees MaskedNode for other leaves.
     return per_leaf(params, lambda d: optax.MaskedNode() if d is None else d)
 
+  direction = scale.taco_direction(
+      k, mu, update_topk=update_topk, weight_dimension_numbers=masked_dims,
+      update_scale=update_scale, values_dtype=values_dtype,
+      index_dtype=index_dtype, implementation=resolved)
   return parts_lib.TacoParts(
       param_labels=param_labels,
       dimension_numbers=dims_tree,
-      direction=scale.scale_by_taco(
-          k=k, mu=mu, update_topk=update_topk,
-          weight_dimension_numbers=masked_dims, update_scale=update_scale,
-          values_dtype=values_dtype, index_dtype=index_dtype,
-          implementation=implementation),
+      direction=direction.transformation,
       learning_rate=hyperparams.scale_by_checked_learning_rate(learning_rate),
-      adam=_adam(adam_learning_rate, *adam,
+      adam=_adam(adam_learning_rate, adam,
                  rounding_seed=rounding_seed if stochastic else None),
       mu=mu, update_topk=1 if update_topk is None else update_topk,
-      update_scale=update_scale, implementation=implementation,
+      update_scale=update_scale, implementation=resolved,
       rounding=(rounding_lib.stochastic_rounding(rounding_seed) if stochastic
                 else None),
-      rounding_seed=rounding_seed, default_routing=default_routing)
+      rounding_seed=rounding_seed, k=direction.k,
+      direction_plans=direction.plans, default_routing=default_routing)
 
 
-def _adam(learning_rate, b1, b2, eps, eps_root, weight_decay, *,
-          rounding_seed: Optional[int]):
+class AdamSettings(NamedTuple):
+  """The Adam branch's settings: :func:`taco`'s ``adam_*`` arguments
+  (arrays under :func:`optax.inject_hyperparams`)."""
+  b1: Union[float, jax.Array]
+  b2: Union[float, jax.Array]
+  eps: Union[float, jax.Array]
+  eps_root: Union[float, jax.Array]
+  weight_decay: Union[None, float, jax.Array]
+
+
+def _adam(learning_rate: optax.ScalarOrSchedule, settings: AdamSettings, *,
+          rounding_seed: Optional[int]) -> optax.GradientTransformation:
   """AdamW, or Adam (no ``params`` needed) for a decay of ``None`` or ``0``.
 
   Both are ``chain(scale_by_adam, decay, scale_by_learning_rate)`` with the
@@ -220,10 +235,12 @@ def _adam(learning_rate, b1, b2, eps, eps_root, weight_decay, *,
   moments cost a few bytes per norm or bias element. With a
   ``rounding_seed`` it ends with stochastic rounding.
   """
+  weight_decay = settings.weight_decay
   no_decay = weight_decay is None or (
       isinstance(weight_decay, (int, float)) and weight_decay == 0)
   pieces = (
-      optax.scale_by_adam(b1=b1, b2=b2, eps=eps, eps_root=eps_root),
+      optax.scale_by_adam(b1=settings.b1, b2=settings.b2, eps=settings.eps,
+                          eps_root=settings.eps_root),
       optax.identity() if no_decay else optax.add_decayed_weights(
           weight_decay),
       hyperparams.scale_by_checked_learning_rate(learning_rate,

@@ -48,7 +48,7 @@ def _winner_update(param: jax.Array, step: kernels.ColumnStep,
   return layout.from_rows(dense, param.shape)
 
 
-def taco_branch(direction: scale.ScaleByTaco,
+def taco_branch(direction: scale.TacoDirection,
                 learning_rate: optax.GradientTransformation,
                 rounding: Optional[optax.GradientTransformation],
                 rounding_seed: int) -> optax.GradientTransformation:
@@ -64,7 +64,7 @@ def taco_branch(direction: scale.ScaleByTaco,
   Returns:
     A transformation with the chain's state and updates.
   """
-  pieces = (direction, learning_rate) + (() if rounding is None
+  pieces = (direction.transformation, learning_rate) + (() if rounding is None
                                          else (rounding,))
   chained = optax.chain(*pieces)
 

@@ -11,8 +11,10 @@ named like embedding tables (routed as kernels, not as vocabulary rows),
 naming the routing helper that fits the framework the tree comes from.
 """
 
+import functools
 import logging
-from typing import Any, Callable
+import operator
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -24,12 +26,13 @@ _logger = logging.getLogger('taco_optax')
 
 def _node_modules(tree: Any) -> set[str]:
   """The modules of the types (and their bases) of ``tree``'s nodes."""
-  found = set()
+  found: set[str] = set()
   pending = [tree]
   while pending:
     node = pending.pop()
     found.update(cls.__module__ for cls in type(node).__mro__)
-    children = jax.tree.leaves(node, is_leaf=lambda x, node=node: x is not node)
+    children = jax.tree.leaves(node, is_leaf=functools.partial(operator.is_not,
+                                                           node))
     if not (len(children) == 1 and children[0] is node):
       pending.extend(children)
   return found
@@ -85,7 +88,7 @@ def pytorch_layout_evidence(params: Any) -> list[tuple[str, tuple[int, ...],
   ``kernel``), unless a sibling ``bias`` matches axis 1 only, or, under any
   name, being the only matrix beside a ``bias`` that matches axis 0 only.
   """
-  modules = {}
+  modules: dict[str, Any] = {}
   for path, x in jax.tree_util.tree_leaves_with_path(params):
     name = dn.path_name(path)
     module, last = _module_and_name(name)
@@ -146,7 +149,7 @@ def _warn(params: Any, framework: str) -> None:
         'update_scale 1, as its helpers do. %s', _shown(tables), fix)
 
 
-def _shown(named: list[tuple[str, tuple[int, ...]]]) -> str:
+def _shown(named: Sequence[tuple[str, tuple[int, ...]]]) -> str:
   shown = ', '.join(f'{name} {shape}' for name, shape in named[:8])
   return shown + (f' and {len(named) - 8} more' if len(named) > 8 else '')
 

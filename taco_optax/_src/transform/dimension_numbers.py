@@ -9,11 +9,10 @@ axis, or the ``3`` of a fused QKV kernel reshaped to ``(d, 3, d)``).
 
 import math
 import re
-from typing import Any, Callable, NamedTuple, Optional, Sequence, Union
+from typing import Any, Callable, NamedTuple, Optional, Sequence, Union, cast
 
 import jax
 import jax.numpy as jnp
-import optax
 
 from taco_optax._src.transform import trees
 
@@ -100,7 +99,7 @@ def decided(dims: TacoDimensionNumbers, source: str) -> TacoDimensionNumbers:
   """``dims``, carrying ``source`` (the rule that chose them) for the
   routing report."""
   entry = _Decided(*dims)
-  entry.source = str(source)
+  entry.source = str(source)  # type: ignore[attr-defined]
   return entry
 
 
@@ -184,7 +183,7 @@ class MatrixLayout(NamedTuple):
     flat = rows.astype(jnp.int32) * self.m + entries
     permuted = jnp.unravel_index(jnp.maximum(flat, 0),
                                  tuple(shape[a] for a in self.transpose))
-    coords = [None] * len(shape)
+    coords: list[Any] = [None] * len(shape)
     for position, axis in zip(permuted, self.transpose):
       coords[axis] = position
     return coords
@@ -229,7 +228,7 @@ def resolve(weight_dimension_numbers: WeightDimNumOrFn | None, tree: Any
   if weight_dimension_numbers is None:
     return jax.tree.map(lambda _: TacoDimensionNumbers(), tree)
   if not is_tree_of(weight_dimension_numbers, is_prefix_leaf):
-    return weight_dimension_numbers(tree)
+    return cast(Callable[[Any], Any], weight_dimension_numbers)(tree)
   return weight_dimension_numbers
 
 

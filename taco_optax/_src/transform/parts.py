@@ -4,14 +4,15 @@
 learning_rate[, rounding]), ADAM_LABEL: adam}, param_labels)``. The
 layer-wise train step and tunix's trainer apply those pieces by hand, so
 they need them back: :func:`parts_of` gives them, from the
-:class:`TacoTransformation` that :func:`taco` returns (it carries its
-:class:`TacoParts`), and refuses anything else naming the wrapper and what to
-do instead. The TACO branch's pieces are named once (:data:`TACO_PIECES`):
-:meth:`TacoParts.transformation` runs them in that order (as ``branch``'s
-chain) and :func:`taco_states` / :func:`with_taco_states` read and write their
-states by those names.
+transformation :func:`taco` returns (its ``update`` is a :class:`TacoUpdate`,
+which carries the :class:`TacoParts`), and refuses anything else naming
+the wrapper and what to do instead. The TACO branch's pieces are named
+once (:data:`TACO_PIECES`): :meth:`TacoParts.transformation` runs them in
+that order (as ``branch``'s chain) and :func:`taco_states` /
+:func:`with_taco_states` read and write their states by those names.
 """
 
+import dataclasses
 from typing import Any, Callable, NamedTuple, Optional, Union
 
 import jax
@@ -60,6 +61,9 @@ class TacoParts(NamedTuple):
       (:func:`stochastic_rounding`), ``None`` with ``'nearest'``; the Adam
       branch ends with its own.
     rounding_seed: the seed of the stochastic rounding's random bits.
+    k: the history length of :func:`scale_by_taco` (``None``: all rows).
+    direction_plans: ``updates -> list`` of each leaf's plan in the TACO
+      branch, where the Adam leaves are ``optax.MaskedNode``.
     default_routing: ``weight_dimension_numbers`` was not given: every
       rank-2 leaf is a matrix, nothing else.
   """
@@ -74,6 +78,8 @@ class TacoParts(NamedTuple):
   implementation: str
   rounding: Optional[optax.GradientTransformation]
   rounding_seed: int
+  k: Optional[int]
+  direction_plans: Callable[[Any], list[Optional[plan_lib.LeafPlan]]]
   default_routing: bool = False
 
   def plans(self, params: Any) -> list[Optional[plan_lib.LeafPlan]]:
@@ -82,12 +88,15 @@ class TacoParts(NamedTuple):
                                self.update_scale, self.update_topk,
                                self.implementation)
 
-  def transformation(self) -> 'TacoTransformation':
-    """The ``optax.partition`` of the pieces, carrying these parts."""
+  def transformation(self) -> optax.GradientTransformationExtraArgs:
+    """The ``optax.partition`` of the pieces; its ``update`` is a
+    :class:`TacoUpdate` of these parts."""
     partition = optax.partition(
         transforms={
-            TACO_LABEL: branch.taco_branch(self.direction, self.learning_rate,
-                                           self.rounding, self.rounding_seed),
+            TACO_LABEL: branch.taco_branch(
+                scale.TacoDirection(self.direction, self.direction_plans,
+                                    self.mu, self.k),
+                self.learning_rate, self.rounding, self.rounding_seed),
             ADAM_LABEL: self.adam,
         },
         param_labels=self.param_labels,
@@ -97,36 +106,33 @@ class TacoParts(NamedTuple):
       updates, params = inputs.checked(updates, params)
       return partition.update(updates, state, params, **extra_args)
 
-    return TacoTransformation(partition.init, update_fn, self)
+    return optax.GradientTransformationExtraArgs(
+        partition.init, TacoUpdate(update_fn, self))
 
 
-class TacoTransformation(optax.GradientTransformationExtraArgs):
-  """What :func:`taco` returns: optax's ``(init, update)``, and its parts.
+@dataclasses.dataclass(frozen=True, eq=False)
+class TacoUpdate:
+  """The ``update`` of the transformation :func:`taco` returns, and the
+  :class:`TacoParts` it applies (for :func:`parts_of`).
 
-  An ``optax.GradientTransformationExtraArgs`` like any other (``chain``,
-  ``nnx.Optimizer`` and ``MultiSteps`` take it as such); ``parts`` is the
-  :class:`TacoParts` it was built from, for :func:`parts_of`. A copy made
-  with ``_replace`` (new functions) has no parts.
+  Called as optax calls an update function. The transformation is a plain
+  ``optax.GradientTransformationExtraArgs`` (``chain``, ``nnx.Optimizer``
+  and ``MultiSteps`` take it as any other); one with another ``update`` has
+  no parts.
   """
+  fn: Callable[..., tuple[Any, Any]]
+  parts: TacoParts
 
-  def __new__(cls, init, update, parts: Optional[TacoParts] = None):
-    transformation = super().__new__(cls, init, update)
-    transformation.parts = parts
-    return transformation
-
-  def _replace(self, **changes):
-    return TacoTransformation(**{**self._asdict(), **changes})
+  def __call__(self, updates: Any, state: Any, params: Any = None,
+               **extra_args: Any) -> tuple[Any, Any]:
+    return self.fn(updates, state, params, **extra_args)
 
 
 def replace_init(optimizer: optax.GradientTransformation,
                  init: Callable[[Any], Any]) -> optax.GradientTransformation:
-  """``optimizer`` with another ``init`` (the same state); a
-  :class:`TacoTransformation` keeps its parts."""
-  if isinstance(optimizer, TacoTransformation):
-    return TacoTransformation(init, optimizer.update, optimizer.parts)
-  if isinstance(optimizer, optax.GradientTransformationExtraArgs):
-    return optax.GradientTransformationExtraArgs(init, optimizer.update)
-  return optax.GradientTransformation(init, optimizer.update)
+  """``optimizer`` with another ``init`` (the same state); the ``update``
+  of a :func:`taco` keeps its parts."""
+  return optimizer._replace(init=init)
 
 
 def _branch(opt_state: Any) -> tuple[dict[str, Any], Any]:
@@ -180,8 +186,6 @@ def _wrapper(optimizer: Any) -> tuple[str, str]:
   update = getattr(optimizer, 'update', None)
   if not callable(update):
     return f'{type(optimizer).__name__}, not an optax transformation', _ITSELF
-  if isinstance(optimizer, TacoTransformation):
-    return 'a taco(...) whose functions were replaced', _ITSELF
   head = (getattr(update, '__qualname__', '') or '').split('.')[0]
   module = (getattr(update, '__module__', '') or '').split('.')[0]
   name = f'{module}.{head}' if module and head else head or repr(update)
@@ -208,10 +212,9 @@ def parts_of(optimizer: optax.GradientTransformation,
       ``optax.inject_hyperparams``, ``optax.MultiSteps``, ...) and what to do
       instead.
   """
-  parts = getattr(optimizer, 'parts', None)
-  if isinstance(optimizer, TacoTransformation) and isinstance(parts,
-                                                              TacoParts):
-    return parts
+  update = getattr(optimizer, 'update', None)
+  if isinstance(update, TacoUpdate):
+    return update.parts
   what, instead = _wrapper(optimizer)
   raise ValueError(
       f'{user} applies the pieces of taco_optax.taco(...) itself and needs '

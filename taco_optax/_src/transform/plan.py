@@ -7,14 +7,14 @@ alike.
 """
 
 import math
-from typing import Any, NamedTuple, Optional, Union
+from typing import Any, Callable, NamedTuple, Optional, Union, cast
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from taco_optax._src.transform import dimension_numbers as dn
 from taco_optax._src import kernels
+from taco_optax._src.transform import dimension_numbers as dn
 from taco_optax._src.transform import trees
 
 ScaleTree = Union[float, None, Any]
@@ -55,7 +55,7 @@ def _is_scale_leaf(x: Any) -> bool:
 def leaf_scales(update_scale: ScaleTree, tree: Any) -> list[Optional[float]]:
   """``update_scale`` (a number, tree prefix or callable) for every leaf."""
   if not dn.is_tree_of(update_scale, _is_scale_leaf):
-    update_scale = update_scale(tree)
+    update_scale = cast(Callable[[Any], Any], update_scale)(tree)
   return trees.per_leaf(update_scale, tree, _is_scale_leaf)
 
 
@@ -89,7 +89,7 @@ def leaf_plans(tree: Any, weight_dimension_numbers: dn.WeightDimNumOrFn | None,
   leaves = jax.tree_util.tree_leaves_with_path(tree)
   dims = dn.leaf_dimension_numbers(weight_dimension_numbers, tree)
   scales = leaf_scales(update_scale, tree)
-  plans = []
+  plans: list[Optional[LeafPlan]] = []
   for (path, leaf), dim_num, scale in zip(leaves, dims, scales):
     if dim_num is None:
       plans.append(None)

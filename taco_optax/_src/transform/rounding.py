@@ -21,7 +21,7 @@ per block of columns or per device) draw the same bits, a run is reproducible
 and a resumed run equals an uninterrupted one.
 """
 
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple, get_args
 
 import jax
 import jax.numpy as jnp
@@ -29,13 +29,17 @@ import optax
 
 from taco_optax._src.transform import trees
 
-MODES = ('stochastic', 'nearest')
+# How 16-bit parameters' updates are rounded (taco's ``rounding``).
+Rounding = Literal['stochastic', 'nearest']
+MODES: tuple[str, ...] = get_args(Rounding)
 _LOW_PRECISION = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
 class StochasticRoundingState(NamedTuple):
   """State of :func:`stochastic_rounding`: the steps taken (``int32``)."""
-  count: jax.Array
+  # optax's name for a step count (as ScaleByAdamState's), shadowing
+  # tuple.count.
+  count: jax.Array  # type: ignore[assignment]
 
 
 def advanced(state: StochasticRoundingState) -> StochasticRoundingState:

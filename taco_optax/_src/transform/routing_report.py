@@ -1,4 +1,4 @@
-"""``routing_report``: which leaves a :func:`taco` sends where, and the bytes."""
+"""``routing_report``: which leaves :func:`taco` sends where, and the bytes."""
 
 from typing import Any, NamedTuple, Optional
 
@@ -6,9 +6,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from taco_optax._src.transform import parts as parts_lib
 from taco_optax._src.transform import default_routing as default_routing_lib
 from taco_optax._src.transform import dimension_numbers as dn
+from taco_optax._src.transform import parts as parts_lib
 from taco_optax._src.transform import trees
 
 
@@ -69,7 +69,7 @@ class RoutingReport(NamedTuple):
         f'{sum(_size(r.shape) for r in self.rows):,} parameters), the rest '
         f'to Adam; optimizer state {self.state_bytes:,} B vs AdamW '
         f'{self.adamw_state_bytes:,} B ({ratio:.1f}x smaller)']
-    table = [('path', 'shape', 'dtype', 'route', 'm x n', 'state B each',
+    table: list[tuple[str, ...]] = [('path', 'shape', 'dtype', 'route', 'm x n', 'state B each',
               'why')]
     for (path, *cells), count in _grouped(self.rows):
       table.append((path + (f' (x{count})' if count > 1 else ''), *cells))
@@ -81,7 +81,7 @@ class RoutingReport(NamedTuple):
 
 def _cells(row: LeafRoute) -> tuple[str, ...]:
   matrix = ('' if row.route != 'taco' else
-            f'{row.matrices} x ' * (row.matrices > 1)
+            f'{row.matrices} x ' * ((row.matrices or 1) > 1)
             + f'{row.m} x {row.n}, k={row.k}, s={row.scale:.3g}')
   return (str(row.shape), row.dtype, row.route, matrix,
           f'{row.state_bytes:,}', row.why)

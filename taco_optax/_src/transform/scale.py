@@ -1,7 +1,7 @@
 """``scale_by_taco``: the TACO direction with a sparse FP8 gradient history."""
 
 import math
-from typing import Any, NamedTuple, Optional, Union
+from typing import Any, Callable, NamedTuple, Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -11,8 +11,8 @@ import optax
 from taco_optax._src import kernels
 from taco_optax._src.transform import dimension_numbers as dn
 from taco_optax._src.transform import hyperparams
-from taco_optax._src.transform import inputs
 from taco_optax._src.transform import inject_guard
+from taco_optax._src.transform import inputs
 from taco_optax._src.transform import plan as plan_lib
 from taco_optax._src.transform import trees
 
@@ -94,7 +94,8 @@ def _check_int(name: str, value: Any, minimum: int):
 
 
 def _checked_settings(k, mu, update_topk, values_dtype, index_dtype):
-  """``(k, update_topk, values_dtype, index_dtype)`` with defaults, validated."""
+  """``(k, update_topk, values_dtype, index_dtype)``, defaults filled in,
+  validated."""
   update_topk = 1 if update_topk is None else update_topk
   if isinstance(k, _DefaultK):
     k = int(k)
@@ -108,7 +109,8 @@ def _checked_settings(k, mu, update_topk, values_dtype, index_dtype):
     raise ValueError(f'update_topk={update_topk} must be <= k={k}.')
   hyperparams.check_mu(mu)
   if not jnp.issubdtype(index_dtype, jnp.integer):
-    raise ValueError(f'index_dtype must be an integer dtype, got {index_dtype}.')
+    raise ValueError(
+        f'index_dtype must be an integer dtype, got {index_dtype}.')
   if not jnp.issubdtype(values_dtype, jnp.floating):
     raise ValueError(f'values_dtype must be a float dtype, got {values_dtype}.')
   return k, update_topk, values_dtype, index_dtype
@@ -164,9 +166,9 @@ def scale_by_taco(
     update_topk: Optional[int] = None,
     weight_dimension_numbers: dn.WeightDimNumOrFn | None = None,
     update_scale: ScaleTree = None,
-    values_dtype: Any = None,
-    index_dtype: Any = None,
-    implementation: Optional[str] = None,
+    values_dtype: Optional[jax.typing.DTypeLike] = None,
+    index_dtype: Optional[jax.typing.DTypeLike] = None,
+    implementation: Optional[kernels.Implementation] = None,
 ) -> optax.GradientTransformation:
   r"""The TACO direction: per column, the sign of the largest history entry.
 
@@ -272,13 +274,40 @@ def scale_by_taco(
     Fine-Tuning, 2026 (Sections 3 and 5).
   """
   inject_guard.refuse_scheduled_routing('taco_optax.scale_by_taco')
+  return taco_direction(
+      k, mu, update_topk=update_topk,
+      weight_dimension_numbers=weight_dimension_numbers,
+      update_scale=update_scale, values_dtype=values_dtype,
+      index_dtype=index_dtype, implementation=implementation).transformation
+
+
+class TacoDirection(NamedTuple):
+  """:func:`scale_by_taco`'s ``transformation`` and what :func:`taco`'s
+  branch reads of it: ``plans`` (``tree -> list`` of each leaf's
+  :class:`LeafPlan`, ``None`` for a non-TACO leaf), ``mu`` and ``k``."""
+  transformation: optax.GradientTransformation
+  plans: Callable[[Any], list[Optional[plan_lib.LeafPlan]]]
+  mu: Union[float, jax.Array]
+  k: Optional[int]
+
+
+def taco_direction(k: Optional[int], mu: Union[float, jax.Array], *,
+                   update_topk: Optional[int],
+                   weight_dimension_numbers: dn.WeightDimNumOrFn | None,
+                   update_scale: ScaleTree,
+                   values_dtype: Optional[jax.typing.DTypeLike],
+                   index_dtype: Optional[jax.typing.DTypeLike],
+                   implementation: Optional[kernels.Implementation]
+                   ) -> TacoDirection:
+  """:func:`scale_by_taco` of these arguments, with its plans, ``mu`` and
+  ``k`` (:class:`TacoDirection`)."""
   k, update_topk, values_dtype, index_dtype = _checked_settings(
       k, mu, update_topk, values_dtype, index_dtype)
-  implementation = kernels.resolve(implementation)
+  resolved = kernels.resolve(implementation)
 
   def plans(tree):
     return plan_lib.leaf_plans(tree, weight_dimension_numbers, update_scale,
-                            update_topk, implementation)
+                            update_topk, resolved)
 
   def init_leaf(param, plan):
     if plan is None:
@@ -325,7 +354,8 @@ def scale_by_taco(
     return (treedef.unflatten([direction for direction, _ in out]),
             taco_state(treedef, [history for _, history in out]))
 
-  return ScaleByTaco(init_fn, update_fn, plans, mu, k)
+  return TacoDirection(optax.GradientTransformation(init_fn, update_fn),
+                       plans, mu, k)
 
 
 def check_history_shapes(updates: Any, histories: list[kernels.History],
@@ -352,18 +382,6 @@ def check_history_shapes(updates: Any, histories: list[kernels.History],
           f'keeping {kept} of their rows: '
           'give update gradients of the shapes given to init.')
 
-
-class ScaleByTaco(optax.GradientTransformation):
-  """What :func:`scale_by_taco` returns: optax's ``(init, update)``, plus
-  ``plans(tree)`` (each leaf's plan), ``mu`` and ``k``, for :func:`taco`'s branch
-  (``branch``)."""
-
-  def __new__(cls, init, update, plans=None, mu=None, k=None):
-    transformation = super().__new__(cls, init, update)
-    transformation.plans = plans
-    transformation.mu = mu
-    transformation.k = k
-    return transformation
 
 
 def leaf_direction(grad: jax.Array, history: kernels.History,

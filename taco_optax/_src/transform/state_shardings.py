@@ -11,10 +11,9 @@ relabel the state Variables that ``nnx.Optimizer`` builds.
 from typing import Any
 
 import jax
-import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec
-
+import optax
 
 
 def _explicit_abstract(params: Any, mesh: Any) -> Any:

@@ -40,7 +40,7 @@ def trace_failed(error: BaseException, traced: Mapping[int, int],
 def _held_parameters(error: BaseException, traced: Mapping[int, int],
                      names: Sequence[str]) -> list[str]:
   """The parameters in the innermost frame of the error that holds any."""
-  held = []
+  held: list[str] = []
   entry = error.__traceback__
   while entry is not None:
     found = list(dict.fromkeys(

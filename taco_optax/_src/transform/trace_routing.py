@@ -163,7 +163,7 @@ def _combined(uses: Sequence[trace_uses.Use], leaf: Any
     why = (f'rank {jnp.ndim(leaf)}' if jnp.ndim(leaf) < 2
            else f'{jnp.dtype(leaf.dtype).name}, not floating point')
     return 'adam', dn.ToAdam(f'trace: {why}'), why
-  by_kind = {}
+  by_kind: dict[str, Any] = {}
   for use in uses:
     by_kind.setdefault(use.kind, []).append(use)
   for kind in (trace_uses.CONVOLUTION, trace_uses.AMBIGUOUS):
@@ -241,7 +241,7 @@ def _override_row(name: str, leaf: Any, pattern: str, value: Any
                        f'{name}: {error}') from None
   entry = overrides_lib.override_entry(pattern, value)
   return TracedLeaf(name, shape, jnp.dtype(leaf.dtype).name, 'override',
-                    entry, dn.source_of(entry))
+                    entry, dn.source_of(entry) or '')
 
 
 def trace_dimension_numbers(
@@ -311,7 +311,7 @@ def trace_dimension_numbers(
             for i, leaf in enumerate(leaves)]
   inputs += [trace_uses.Value(data=True)] * (count - len(leaves))
   _, found = trace_walk.walk(closed, inputs, names)
-  uses = [[] for _ in leaves]
+  uses: list[list[Any]] = [[] for _ in leaves]
   for index, use in found:
     uses[index].append(use)
   rows, unused = [], []

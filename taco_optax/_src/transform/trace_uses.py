@@ -68,7 +68,8 @@ def dot_uses(eqn: Any, ins: list[Value], names: Sequence[str],
   permutation = _permutation_after(eqn.outvars[0], consumers)
   (contracting, batch) = jx.dot_dimension_numbers(eqn)
   ndims = [len(shape_of(v)) for v in eqn.invars[:2]]
-  free = [[a for a in range(ndims[s]) if a not in contracting[s] + batch[s]]
+  free = [[a for a in range(ndims[s])
+           if a not in (*contracting[s], *batch[s])]
           for s in (0, 1)]
   # The product's axes: batch, then the lhs's free, then the rhs's free.
   starts = (len(batch[0]), len(batch[0]) + len(free[0]))
@@ -163,9 +164,9 @@ def ragged_uses(eqn: Any, ins: list[Value]) -> Found:
   """``ragged_dot`` of tokens by a stack of experts' weights: the experts'
   (group) axis is a batch axis, the rest read as in ``dot_general``."""
   contracting, batch, groups = jx.ragged_dot_axes(eqn)
-  stacked = batch + groups
+  stacked = (*batch, *groups)
   ndim = len(shape_of(eqn.invars[1]))
-  free = [a for a in range(ndim) if a not in contracting + stacked]
+  free = [a for a in range(ndim) if a not in (*contracting, *stacked)]
   if ins[0].views:
     why = ('a weight-times-weight ragged_dot' if ins[1].views
            else 'the ragged (token) operand of a ragged_dot')

@@ -82,7 +82,7 @@ def _reshaped(view: View, in_shape: Sequence[int], out_shape: Sequence[int]
   blocks = _blocks(in_shape, out_shape)
   if blocks is None:
     return None
-  axes = [()] * len(out_shape)
+  axes: list[tuple[int, ...]] = [()] * len(out_shape)
   for group_in, group_out in blocks:
     for position in group_out:
       axes[position] = spanned(view, group_in)
@@ -92,7 +92,7 @@ def _reshaped(view: View, in_shape: Sequence[int], out_shape: Sequence[int]
 def _broadcast(view: View, in_shape: Sequence[int], out_shape: Sequence[int],
                dimensions: Sequence[int]) -> View:
   """A size-1 axis broadcast wider repeats one slice: it spans nothing."""
-  axes = [()] * len(out_shape)
+  axes: list[tuple[int, ...]] = [()] * len(out_shape)
   for axis, position in enumerate(dimensions):
     if in_shape[axis] == out_shape[position]:
       axes[position] = view.axes[axis]
