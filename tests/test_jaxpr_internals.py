@@ -174,3 +174,34 @@ def test_all_gather_axis(tiled):
   (gather,) = jx.open_jaxpr(jx.called_jaxpr(call)).eqns
   assert jx.primitive(gather) == 'all_gather'
   assert jx.all_gather_axis(gather) == (tiled, 1)
+
+
+def test_is_remat_for_checkpoint_and_not_for_other_calls():
+  (remat,) = _eqns(jax.checkpoint(lambda w, x: x @ w), W, X)
+  (jitted,) = _eqns(jax.jit(lambda w, x: x @ w), W, X)
+  assert jx.is_remat(remat) and not jx.is_remat(jitted)
+
+
+@pytest.mark.parametrize('reverse', [False, True])
+def test_scan_options_reads_length_and_direction(reverse):
+  (scan,) = _eqns(lambda c, xs: jax.lax.scan(
+      lambda c, x: (c + x, None), c, xs, reverse=reverse)[0],
+                  jnp.zeros(3), jnp.ones((5, 3)))
+  assert jx.scan_options(scan) == (5, reverse)
+
+
+def test_function_of_runs_a_slice_of_equations():
+  closed = jax.make_jaxpr(lambda x, y: jnp.sin(x) * y + 1.0)(X, X)
+  jaxpr = closed.jaxpr
+  sin, mul = jaxpr.eqns[:2]
+  # The first two equations, as a function of both inputs, returning sin's
+  # and mul's results; differentiable and jittable as a jax function.
+  run = jx.function_of([sin, mul], jaxpr.invars, [sin.outvars[0],
+                                                 mul.outvars[0]])
+  a, b = run(X, 2 * X)
+  assert (a == jnp.sin(X)).all() and (b == jnp.sin(X) * 2 * X).all()
+  grad = jax.grad(lambda x: run(x, X)[1].sum())(X)
+  assert jnp.allclose(grad, jnp.cos(X))
+  body = jx.closed_function(jx.called_jaxpr(
+      _eqns(jax.checkpoint(lambda w, x: x @ w), W, X)[0]))
+  assert (body(W, X)[0] == X @ W).all()
