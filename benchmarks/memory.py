@@ -9,6 +9,8 @@ allocated) and reads XLA's ``memory_analysis()`` of
   ``optax.adamw`` and ``taco_optax.taco``,
 * the layerwise TACO step (``taco_optax.layerwise.train_step``, on the
   example's split of the model, ``examples/finetune/model/layered.py``),
+* the same step built from the plain loss (``taco plain-loss``: its blocks
+  read from the loss's jaxpr; the token table has a dense gradient there),
 
 with stacked (``lax.scan``) and unrolled layers, params and state donated.
 Peak = arguments + outputs - aliased + temporaries. The table splits it as in
@@ -70,15 +72,31 @@ def plain_step(loss, tx):
 
 
 class LayerwiseTaco(NamedTuple):
-  """TACO with the paper's settings, and its layer-wise step on a decoder."""
+  """TACO with the paper's settings, and its layer-wise steps on a decoder:
+  from the hand-split loss, and from the plain loss."""
   optimizer: optax.GradientTransformation
   step: Callable[..., Any]
+  plain_loss_step: Callable[..., Any]
 
 
 def layerwise_taco(decoder, config) -> LayerwiseTaco:
-  """The layer-wise TACO step of ``decoder`` with the paper's settings."""
+  """The layer-wise TACO steps of ``decoder`` with the paper's settings."""
   tx = api.optimizer('taco').build(3e-5, api.decoder_hints(config))
-  return LayerwiseTaco(tx, taco_optax.layerwise.train_step(decoder.loss, tx))
+  plain_loss = lambda params, batch: decoder.loss(params, batch)
+  return LayerwiseTaco(tx, taco_optax.layerwise.train_step(decoder.loss, tx),
+                       taco_optax.layerwise.train_step(plain_loss, tx))
+
+
+PATHS = ('forward', 'adamw', 'taco', 'taco layerwise', 'taco plain-loss')
+
+
+def _step_of(path, train, loss):
+  if path == 'taco layerwise':
+    return train.step
+  if path == 'taco plain-loss':
+    return train.plain_loss_step
+  return plain_step(loss, optax.adamw(1e-5) if path == 'adamw'
+                    else train.optimizer)
 
 
 def layered_decoder(hf_config, *, dtype, scan_layers, num_layers=None,
@@ -103,7 +121,7 @@ def token_batch(input_ids, attention_mask):
 
 
 def measure(hf_config, *, dtype, scan_layers, batch, seq, num_layers=None,
-            paths=('forward', 'adamw', 'taco', 'taco layerwise'), remat=True):
+            paths=PATHS, remat=True):
   """Rows of (path, peak, state, temp) bytes, and the weight bytes."""
   config, decoder = abstract_decoder(hf_config, dtype=dtype,
                                      scan_layers=scan_layers,
@@ -122,8 +140,7 @@ def measure(hf_config, *, dtype, scan_layers, batch, seq, num_layers=None,
     else:
       tx = optax.adamw(1e-5) if path == 'adamw' else train.optimizer
       state = jax.eval_shape(tx.init, params)
-      step = train.step if path == 'taco layerwise' else plain_step(
-          decoder.loss, tx)
+      step = _step_of(path, train, decoder.loss)
       peak, temp = peak_bytes(step, (params, state, tokens), donate=(0, 1))
     rows.append((path, peak, api.tree_bytes(state), temp,
                  time.perf_counter() - start))
@@ -168,9 +185,7 @@ def execute(path, *, dtype, scan_layers, batch, seq, num_layers, steps,
   else:
     tx = optax.adamw(1e-5) if path == 'adamw' else train.optimizer
     state = tx.init(params)
-    fn = train.step if path == 'taco layerwise' else plain_step(decoder.loss,
-                                                                 tx)
-    run = jax.jit(fn, donate_argnums=(0, 1))
+    run = jax.jit(_step_of(path, train, decoder.loss), donate_argnums=(0, 1))
     carry = [params, state]
 
     def step():
@@ -201,7 +216,7 @@ def main():
                       help='override the number of layers (default: 30)')
   parser.add_argument('--skip-unrolled', action='store_true')
   parser.add_argument('--execute', default=None,
-                      choices=('forward', 'adamw', 'taco', 'taco layerwise'))
+                      choices=PATHS)
   parser.add_argument('--unrolled', action='store_true',
                       help='with --execute: unrolled instead of scanned layers')
   parser.add_argument('--steps', type=int, default=5)
@@ -239,11 +254,14 @@ def compiled_tables(args, dtype):
   overheads, rows = results[True]
   states = {path: state for path, _, state, _, _ in rows}
   line = (f'taco_overhead={overheads["taco layerwise"]:.3f} '
+          f'taco_plain_loss_overhead={overheads["taco plain-loss"]:.3f} '
           f'adamw_overhead={overheads["adamw"]:.3f} '
           f'state_ratio={states["adamw"] / states["taco"]:.1f}')
   if False in results:
     unrolled = results[False][0]
     line += (f' taco_overhead_unrolled={unrolled["taco layerwise"]:.3f}'
+             ' taco_plain_loss_overhead_unrolled='
+             f'{unrolled["taco plain-loss"]:.3f}'
              f' adamw_overhead_unrolled={unrolled["adamw"]:.3f}')
   print(line)
 
