@@ -233,8 +233,8 @@ What is equal to `MultiSteps(taco(...), A)` (tests/test_accumulation.py):
   mean is `mean(head shares) + mean(embedding shares)` instead of
   `mean(head share + embedding share)`: its stored indices and exponents are
   still those of MultiSteps and of the numpy rule on the float64 mean
-  gradient (tests/reference.py); its stored FP8 values may differ by their
-  rounding.
+  gradient (tests/support/reference.py); its stored FP8 values may differ by
+  their rounding.
 
 What costs memory beyond one micro-batch: the saved layer inputs of all `A`
 micro-batches (as large as the whole batch's), the `A` cotangents of the

@@ -8,9 +8,10 @@ import pytest
 
 import taco_optax
 from taco_optax._src.transform import parts as _alias
-from tests import reference
+from tests.support import reference
 from tests import test_train_step as case
-from tests.bitwise import assert_bitwise_equal
+from tests.support.bitwise import assert_bitwise_equal
+from tests.support import tiers
 
 LayeredLoss = taco_optax.layerwise.LayeredLoss
 MICRO = 3
@@ -57,8 +58,8 @@ def _layerwise_run(loss, tx, params, steps, count=MICRO, **kwargs):
   return params, state
 
 
-@pytest.mark.parametrize('scan_layers', [True, False])
-@pytest.mark.parametrize('dtype', [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize('scan_layers', tiers.first_fast([True, False]))
+@pytest.mark.parametrize('dtype', tiers.first_fast([jnp.float32, jnp.bfloat16]))
 def test_untied_equals_multisteps_bit_for_bit(scan_layers, dtype):
   loss = LayeredLoss(case._embed, case._layer, case._untied_head,
                      scan_layers=scan_layers)
@@ -137,8 +138,8 @@ def test_tied_table_matches_multisteps_winners_and_float64_reference(
   np.testing.assert_allclose(got[0][0]['embedding'],
                              expected[0][0]['embedding'], rtol=0, atol=1e-6)
 
-  # The numpy rule (tests/reference.py, the library's FP8 storage) on the
-  # float64 mean gradient: the same indices (winners first) at every step.
+  # The numpy rule (tests/support/reference.py, the library's FP8 storage) on
+  # the float64 mean gradient: the same indices (winners first) at every step.
   current, state = params, tx.init(params)
   step_fn = jax.jit(taco_optax.layerwise.train_step(
       loss, tx, accumulation_steps=MICRO))

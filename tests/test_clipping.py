@@ -8,6 +8,7 @@ import pytest
 
 import taco_optax
 from tests import test_train_step as case
+from tests.support import tiers
 
 
 def _winners(tx, grads_sequence):
@@ -86,8 +87,8 @@ def _clipped_runs(head, scan_layers, max_norm, dtype=jnp.float32,
   return (got[0], got[1]), (expected[0], expected[1][1]), norms, params
 
 
-@pytest.mark.parametrize('scan_layers', [True, False])
-@pytest.mark.parametrize('tied', [True, False])
+@pytest.mark.parametrize('scan_layers', tiers.first_fast([True, False]))
+@pytest.mark.parametrize('tied', tiers.first_fast([True, False]))
 def test_clip_global_norm_equals_the_optax_chain(scan_layers, tied):
   head, extra = case._head, None
   if not tied:
@@ -131,7 +132,7 @@ def _clipped_table_runs(head, params, max_norm, tokens, block):
   return (got[0], got[1]), (expected[0], expected[1][1])
 
 
-@pytest.mark.parametrize('tied', [True, False])
+@pytest.mark.parametrize('tied', tiers.first_fast([True, False]))
 def test_clipped_token_tables_formed_a_block_at_a_time(tied):
   # 2- to 8-column blocks: each block of a table's gradient is clipped as
   # it is formed; a tied table's two phases give way to the one-pass update.
@@ -154,7 +155,7 @@ def test_clipped_tied_table_where_two_phases_would_run():
   case._assert_same_step(got, expected, exact_params=False)
 
 
-@pytest.mark.parametrize('scan_layers', [True, False])
+@pytest.mark.parametrize('scan_layers', tiers.first_fast([True, False]))
 def test_clip_with_accumulation_equals_multisteps_of_the_chain(scan_layers):
   from tests import test_accumulation as accumulation  # pylint: disable=g-import-not-at-top
   loss = taco_optax.layerwise.LayeredLoss(case._embed, case._layer,

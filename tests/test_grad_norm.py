@@ -19,6 +19,7 @@ import taco_optax
 from taco_optax._src.layerwise import token_table as _token_table
 from tests import test_token_table as table_case
 from tests import test_train_step as plain_case
+from tests.support import tiers
 
 LayeredLoss = taco_optax.layerwise.LayeredLoss
 
@@ -62,7 +63,7 @@ def _dense_case(scan_layers):
   return loss, tx, plain_case._params(scan_layers, jnp.float32)
 
 
-@pytest.mark.parametrize('scan_layers', [True, False])
+@pytest.mark.parametrize('scan_layers', tiers.first_fast([True, False]))
 def test_dense_layers(scan_layers):
   loss, tx, params = _dense_case(scan_layers)
   batches = [plain_case._tokens(s) for s in range(3)]
@@ -84,9 +85,9 @@ def _table_case(tied, scan_layers, params=None):
   return loss, tx, params
 
 
-@pytest.mark.parametrize('block', [None, 48])
-@pytest.mark.parametrize('scan_layers', [True, False])
-@pytest.mark.parametrize('tied', [True, False])
+@pytest.mark.parametrize('block', tiers.first_fast([None, 48]))
+@pytest.mark.parametrize('scan_layers', tiers.first_fast([True, False]))
+@pytest.mark.parametrize('tied', tiers.first_fast([True, False]))
 def test_token_tables(tied, scan_layers, block, monkeypatch):
   if block is not None:  # every table formed a block of columns at a time
     monkeypatch.setattr(_token_table.TableGradient, 'dense', _no_dense)
@@ -119,7 +120,7 @@ def test_tied_table_in_two_phases(monkeypatch):
   assert calls, 'the two-phase table update did not run'
 
 
-@pytest.mark.parametrize('tables', [False, True])
+@pytest.mark.parametrize('tables', tiers.first_fast([False, True]))
 def test_accumulation_is_the_mean_gradients_norm(tables):
   loss, tx, params = (_table_case(True, False) if tables
                       else _dense_case(False))

@@ -10,9 +10,9 @@ import pytest
 import taco_optax
 from taco_optax._src.kernels import cpu_kernel as _cpu_kernel
 from taco_optax._src.kernels import dispatch as _kernels
-from tests import layerwise_case
+from tests.support import layerwise_case
 from tests import test_train_step as plain_case
-from tests.bitwise import assert_bitwise_equal
+from tests.support.bitwise import assert_bitwise_equal
 
 needs_kernel = pytest.mark.skipif(not _cpu_kernel.availability().ok,
                                   reason=_cpu_kernel.availability().reason)

@@ -21,6 +21,7 @@ import pytest
 
 from benchmarks import memory
 from examples.finetune import report
+from tests.support import tiers
 
 NUM_LAYERS, BATCH, SEQ = 4, 4, 64
 
@@ -56,7 +57,7 @@ def test_backend_is_cpu():
   assert jax.default_backend() == 'cpu'
 
 
-@pytest.mark.parametrize('scan_layers', [True, False])
+@pytest.mark.parametrize('scan_layers', tiers.first_fast([True, False]))
 def test_layerwise_overhead_under_measured_bound(scan_layers):
   _, above_state = _measured(scan_layers)['taco layerwise']
   bound = MEASURED_LAYERWISE[scan_layers]

@@ -9,9 +9,10 @@ import pytest
 import taco_optax
 from taco_optax._src.transform import parts as _alias
 from taco_optax._src.transform import rounding as _rounding
-from tests import layerwise_case
+from tests.support import layerwise_case
 from tests import test_train_step as plain_case
-from tests.bitwise import assert_bitwise_equal
+from tests.support.bitwise import assert_bitwise_equal
+from tests.support import tiers
 
 DTYPES = [jnp.bfloat16, jnp.float16]
 
@@ -215,8 +216,8 @@ def test_resumed_run_equals_an_uninterrupted_one():
                             np.asarray(whole[0]['w']))
 
 
-@pytest.mark.parametrize('scan_layers', [True, False])
-@pytest.mark.parametrize('chunked', [False, True])
+@pytest.mark.parametrize('scan_layers', tiers.first_fast([True, False]))
+@pytest.mark.parametrize('chunked', tiers.first_fast([False, True]))
 def test_layerwise_step_rounds_as_the_optax_path(scan_layers, chunked):
   # The paper's rate on weights of ~1/sqrt(width): most winners' steps are
   # below half an ulp, so the bits decide the result.
@@ -272,9 +273,9 @@ _BRANCH_DIMS = {'w': taco_optax.TacoDimensionNumbers(),
                 'f32': taco_optax.TacoDimensionNumbers(1, 0)}
 
 
-@pytest.mark.parametrize('dtype', DTYPES)
-@pytest.mark.parametrize('learning_rate', [
-    3e-4, optax.linear_schedule(1e-4, 1e-3, 10)])
+@pytest.mark.parametrize('dtype', tiers.first_fast(DTYPES))
+@pytest.mark.parametrize('learning_rate', tiers.first_fast([
+    3e-4, optax.linear_schedule(1e-4, 1e-3, 10)]))
 def test_taco_branch_is_the_chain_bit_for_bit(dtype, learning_rate):
   # taco() rounds a 16-bit leaf's update at its winners only; its updates
   # and state are chain(scale_by_taco, scale_by_learning_rate,

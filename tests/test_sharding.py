@@ -26,9 +26,9 @@ from taco_optax._src.layerwise import weight_update as _leaf_update
 from taco_optax._src.layerwise import winners as _winners
 from taco_optax import TacoDimensionNumbers as Dims
 from taco_optax._src.transform.dimension_numbers import normalize_axes
-from tests import multidevice
-from tests.bitwise import assert_bitwise_equal
-from tests import layerwise_case
+from tests.support import multidevice
+from tests.support.bitwise import assert_bitwise_equal
+from tests.support import layerwise_case
 
 NUM_DEVICES = 8
 needs_mesh = multidevice.needs_devices(NUM_DEVICES)

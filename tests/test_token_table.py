@@ -26,8 +26,9 @@ from taco_optax._src.layerwise import winners as _winners
 from taco_optax._src.layerwise import tied_table as _table_update
 from taco_optax._src.layerwise import token_table as _token_table
 from tests import test_train_step as plain_case
-from tests.bitwise import assert_bitwise_equal
-from tests import layerwise_case
+from tests.support.bitwise import assert_bitwise_equal
+from tests.support import layerwise_case
+from tests.support import tiers
 
 VOCAB, WIDTH = plain_case.VOCAB, plain_case.WIDTH
 
@@ -100,8 +101,8 @@ def test_calls_equal_the_hand_written_embed_and_head():
                              rtol=1e-6)
 
 
-@pytest.mark.parametrize('scan_layers', [True, False])
-@pytest.mark.parametrize('tied', [True, False])
+@pytest.mark.parametrize('scan_layers', tiers.first_fast([True, False]))
+@pytest.mark.parametrize('tied', tiers.first_fast([True, False]))
 def test_equals_plain_optax_path_in_one_pass(scan_layers, tied):
   # Small tables: the whole gradient is formed (TableGradient.dense) and
   # takes the one-pass update, so everything is bit for bit.
@@ -240,7 +241,7 @@ def _big_vocab_params(vocab):
   return outer, layers
 
 
-@pytest.mark.parametrize('update_topk', [1, 2])
+@pytest.mark.parametrize('update_topk', tiers.first_fast([1, 2]))
 def test_tied_table_in_two_phases_equals_plain_optax_path(monkeypatch,
                                                           update_topk):
   # 256 rows, 32 looked-up tokens per batch (some repeated), 4-column
@@ -279,7 +280,7 @@ def test_tied_table_in_two_phases_equals_plain_optax_path(monkeypatch,
   assert moved[40:80].any() and moved[:40].any(), np.flatnonzero(moved)
 
 
-@pytest.mark.parametrize('seed', range(4))
+@pytest.mark.parametrize('seed', tiers.first_fast(range(4)))
 def test_two_phases_equal_the_column_step_on_ties_and_zero_columns(seed):
   # Gradients of few distinct values (many ties in magnitude, broken by the
   # lower row), a zero column and an empty history: the merged selection

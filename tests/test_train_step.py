@@ -16,8 +16,9 @@ from taco_optax._src.layerwise.leaves import name_of
 from taco_optax._src.transform.dimension_numbers import leaf_dimension_numbers
 from taco_optax._src.transform.dimension_numbers import matrix_layout
 from taco_optax._src.transform.dimension_numbers import TacoDimensionNumbers
-from tests.bitwise import assert_bitwise_equal
-from tests import layerwise_case
+from tests.support.bitwise import assert_bitwise_equal
+from tests.support import layerwise_case
+from tests.support import tiers
 
 LayeredLoss = taco_optax.layerwise.LayeredLoss
 layerwise_train_step = layerwise_case.train
@@ -141,7 +142,7 @@ def test_equals_plain_optax_path_f32(scan_layers):
     assert not np.array_equal(moved, before)
 
 
-@pytest.mark.parametrize('scan_layers', [True, False])
+@pytest.mark.parametrize('scan_layers', tiers.first_fast([True, False]))
 def test_equals_plain_optax_path_bf16_with_schedule(scan_layers):
   schedule = optax.linear_schedule(2e-2, 1e-2, 5)
   (plain_params, plain_state), (fused_params, fused_state), start = _run_both(
@@ -200,7 +201,7 @@ def _big_params(scan_layers, width=256, layers=8):
   return outer, stack
 
 
-@pytest.mark.parametrize('scan_layers', [True, False])
+@pytest.mark.parametrize('scan_layers', tiers.first_fast([True, False]))
 def test_layerwise_step_peak_memory_is_near_forward(scan_layers):
   """Compile-time peak: weights + a layer's gradients, not all gradients."""
   loss = LayeredLoss(_embed, _layer, _head, scan_layers=scan_layers)

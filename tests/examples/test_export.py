@@ -33,6 +33,7 @@ from examples.finetune.model import gguf_export
 from examples.finetune.model import loading
 from examples.finetune.model import saving
 import test_cli  # pylint: disable=g-bad-import-order  (the tiny model)
+from tests.support import tiers
 
 _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__))))
@@ -50,7 +51,8 @@ def _logits(model, tokens, mask):
   return np.asarray(model(jnp.asarray(tokens), jnp.asarray(mask)))
 
 
-@pytest.mark.parametrize('name', sorted(hf_checkpoints.HF_MODELS))
+@pytest.mark.parametrize('name', tiers.first_fast(
+    sorted(hf_checkpoints.HF_MODELS), fast=['gpt_neox']))
 def test_export_round_trips_through_our_loader_and_transformers(name,
                                                                 tmp_path):
   source = str(tmp_path / 'source')

@@ -1,7 +1,7 @@
 """Memory on a mesh: the memory check's limit is all the mesh's devices
 together, and no device holds the whole token table.
 
-The mesh test runs in the 8-device rerun (``tests/multidevice.py``).
+The mesh test runs in the 8-device rerun (``tests/support/multidevice.py``).
 """
 
 import re
@@ -13,7 +13,7 @@ from examples.finetune import api
 from examples.finetune import memory_plan
 from taco_optax._src.layerwise import token_table
 from examples.finetune.model import sharding
-from tests import multidevice
+from tests.support import multidevice
 import test_cli  # pylint: disable=g-bad-import-order  (the tiny model writers)
 
 

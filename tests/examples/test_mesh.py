@@ -1,7 +1,7 @@
 """``--mesh``: the fine-tuning example on a simulated 8-device CPU mesh.
 
 Tests marked ``needs_mesh`` run in a subprocess with 8 host devices (see
-``tests/multidevice.py``); the rest run in the one-device suite.
+``tests/support/multidevice.py``); the rest run in the one-device suite.
 """
 
 import json
@@ -19,7 +19,7 @@ from examples.finetune import data as data_lib
 from examples.finetune import resume
 from examples.finetune.model import loading
 from examples.finetune.model import sharding
-from tests import multidevice
+from tests.support import multidevice
 import test_cli  # pylint: disable=g-bad-import-order  (the tiny model, data)
 from test_cli import workspace  # pylint: disable=unused-import,g-bad-import-order
 

@@ -22,7 +22,7 @@ from examples.finetune import checkpoint
 from examples.finetune import flags
 from examples.finetune import processes
 from examples.finetune import resume
-from tests import multiprocess
+from tests.support import multiprocess
 import test_cli  # pylint: disable=g-bad-import-order  (the tiny model, data)
 from test_cli import workspace  # pylint: disable=unused-import,g-bad-import-order
 

@@ -24,8 +24,8 @@ from examples.finetune import trainers
 from examples.finetune.model import decoder
 from examples.finetune.model import loading
 from examples.finetune.model import sharding
-from tests import multidevice
-from tests.bitwise import assert_bitwise_equal
+from tests.support import multidevice
+from tests.support.bitwise import assert_bitwise_equal
 import taco_optax
 import test_cli  # pylint: disable=g-bad-import-order  (the tiny model writer)
 

@@ -21,7 +21,7 @@ import pytest
 from examples.finetune import __main__ as cli
 from examples.finetune import checkpoint
 from examples.finetune import resume
-from tests.bitwise import assert_bitwise_equal
+from tests.support.bitwise import assert_bitwise_equal
 import test_cli  # pylint: disable=g-bad-import-order  (the tiny model, data)
 from test_cli import workspace  # pylint: disable=unused-import,g-bad-import-order
 

@@ -1,8 +1,8 @@
-"""One process of a multi-process TACO run: ``python -m tests.multiprocess_cases``.
+"""One process of a multi-process TACO run.
 
-``python -m tests.multiprocess_cases CASE[,CASE...] OUT_DIR [--coordinator
-HOST:PORT --num-processes N --process-id I]`` joins JAX's multi-process
-runtime (gloo collectives on CPU) when given a coordinator, builds the cases'
+``python -m tests.support.multiprocess_cases CASE[,CASE...] OUT_DIR
+[--coordinator HOST:PORT --num-processes N --process-id I]``
+joins JAX's multi-process runtime (gloo collectives on CPU) when given a coordinator, builds the cases'
 8-device meshes over every process's devices, runs each CASE's steps in turn
 and has process 0 write every resulting array, gathered whole
 (``process_allgather``), to ``OUT_DIR/CASE.npz`` with ``CASE.json`` (each
@@ -130,7 +130,8 @@ def _layerwise_case():
   """``layerwise.train_step``: stacked and unrolled, explicit and Auto."""
   import contextlib  # pylint: disable=g-import-not-at-top
   import jax  # pylint: disable=g-import-not-at-top
-  from tests import layerwise_case  # pylint: disable=g-import-not-at-top
+  # pylint: disable-next=g-import-not-at-top
+  from tests.support import layerwise_case
   from tests import test_sharding as cases  # pylint: disable=g-import-not-at-top
 
   results = {}
