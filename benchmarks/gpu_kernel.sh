@@ -23,6 +23,7 @@ set -uo pipefail
 
 gpu_header | tee "$OUT/gpu_kernel.txt"
 
-timeout "${LIMIT_S:-300}" "$PY" -m tests.gpu_kernel_check "${SMOKE:-0}" 2>&1 |
+timeout "${LIMIT_S:-300}" "$PY" -m tests.support.gpu_kernel_check \
+  "${SMOKE:-0}" 2>&1 |
   grep -v -i warning | tee -a "$OUT/gpu_kernel.txt"
 echo "results in $OUT/gpu_kernel.txt"

@@ -8,64 +8,32 @@ import pytest
 
 import taco_optax
 from taco_optax._src.transform import parts as _alias
-from tests import reference
-from tests import test_train_step as case
-from tests.bitwise import assert_bitwise_equal
+from tests.support import reference
+from tests.support.bitwise import assert_bitwise_equal
+from tests.support import tiers
+from tests.support import toy_lm
 
 LayeredLoss = taco_optax.layerwise.LayeredLoss
-MICRO = 3
 
 
-def _micro_batches(step, count=MICRO):
-  """``count`` micro-batches of 2 sequences: shape (count, 2, 8)."""
-  keys = jax.random.split(jax.random.key(200 + step), count)
-  return jnp.stack([jax.random.randint(k, (2, 8), 0, case.VOCAB)
-                    for k in keys])
-
-
-def _untied_params(scan_layers, dtype):
-  outer, layers = case._params(scan_layers, dtype)
-  w_head = (jax.random.normal(jax.random.key(7), (case.WIDTH, case.VOCAB))
-            / 4).astype(dtype)
-  return dict(outer, w_head=w_head), layers
-
-
-def _multisteps_run(loss, tx, params, steps, count=MICRO):
-  """``MultiSteps(tx, count)`` fed each micro-batch: params and inner state.
-  """
-  multi = optax.MultiSteps(tx, count)
-  state = multi.init(params)
-
-  @jax.jit
-  def micro_step(params, state, batch):
-    grads = jax.grad(loss)(params, batch)
-    updates, state = multi.update(grads, state, params)
-    return optax.apply_updates(params, updates), state
-
-  for step in range(steps):
-    for batch in _micro_batches(step, count):
-      params, state = micro_step(params, state, batch)
-  return params, state.inner_opt_state
-
-
-def _layerwise_run(loss, tx, params, steps, count=MICRO, **kwargs):
+def _layerwise_run(loss, tx, params, steps, count=toy_lm.MICRO, **kwargs):
   step_fn = jax.jit(taco_optax.layerwise.train_step(
       loss, tx, accumulation_steps=count, **kwargs))
   state = tx.init(params)
   for step in range(steps):
-    params, state, _ = step_fn(params, state, _micro_batches(step, count))
+    params, state, _ = step_fn(params, state, toy_lm.micro_batches(step, count))
   return params, state
 
 
-@pytest.mark.parametrize('scan_layers', [True, False])
-@pytest.mark.parametrize('dtype', [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize('scan_layers', tiers.first_fast([True, False]))
+@pytest.mark.parametrize('dtype', tiers.first_fast([jnp.float32, jnp.bfloat16]))
 def test_untied_equals_multisteps_bit_for_bit(scan_layers, dtype):
-  loss = LayeredLoss(case._embed, case._layer, case._untied_head,
+  loss = LayeredLoss(toy_lm.embed, toy_lm.layer, toy_lm.untied_head,
                      scan_layers=scan_layers)
   tx = taco_optax.taco(1e-2, mu=0.9, k=4, adam_learning_rate=1e-3,
-                       weight_dimension_numbers=case._matrix_dims)
-  params = _untied_params(scan_layers, dtype)
-  expected = _multisteps_run(loss, tx, params, steps=3)
+                       weight_dimension_numbers=toy_lm.matrix_dims)
+  params = toy_lm.untied_params(scan_layers, dtype)
+  expected = toy_lm.multisteps_run(loss, tx, params, steps=3)
   got = _layerwise_run(loss, tx, params, steps=3)
   # Every leaf's gradient comes from one part of the model and the mean is
   # MultiSteps' own running mean: TACO's history, winners and learning-rate
@@ -76,18 +44,18 @@ def test_untied_equals_multisteps_bit_for_bit(scan_layers, dtype):
   if dtype == jnp.bfloat16:
     assert_bitwise_equal(got, expected)
   else:
-    case._assert_same_step(got, expected, exact_params=False)
+    toy_lm.assert_same_step(got, expected, exact_params=False)
   for moved, before in zip(jax.tree.leaves(got[0]), jax.tree.leaves(params)):
     assert not np.array_equal(moved, before)
 
 
 def test_one_micro_batch_equals_the_plain_step():
-  loss = LayeredLoss(case._embed, case._layer, case._head, scan_layers=True)
+  loss = LayeredLoss(toy_lm.embed, toy_lm.layer, toy_lm.head, scan_layers=True)
   tx = taco_optax.taco(1e-2, mu=0.9, k=4,
-                       weight_dimension_numbers=case._matrix_dims)
-  params = case._params(True, jnp.float32)
+                       weight_dimension_numbers=toy_lm.matrix_dims)
+  params = toy_lm.params(True, jnp.float32)
   state = tx.init(params)
-  batch = case._tokens(0)
+  batch = toy_lm.tokens(0)
   plain = jax.jit(taco_optax.layerwise.train_step(loss, tx))(
       params, state, batch)
   one = jax.jit(taco_optax.layerwise.train_step(loss, tx,
@@ -113,12 +81,12 @@ def test_tied_table_matches_multisteps_winners_and_float64_reference(
   # tokens that XLA orders per program (per layer here, in one backward
   # there): equal to the last bits (one element one ulp apart at step 3 on
   # an AVX2 CPU).
-  loss = LayeredLoss(case._embed, case._layer, case._head,
+  loss = LayeredLoss(toy_lm.embed, toy_lm.layer, toy_lm.head,
                      scan_layers=scan_layers)
   tx = taco_optax.taco(1e-2, mu=0.9, k=4,
-                       weight_dimension_numbers=case._matrix_dims)
-  params = case._params(scan_layers, jnp.float32)
-  expected = _multisteps_run(loss, tx, params, steps=3)
+                       weight_dimension_numbers=toy_lm.matrix_dims)
+  params = toy_lm.params(scan_layers, jnp.float32)
+  expected = toy_lm.multisteps_run(loss, tx, params, steps=3)
   got = _layerwise_run(loss, tx, params, steps=3)
   layers = lambda p: p[0][1] if isinstance(p[0][1], list) else [p[0][1]]
   for have, want in zip(layers(got), layers(expected), strict=True):
@@ -137,18 +105,19 @@ def test_tied_table_matches_multisteps_winners_and_float64_reference(
   np.testing.assert_allclose(got[0][0]['embedding'],
                              expected[0][0]['embedding'], rtol=0, atol=1e-6)
 
-  # The numpy rule (tests/reference.py, the library's FP8 storage) on the
-  # float64 mean gradient: the same indices (winners first) at every step.
+  # The numpy rule (tests/support/reference.py, the library's FP8 storage) on
+  # the float64 mean gradient: the same indices (winners first) at every step.
   current, state = params, tx.init(params)
   step_fn = jax.jit(taco_optax.layerwise.train_step(
-      loss, tx, accumulation_steps=MICRO))
-  history = reference.init(case.WIDTH, case.VOCAB, k=4)
+      loss, tx, accumulation_steps=toy_lm.MICRO))
+  history = reference.init(toy_lm.WIDTH, toy_lm.VOCAB, k=4)
   for step in range(3):
     # (vocab, width) with dims (0, 1): the paper's G is its transpose.
-    mean = _mean_gradient(loss, current, _micro_batches(step), 'embedding')
+    mean = _mean_gradient(loss, current, toy_lm.micro_batches(step),
+                          'embedding')
     _, history = reference.step(mean.T.astype(np.float32), history, mu=0.9,
                                 scale=1.0)
-    current, state, _ = step_fn(current, state, _micro_batches(step))
+    current, state, _ = step_fn(current, state, toy_lm.micro_batches(step))
     table = _alias.taco_states(state).direction
     np.testing.assert_array_equal(table.indices[0]['embedding'],
                                   history.indices)
@@ -157,13 +126,13 @@ def test_tied_table_matches_multisteps_winners_and_float64_reference(
 
 
 def test_refuses_a_batch_without_the_micro_batch_axis():
-  loss = LayeredLoss(case._embed, case._layer, case._head, scan_layers=True)
-  tx = taco_optax.taco(1e-2, weight_dimension_numbers=case._matrix_dims)
-  params = case._params(True, jnp.float32)
+  loss = LayeredLoss(toy_lm.embed, toy_lm.layer, toy_lm.head, scan_layers=True)
+  tx = taco_optax.taco(1e-2, weight_dimension_numbers=toy_lm.matrix_dims)
+  params = toy_lm.params(True, jnp.float32)
   step = taco_optax.layerwise.train_step(loss, tx, accumulation_steps=4)
   with pytest.raises(ValueError, match='accumulation_steps=4 but the batch '
                      'has 3 micro-batches'):
-    step(params, tx.init(params), _micro_batches(0))
+    step(params, tx.init(params), toy_lm.micro_batches(0))
   with pytest.raises(ValueError, match='accumulation_steps must be an int'):
     taco_optax.layerwise.train_step(loss, tx, accumulation_steps=0)
 
@@ -173,16 +142,15 @@ def test_token_tables_equal_multisteps(tied):
   # TableLookup / TableProjection (the example's model): the tables'
   # gradients are accumulated dense; an untied head's and the embedding's
   # are MultiSteps' bit for bit in TACO's state, a tied table's indices are.
-  from tests import test_token_table as tables  # pylint: disable=g-import-not-at-top
-  loss = LayeredLoss(tables.EMBED, case._layer,
-                     tables.TIED if tied else tables.UNTIED,
+  loss = LayeredLoss(toy_lm.EMBED, toy_lm.layer,
+                     toy_lm.TIED if tied else toy_lm.UNTIED,
                      scan_layers=False)
   tx = taco_optax.taco(1e-2, mu=0.9, k=3, update_topk=2,
                        adam_learning_rate=1e-3,
-                       weight_dimension_numbers=tables._embedding_rows_are_tokens)
-  params = (case._params(False, jnp.float32) if tied
-            else tables._untied_params(False))
-  expected = _multisteps_run(loss, tx, params, steps=3)
+                       weight_dimension_numbers=toy_lm.embedding_rows_are_tokens)
+  params = (toy_lm.params(False, jnp.float32) if tied
+            else toy_lm.untied_params(False))
+  expected = toy_lm.multisteps_run(loss, tx, params, steps=3)
   got = _layerwise_run(loss, tx, params, steps=3)
   if tied:
     assert_bitwise_equal(_alias.taco_states(got[1]).direction.indices,
@@ -190,7 +158,7 @@ def test_token_tables_equal_multisteps(tied):
     np.testing.assert_allclose(got[0][0]['embedding'],
                                expected[0][0]['embedding'], atol=1e-6)
   else:
-    case._assert_same_step(got, expected, exact_params=False)
+    toy_lm.assert_same_step(got, expected, exact_params=False)
 
 
 # A classification head (one scored position per sequence) over a vocabulary
@@ -211,24 +179,23 @@ def _first_token_nll(logits, tokens):
 
 
 def _wide_case(tied):
-  from tests import test_token_table as tables  # pylint: disable=g-import-not-at-top
   table = ('embedding',) if tied else ('w_head',)
   head = taco_optax.layerwise.TableProjection(
       table, _last_position_features, _first_token_nll,
       **({} if tied else dict(project=lambda features, kernel: (
           features @ kernel), table_axis=0)))
-  loss = LayeredLoss(tables.EMBED, case._layer, head, scan_layers=False)
-  outer, layers = case._params(False, jnp.float32)
+  loss = LayeredLoss(toy_lm.EMBED, toy_lm.layer, head, scan_layers=False)
+  outer, layers = toy_lm.params(False, jnp.float32)
   keys = jax.random.split(jax.random.key(11), 2)
   outer = dict(outer, embedding=jax.random.normal(
-      keys[0], (WIDE_VOCAB, case.WIDTH)) / 4)
+      keys[0], (WIDE_VOCAB, toy_lm.WIDTH)) / 4)
   if not tied:
     outer['w_head'] = jax.random.normal(keys[1],
-                                        (case.WIDTH, WIDE_VOCAB)) / 4
-  return loss, (outer, layers), tables._embedding_rows_are_tokens
+                                        (toy_lm.WIDTH, WIDE_VOCAB)) / 4
+  return loss, (outer, layers), toy_lm.embedding_rows_are_tokens
 
 
-def _wide_micro_batches(step, count=MICRO):
+def _wide_micro_batches(step, count=toy_lm.MICRO):
   return jax.random.randint(jax.random.key(300 + step), (count, 2, 8), 0,
                             WIDE_VOCAB)
 
@@ -245,17 +212,17 @@ def test_tables_kept_as_factors_when_smaller(tied):
   reads = frozenset({key('embedding' if tied else 'w_head'),
                      key('final_scale')})
   kept = micro_batch_table.kept_as_factors(loss, outer, hidden, batch,
-                                           MICRO, reads)
+                                           toy_lm.MICRO, reads)
   assert kept == ({key('embedding')} if tied
                   else {key('embedding'), key('w_head')})
   # Sixteen times as many micro-batches outweigh the table: accumulated.
   assert not micro_batch_table.kept_as_factors(loss, outer, hidden, batch,
-                                               16 * MICRO, reads)
+                                               16 * toy_lm.MICRO, reads)
 
 
 def _wide_multisteps(loss, tx, params, steps=3):
-  """``MultiSteps(tx, MICRO)`` on the wide case's micro-batches."""
-  multi = optax.MultiSteps(tx, MICRO)
+  """``MultiSteps(tx, toy_lm.MICRO)`` on the wide case's micro-batches."""
+  multi = optax.MultiSteps(tx, toy_lm.MICRO)
   state = multi.init(params)
 
   @jax.jit
@@ -278,7 +245,7 @@ def _assert_wide_step(got, expected, tied):
     np.testing.assert_allclose(got[0][0]['embedding'],
                                expected[0][0]['embedding'], atol=1e-6)
   else:
-    case._assert_same_step(got, expected, exact_params=False)
+    toy_lm.assert_same_step(got, expected, exact_params=False)
 
 
 @pytest.mark.parametrize('block', [None, 64])
@@ -298,7 +265,7 @@ def test_tables_kept_as_factors_equal_multisteps(tied, block, monkeypatch):
                        adam_learning_rate=1e-3, weight_dimension_numbers=dims)
   expected = _wide_multisteps(loss, tx, params)
   step_fn = jax.jit(taco_optax.layerwise.train_step(
-      loss, tx, accumulation_steps=MICRO, **kwargs))
+      loss, tx, accumulation_steps=toy_lm.MICRO, **kwargs))
   got = (params, tx.init(params))
   for step in range(3):
     got = step_fn(*got, _wide_micro_batches(step))[:2]
@@ -317,13 +284,13 @@ def test_tables_kept_as_factors_clip_and_norm(tied):
   expected = _wide_multisteps(
       loss, optax.chain(optax.clip_by_global_norm(0.05), tx), params)
   step_fn = jax.jit(taco_optax.layerwise.train_step(
-      loss, tx, accumulation_steps=MICRO, clip_global_norm=0.05,
+      loss, tx, accumulation_steps=toy_lm.MICRO, clip_global_norm=0.05,
       with_grad_norm=True))
   got = (params, tx.init(params))
   for step in range(3):
     batches = _wide_micro_batches(step)
     grads = [jax.grad(loss)(got[0], b) for b in batches]
-    mean = jax.tree.map(lambda *g: sum(g) / MICRO, *grads)
+    mean = jax.tree.map(lambda *g: sum(g) / toy_lm.MICRO, *grads)
     *got, _, norm = step_fn(*got, batches)
     np.testing.assert_allclose(norm, optax.tree.norm(mean), rtol=2e-5)
   _assert_wide_step(got, (expected[0], expected[1][1]), tied)

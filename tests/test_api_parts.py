@@ -14,7 +14,7 @@ import pytest
 
 import taco_optax
 from taco_optax._src.transform import parts as _alias
-from tests.bitwise import assert_bitwise_equal
+from tests.support.bitwise import assert_bitwise_equal
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 

@@ -3,7 +3,7 @@
 With :attr:`AxisType.Auto` axes XLA partitions the update itself; the column
 step's partitioning rule (``_auto_partition``) keeps each device on its own
 block. The tests run in a subprocess with 8 simulated devices (see
-``tests/multidevice.py``).
+``tests/support/multidevice.py``).
 """
 
 import re
@@ -20,8 +20,9 @@ from jax.sharding import PartitionSpec as P
 import taco_optax
 from taco_optax._src.kernels import auto_partition as _auto_partition
 from taco_optax import TacoDimensionNumbers as Dims
-from tests import multidevice
-from tests.bitwise import assert_bitwise_equal
+from tests.support import multidevice
+from tests.support.bitwise import assert_bitwise_equal
+from tests.support import mesh_layered
 from tests.test_sharding import collectives
 from tests.test_sharding import gathered_bytes
 
@@ -249,11 +250,13 @@ def test_layerwise_step_on_auto_mesh_equals_single_device(scan_layers,
                                                           layout):
   """``layerwise.train_step`` with Auto axes: XLA partitions the step, the
   column step's rule keeps each device on its block."""
-  from tests import layerwise_case  # pylint: disable=g-import-not-at-top
+  # pylint: disable-next=g-import-not-at-top
+  from tests.support import layerwise_case
   from tests import test_sharding as cases  # pylint: disable=g-import-not-at-top
   train = layerwise_case.train(
-      cases._layered_loss(scan_layers), learning_rate=1e-2, k=4, mu=0.9,  # pylint: disable=protected-access
-      weight_dimension_numbers=cases._layered_dims, adam_learning_rate=1e-3)  # pylint: disable=protected-access
+      mesh_layered.layered_loss(scan_layers), learning_rate=1e-2, k=4, mu=0.9,
+      weight_dimension_numbers=mesh_layered.layered_dims,
+      adam_learning_rate=1e-3)
   inputs = [jax.random.normal(jax.random.key(10 + i), (8, 16))
             for i in range(3)]
 
@@ -264,9 +267,9 @@ def test_layerwise_step_on_auto_mesh_equals_single_device(scan_layers,
       params, state, _ = step(params, state, x)
     return params, state
 
-  start = cases._layered_params(scan_layers)  # pylint: disable=protected-access
+  start = mesh_layered.layered_params(scan_layers)
   expected = run(start)
-  sharded = cases._place_layered(start, auto_mesh(), layout)  # pylint: disable=protected-access
+  sharded = mesh_layered.place_layered(start, auto_mesh(), layout)
   got = run(sharded)
   assert cases.specs(got[0]) == cases.specs(sharded)
   # TACO's weights and state bitwise; the AdamW biases' gradients are batch

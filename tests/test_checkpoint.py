@@ -18,8 +18,8 @@ from jax.sharding import PartitionSpec as P
 
 import taco_optax
 from examples.finetune import checkpoint
-from tests import multidevice
-from tests.bitwise import assert_bitwise_equal
+from tests.support import multidevice
+from tests.support.bitwise import assert_bitwise_equal
 
 needs_mesh = multidevice.needs_devices(8)
 

@@ -7,7 +7,8 @@ import optax
 import pytest
 
 import taco_optax
-from tests import test_train_step as case
+from tests.support import tiers
+from tests.support import toy_lm
 
 
 def _winners(tx, grads_sequence):
@@ -50,11 +51,11 @@ def test_global_norm_clipping_changes_winners_on_the_optax_path():
 
 
 def test_the_layerwise_step_refuses_a_chain_naming_the_argument():
-  loss = taco_optax.layerwise.LayeredLoss(case._embed, case._layer,
-                                          case._head)
+  loss = taco_optax.layerwise.LayeredLoss(toy_lm.embed, toy_lm.layer,
+                                          toy_lm.head)
   tx = optax.chain(optax.clip_by_global_norm(1.0),
                    taco_optax.taco(1e-2,
-                                   weight_dimension_numbers=case._matrix_dims))
+                                   weight_dimension_numbers=toy_lm.matrix_dims))
   with pytest.raises(ValueError, match='pass taco.* and clip_global_norm=c'):
     taco_optax.layerwise.train_step(loss, tx)
   with pytest.raises(ValueError, match='clip_global_norm must be a number'):
@@ -64,62 +65,61 @@ def test_the_layerwise_step_refuses_a_chain_naming_the_argument():
 
 def _clipped_runs(head, scan_layers, max_norm, dtype=jnp.float32,
                   extra_outer=None, steps=3):
-  loss = taco_optax.layerwise.LayeredLoss(case._embed, case._layer, head,
+  loss = taco_optax.layerwise.LayeredLoss(toy_lm.embed, toy_lm.layer, head,
                                           scan_layers=scan_layers)
   tx = taco_optax.taco(1e-2, mu=0.9, k=4, adam_learning_rate=1e-3,
-                       weight_dimension_numbers=case._matrix_dims)
-  outer, layers = case._params(scan_layers, dtype)
+                       weight_dimension_numbers=toy_lm.matrix_dims)
+  outer, layers = toy_lm.params(scan_layers, dtype)
   params = (dict(outer, **(extra_outer or {})), layers)
   chain = optax.chain(optax.clip_by_global_norm(max_norm), tx)
-  plain = jax.jit(case._plain_step(loss, chain))
+  plain = jax.jit(toy_lm.plain_step(loss, chain))
   fused = jax.jit(taco_optax.layerwise.train_step(
       loss, tx, clip_global_norm=max_norm))
   expected = (params, chain.init(params))
   got = (params, tx.init(params))
   norms = []
   for step in range(steps):
-    grads = jax.grad(loss)(expected[0], case._tokens(step))
+    grads = jax.grad(loss)(expected[0], toy_lm.tokens(step))
     norms.append(float(optax.tree.norm(grads)))
-    expected = plain(*expected[:2], case._tokens(step))
-    got = fused(*got[:2], case._tokens(step))
+    expected = plain(*expected[:2], toy_lm.tokens(step))
+    got = fused(*got[:2], toy_lm.tokens(step))
   # chain's state is (clip's empty state, taco's state).
   return (got[0], got[1]), (expected[0], expected[1][1]), norms, params
 
 
-@pytest.mark.parametrize('scan_layers', [True, False])
-@pytest.mark.parametrize('tied', [True, False])
+@pytest.mark.parametrize('scan_layers', tiers.first_fast([True, False]))
+@pytest.mark.parametrize('tied', tiers.first_fast([True, False]))
 def test_clip_global_norm_equals_the_optax_chain(scan_layers, tied):
-  head, extra = case._head, None
+  head, extra = toy_lm.head, None
   if not tied:
-    head = case._untied_head
+    head = toy_lm.untied_head
     extra = {'w_head': jax.random.normal(jax.random.key(7),
-                                         (case.WIDTH, case.VOCAB)) / 4}
+                                         (toy_lm.WIDTH, toy_lm.VOCAB)) / 4}
   got, expected, norms, start = _clipped_runs(head, scan_layers, 0.05,
                                               extra_outer=extra)
   assert min(norms) > 0.05  # clipping acts at every step
   # The norm is optax's, summed leaf by leaf in its order (a stacked
   # leaf's layers in layer order: its last bits may differ), so TACO's
   # winners and history match and the weights up to rounding.
-  case._assert_same_step(got, expected, exact_params=False)
+  toy_lm.assert_same_step(got, expected, exact_params=False)
   for moved, before in zip(jax.tree.leaves(got[0]), jax.tree.leaves(start)):
     assert not np.array_equal(moved, before)
 
 
 def test_clip_global_norm_above_the_norm_changes_nothing():
-  got, expected, norms, _ = _clipped_runs(case._head, False, 1e6)
+  got, expected, norms, _ = _clipped_runs(toy_lm.head, False, 1e6)
   assert max(norms) < 1e6
-  case._assert_same_step(got, expected, exact_params=False)
+  toy_lm.assert_same_step(got, expected, exact_params=False)
 
 
 def _clipped_table_runs(head, params, max_norm, tokens, block):
-  from tests import test_token_table as tables  # pylint: disable=g-import-not-at-top
-  loss = taco_optax.layerwise.LayeredLoss(tables.EMBED, case._layer, head,
+  loss = taco_optax.layerwise.LayeredLoss(toy_lm.EMBED, toy_lm.layer, head,
                                           scan_layers=False)
   tx = taco_optax.taco(1e-2, mu=0.9, k=3, update_topk=2,
                        adam_learning_rate=1e-3,
-                       weight_dimension_numbers=tables._embedding_rows_are_tokens)
+                       weight_dimension_numbers=toy_lm.embedding_rows_are_tokens)
   chain = optax.chain(optax.clip_by_global_norm(max_norm), tx)
-  plain = jax.jit(case._plain_step(loss, chain))
+  plain = jax.jit(toy_lm.plain_step(loss, chain))
   fused = jax.jit(taco_optax.layerwise.train_step(
       loss, tx, clip_global_norm=max_norm, column_block_elements=block))
   expected, got = (params, chain.init(params)), (params, tx.init(params))
@@ -131,47 +131,44 @@ def _clipped_table_runs(head, params, max_norm, tokens, block):
   return (got[0], got[1]), (expected[0], expected[1][1])
 
 
-@pytest.mark.parametrize('tied', [True, False])
+@pytest.mark.parametrize('tied', tiers.first_fast([True, False]))
 def test_clipped_token_tables_formed_a_block_at_a_time(tied):
   # 2- to 8-column blocks: each block of a table's gradient is clipped as
   # it is formed; a tied table's two phases give way to the one-pass update.
-  from tests import test_token_table as tables  # pylint: disable=g-import-not-at-top
-  params = (case._params(False, jnp.float32) if tied
-            else tables._untied_params(False))
+  params = (toy_lm.params(False, jnp.float32) if tied
+            else toy_lm.untied_params(False))
   got, expected = _clipped_table_runs(
-      tables.TIED if tied else tables.UNTIED, params, 0.05,
-      [case._tokens(step) for step in range(3)], block=48)
-  case._assert_same_step(got, expected, exact_params=False)
+      toy_lm.TIED if tied else toy_lm.UNTIED, params, 0.05,
+      [toy_lm.tokens(step) for step in range(3)], block=48)
+  toy_lm.assert_same_step(got, expected, exact_params=False)
 
 
 def test_clipped_tied_table_where_two_phases_would_run():
-  from tests import test_token_table as tables  # pylint: disable=g-import-not-at-top
   tokens = [jax.random.randint(jax.random.key(100 + s), (4, 8), 20 * s,
                                20 * s + 40) for s in range(3)]
-  got, expected = _clipped_table_runs(tables.TIED,
-                                      tables._big_vocab_params(256), 0.05,
+  got, expected = _clipped_table_runs(toy_lm.TIED,
+                                      toy_lm.big_vocab_params(256), 0.05,
                                       tokens, block=256 * 4)
-  case._assert_same_step(got, expected, exact_params=False)
+  toy_lm.assert_same_step(got, expected, exact_params=False)
 
 
-@pytest.mark.parametrize('scan_layers', [True, False])
+@pytest.mark.parametrize('scan_layers', tiers.first_fast([True, False]))
 def test_clip_with_accumulation_equals_multisteps_of_the_chain(scan_layers):
-  from tests import test_accumulation as accumulation  # pylint: disable=g-import-not-at-top
-  loss = taco_optax.layerwise.LayeredLoss(case._embed, case._layer,
-                                          case._untied_head,
+  loss = taco_optax.layerwise.LayeredLoss(toy_lm.embed, toy_lm.layer,
+                                          toy_lm.untied_head,
                                           scan_layers=scan_layers)
   tx = taco_optax.taco(1e-2, mu=0.9, k=4, adam_learning_rate=1e-3,
-                       weight_dimension_numbers=case._matrix_dims)
-  params = accumulation._untied_params(scan_layers, jnp.float32)
+                       weight_dimension_numbers=toy_lm.matrix_dims)
+  params = toy_lm.untied_params(scan_layers, jnp.float32)
   chain = optax.chain(optax.clip_by_global_norm(0.05), tx)
-  expected_params, expected_state = accumulation._multisteps_run(
+  expected_params, expected_state = toy_lm.multisteps_run(
       loss, chain, params, steps=3)
   step = jax.jit(taco_optax.layerwise.train_step(
-      loss, tx, accumulation_steps=accumulation.MICRO, clip_global_norm=0.05))
+      loss, tx, accumulation_steps=toy_lm.MICRO, clip_global_norm=0.05))
   got = (params, tx.init(params))
   for s in range(3):
-    got = step(*got[:2], accumulation._micro_batches(s))
+    got = step(*got[:2], toy_lm.micro_batches(s))
   # The mean gradient is clipped as MultiSteps clips it: TACO's history and
   # winners bit for bit, Adam and the weights up to rounding.
-  case._assert_same_step(got, (expected_params, expected_state[1]),
-                         exact_params=False)
+  toy_lm.assert_same_step(got, (expected_params, expected_state[1]),
+                          exact_params=False)

@@ -14,8 +14,8 @@ import pytest
 from taco_optax._src.kernels import reference as _column_step
 from taco_optax._src.kernels import cpu_kernel as _cpu_kernel
 from taco_optax._src.kernels import dispatch as _kernels
-from tests import kernel_cases
-from tests.bitwise import assert_bitwise_equal
+from tests.support import kernel_cases
+from tests.support.bitwise import assert_bitwise_equal
 
 _AVAILABLE, _REASON = _cpu_kernel.availability()
 needs_kernel = pytest.mark.skipif(not _AVAILABLE, reason=_REASON)

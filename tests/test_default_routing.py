@@ -19,7 +19,7 @@ from flax import nnx
 
 import taco_optax
 from taco_optax._src import transform
-from tests import routing_checks
+from tests.support import routing_checks
 
 DN = taco_optax.TacoDimensionNumbers
 LR = 1e-2

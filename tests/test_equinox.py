@@ -17,8 +17,8 @@ import pytest
 import taco_optax
 from taco_optax._src.transform import ToAdam
 from taco_optax._src.transform import source_of
-from tests.routing_checks import assert_adam_dense
-from tests.routing_checks import assert_one_per_input
+from tests.support.routing_checks import assert_adam_dense
+from tests.support.routing_checks import assert_one_per_input
 
 eqx = pytest.importorskip('equinox')
 taco_eqx = importlib.import_module('taco_optax.equinox')

@@ -8,7 +8,7 @@ import optax
 import pytest
 
 import taco_optax
-from tests import bitwise
+from tests.support import bitwise
 
 DN = taco_optax.TacoDimensionNumbers
 

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 import taco_optax
-from tests import reference
-from tests import strategies
+from tests.support import reference
+from tests.support import strategies
 
 
 def _gradient_stream(seed, steps, n=16, m=64, magnitude=1.0):

@@ -17,8 +17,8 @@ import pytest
 
 import taco_optax
 from taco_optax._src.layerwise import token_table as _token_table
-from tests import test_token_table as table_case
-from tests import test_train_step as plain_case
+from tests.support import tiers
+from tests.support import toy_lm
 
 LayeredLoss = taco_optax.layerwise.LayeredLoss
 
@@ -55,44 +55,44 @@ def _check(loss, optimizer, params, batches, expected_norm, **kwargs):
 
 
 def _dense_case(scan_layers):
-  loss = LayeredLoss(plain_case._embed, plain_case._layer, plain_case._head,
+  loss = LayeredLoss(toy_lm.embed, toy_lm.layer, toy_lm.head,
                      scan_layers=scan_layers)
   tx = taco_optax.taco(1e-2, k=3, weight_dimension_numbers=(
-      plain_case._matrix_dims))
-  return loss, tx, plain_case._params(scan_layers, jnp.float32)
+      toy_lm.matrix_dims))
+  return loss, tx, toy_lm.params(scan_layers, jnp.float32)
 
 
-@pytest.mark.parametrize('scan_layers', [True, False])
+@pytest.mark.parametrize('scan_layers', tiers.first_fast([True, False]))
 def test_dense_layers(scan_layers):
   loss, tx, params = _dense_case(scan_layers)
-  batches = [plain_case._tokens(s) for s in range(3)]
+  batches = [toy_lm.tokens(s) for s in range(3)]
   _check(loss, tx, params, batches,
          lambda p, b: _expected_norm(loss, p, b))
 
 
 def _table_case(tied, scan_layers, params=None):
-  head = table_case.TIED if tied else table_case.UNTIED
-  loss = LayeredLoss(table_case.EMBED, plain_case._layer, head,
+  head = toy_lm.TIED if tied else toy_lm.UNTIED
+  loss = LayeredLoss(toy_lm.EMBED, toy_lm.layer, head,
                      scan_layers=scan_layers)
   tx = taco_optax.taco(1e-2, mu=0.9, k=3, update_topk=2,
                        adam_learning_rate=1e-3,
                        weight_dimension_numbers=(
-                           table_case._embedding_rows_are_tokens))
+                           toy_lm.embedding_rows_are_tokens))
   if params is None:
-    params = (plain_case._params(scan_layers, jnp.float32) if tied
-              else table_case._untied_params(scan_layers))
+    params = (toy_lm.params(scan_layers, jnp.float32) if tied
+              else toy_lm.untied_params(scan_layers))
   return loss, tx, params
 
 
-@pytest.mark.parametrize('block', [None, 48])
-@pytest.mark.parametrize('scan_layers', [True, False])
-@pytest.mark.parametrize('tied', [True, False])
+@pytest.mark.parametrize('block', tiers.first_fast([None, 48]))
+@pytest.mark.parametrize('scan_layers', tiers.first_fast([True, False]))
+@pytest.mark.parametrize('tied', tiers.first_fast([True, False]))
 def test_token_tables(tied, scan_layers, block, monkeypatch):
   if block is not None:  # every table formed a block of columns at a time
     monkeypatch.setattr(_token_table.TableGradient, 'dense', _no_dense)
   loss, tx, params = _table_case(tied, scan_layers)
   kwargs = {} if block is None else {'column_block_elements': block}
-  batches = [plain_case._tokens(s) for s in range(3)]
+  batches = [toy_lm.tokens(s) for s in range(3)]
   _check(loss, tx, params, batches,
          lambda p, b: _expected_norm(loss, p, b), **kwargs)
 
@@ -109,7 +109,7 @@ def test_tied_table_in_two_phases(monkeypatch):
                       lambda *a, **k: calls.append(1) or select(*a, **k))
   vocab = 256
   loss, tx, params = _table_case(True, False,
-                                 table_case._big_vocab_params(vocab))
+                                 toy_lm.big_vocab_params(vocab))
   # Repeated tokens, and half of each batch new: both phases have rows.
   batches = [jax.random.randint(jax.random.key(100 + s), (4, 8), 20 * s,
                                 20 * s + 40) for s in range(3)]
@@ -119,7 +119,7 @@ def test_tied_table_in_two_phases(monkeypatch):
   assert calls, 'the two-phase table update did not run'
 
 
-@pytest.mark.parametrize('tables', [False, True])
+@pytest.mark.parametrize('tables', tiers.first_fast([False, True]))
 def test_accumulation_is_the_mean_gradients_norm(tables):
   loss, tx, params = (_table_case(True, False) if tables
                       else _dense_case(False))
@@ -131,14 +131,14 @@ def test_accumulation_is_the_mean_gradients_norm(tables):
     return optax.tree.norm(jax.tree.map(lambda *g: sum(g) / steps,
                                           *grads))
 
-  batches = [jnp.stack([plain_case._tokens(3 * s + i) for i in range(steps)])
+  batches = [jnp.stack([toy_lm.tokens(3 * s + i) for i in range(steps)])
              for s in range(2)]
   _check(loss, tx, params, batches, expected, accumulation_steps=steps)
 
 
 def test_clipping_reports_the_unclipped_norm():
   loss, tx, params = _table_case(False, False)
-  batches = [plain_case._tokens(s) for s in range(2)]
+  batches = [toy_lm.tokens(s) for s in range(2)]
   _check(loss, tx, params, batches,
          lambda p, b: _expected_norm(loss, p, b), clip_global_norm=1e-3)
 
@@ -149,9 +149,9 @@ def test_a_non_finite_gradient_gives_a_non_finite_norm():
   bad = (dict(outer, final_scale=outer['final_scale'].at[0].set(jnp.inf)),
          layers)
   _, measured = _steps(loss, tx)
-  *_, norm = measured(bad, tx.init(bad), plain_case._tokens(0))
+  *_, norm = measured(bad, tx.init(bad), toy_lm.tokens(0))
   assert not np.isfinite(norm)
-  *_, norm = measured(params, tx.init(params), plain_case._tokens(0))
+  *_, norm = measured(params, tx.init(params), toy_lm.tokens(0))
   assert np.isfinite(norm)
 
 

@@ -15,7 +15,7 @@ from jax.extend import core as jex_core
 from jax.sharding import PartitionSpec as P
 
 from taco_optax._src.transform import jaxpr_internals as jx
-from tests import jaxpr_cases
+from tests.support import jaxpr_cases
 
 X = jnp.ones((2, 4))
 W = jnp.ones((4, 3))

@@ -10,9 +10,9 @@ import pytest
 import taco_optax
 from taco_optax._src.kernels import cpu_kernel as _cpu_kernel
 from taco_optax._src.kernels import dispatch as _kernels
-from tests import layerwise_case
-from tests import test_train_step as plain_case
-from tests.bitwise import assert_bitwise_equal
+from tests.support import layerwise_case
+from tests.support.bitwise import assert_bitwise_equal
+from tests.support import toy_lm
 
 needs_kernel = pytest.mark.skipif(not _cpu_kernel.availability().ok,
                                   reason=_cpu_kernel.availability().reason)
@@ -68,11 +68,11 @@ def test_environment_is_read_when_the_optimizer_is_built(monkeypatch):
 
 @needs_kernel
 def test_layerwise_step_runs_the_chosen_implementation():
-  params = plain_case._params(scan_layers=False, dtype=jnp.float32)
+  params = toy_lm.params(scan_layers=False, dtype=jnp.float32)
   loss = taco_optax.layerwise.LayeredLoss(
-      plain_case._embed, plain_case._layer, plain_case._head,
+      toy_lm.embed, toy_lm.layer, toy_lm.head,
       scan_layers=False)
-  batch = plain_case._tokens(0)
+  batch = toy_lm.tokens(0)
   for name, expected in (('cpu', True), ('reference', False)):
     train = layerwise_case.train(loss, 1e-2, implementation=name)
     text = jax.jit(train.step).lower(

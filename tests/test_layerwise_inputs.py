@@ -15,7 +15,7 @@ from flax import nnx
 
 import taco_optax
 from taco_optax import layerwise
-from tests.bitwise import assert_bitwise_equal
+from tests.support.bitwise import assert_bitwise_equal
 
 VOCAB, WIDTH = 24, 8
 

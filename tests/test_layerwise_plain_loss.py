@@ -18,6 +18,7 @@ import pytest
 
 import taco_optax
 from taco_optax import layerwise
+from tests.support import tiers
 
 D, VOCAB, FFN, HEADS, LAYERS = 16, 32, 24, 2, 3
 
@@ -283,7 +284,9 @@ def _leaves(tree):
   return [np.asarray(x) for x in jax.tree.leaves(tree)]
 
 
-@pytest.mark.parametrize('case', sorted(CASES))
+@pytest.mark.parametrize('case', tiers.first_fast(
+    sorted(CASES), fast=['equinox', 'jax-dict-scan', 'linen-remat',
+                         'nnx-list-tied']))
 def test_equals_the_plain_optax_path_f32(case):
   loss_fn, params, tx = CASES[case]()
   plain = jax.jit(_plain_step(loss_fn, tx))

@@ -1,8 +1,8 @@
 """taco_optax.linen: TACO's routing read from Flax Linen modules.
 
 Each test builds a small real Linen model, routes it, runs one ``taco``
-update and checks the update itself (tests/routing_checks.py) against axes
-written here by hand: one weight moved per input feature of every matrix
+update and checks the update itself (tests/support/routing_checks.py) against
+axes written here by hand: one weight moved per input feature of every matrix
 (per layer of a stack) by lr * m / n (1 for an embedding table), and a dense
 Adam step for biases, norms and everything else.
 """
@@ -17,8 +17,8 @@ import pytest
 
 import taco_optax
 from taco_optax import linen
-from tests.routing_checks import assert_adam_dense
-from tests.routing_checks import assert_one_per_input
+from tests.support.routing_checks import assert_adam_dense
+from tests.support.routing_checks import assert_one_per_input
 
 DN = taco_optax.TacoDimensionNumbers
 LR = 1e-2

@@ -21,6 +21,7 @@ import pytest
 
 from benchmarks import memory
 from examples.finetune import report
+from tests.support import tiers
 
 NUM_LAYERS, BATCH, SEQ = 4, 4, 64
 
@@ -62,7 +63,7 @@ def test_backend_is_cpu():
   assert jax.default_backend() == 'cpu'
 
 
-@pytest.mark.parametrize('scan_layers', [True, False])
+@pytest.mark.parametrize('scan_layers', tiers.first_fast([True, False]))
 def test_layerwise_overhead_under_measured_bound(scan_layers):
   _, above_state = _measured(scan_layers)['taco layerwise']
   bound = MEASURED_LAYERWISE[scan_layers]
@@ -72,7 +73,7 @@ def test_layerwise_overhead_under_measured_bound(scan_layers):
       f'0.10.2; now jax {jax.__version__})')
 
 
-@pytest.mark.parametrize('scan_layers', [True, False])
+@pytest.mark.parametrize('scan_layers', tiers.first_fast([True, False]))
 def test_plain_loss_step_overhead_under_measured_bound(scan_layers):
   _, above_state = _measured(scan_layers)['taco plain-loss']
   bound = MEASURED_PLAIN_LOSS[scan_layers]

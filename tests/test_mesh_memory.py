@@ -18,8 +18,8 @@ from jax.sharding import PartitionSpec as P
 
 import taco_optax
 from taco_optax import TacoDimensionNumbers as Dims
-from tests import multidevice
-from tests.bitwise import assert_bitwise_equal
+from tests.support import multidevice
+from tests.support.bitwise import assert_bitwise_equal
 
 NUM_DEVICES = multidevice.NUM_DEVICES
 needs_mesh = multidevice.needs_devices(NUM_DEVICES)

@@ -22,8 +22,8 @@ from jax.sharding import PartitionSpec as P
 
 import taco_optax
 from taco_optax._src.layerwise import token_table
-from tests import multidevice
-from tests.bitwise import assert_bitwise_equal
+from tests.support import multidevice
+from tests.support.bitwise import assert_bitwise_equal
 
 NUM_DEVICES = multidevice.NUM_DEVICES
 needs_mesh = multidevice.needs_devices(NUM_DEVICES)

@@ -1,12 +1,12 @@
 """Every test marked ``multidevice.needs_devices``, on 8 simulated devices.
 
-One fresh process runs them all (see ``tests/multidevice.py``); in a process
-that already has 8 devices they run in place and this test is skipped.
+One fresh process runs them all (see ``tests/support/multidevice.py``); in a
+process that already has 8 devices they run in place and this test is skipped.
 """
 
 import pytest
 
-from tests import multidevice
+from tests.support import multidevice
 
 
 def test_the_rerun_finds_the_mesh_test_files():

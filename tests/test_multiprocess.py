@@ -1,7 +1,7 @@
 """TACO on JAX's multi-process runtime: 2 processes x 4 CPU devices.
 
-The cases of ``tests/multiprocess_cases.py`` run in two launches of fresh
-processes, each running every case in turn: once on 1 process with 8
+The cases of ``tests/support/multiprocess_cases.py`` run in two launches of
+fresh processes, each running every case in turn: once on 1 process with 8
 devices, once on 2 processes with 4 devices each
 (``jax.distributed`` on localhost, gloo collectives), the same 8-device meshes
 in both (the fsdp axis across processes, or every tensor group across
@@ -17,7 +17,7 @@ import os
 import numpy as np
 import pytest
 
-from tests import multiprocess
+from tests.support import multiprocess
 
 pytestmark = pytest.mark.long
 
@@ -28,7 +28,7 @@ _TIMEOUT = 900
 
 
 def _launch(out_dir: str, num_processes: int) -> None:
-  command = multiprocess.python_module('tests.multiprocess_cases',
+  command = multiprocess.python_module('tests.support.multiprocess_cases',
                                        ','.join(_CASES), out_dir)
   if num_processes > 1:
     command += ['--coordinator', '127.0.0.1:{port}', '--num-processes',

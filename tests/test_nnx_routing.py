@@ -22,6 +22,7 @@ from taco_optax.nnx import dimension_numbers
 from taco_optax.nnx import update_scales
 from examples.finetune.model import config as config_lib
 from examples.finetune.model import decoder as decoder_lib
+from tests.support import tiers
 
 DN = taco_optax.TacoDimensionNumbers
 
@@ -93,7 +94,7 @@ def _einsum_modules(model):
           if isinstance(getattr(module, 'einsum_str', None), str)]
 
 
-@pytest.mark.parametrize('family,sizes', TUNIX, ids=TUNIX_IDS)
+@pytest.mark.parametrize('family,sizes', tiers.first_fast(TUNIX), ids=TUNIX_IDS)
 def test_every_tunix_matrix_goes_to_taco(family, sizes):
   model = _tunix_model(family, **sizes)
   dims = _flat(dimension_numbers(model))

@@ -17,8 +17,9 @@ import pytest
 from taco_optax._src.kernels import reference as _column_step
 from taco_optax._src.kernels import dispatch as _kernels
 from taco_optax._src.kernels import pallas_kernel as _pallas_kernel
-from tests import kernel_cases
-from tests.bitwise import assert_bitwise_equal
+from tests.support import kernel_cases
+from tests.support.bitwise import assert_bitwise_equal
+from tests.support import tiers
 
 
 def _for_an_h100():
@@ -59,7 +60,8 @@ _SHAPES = [
 ]
 
 
-@pytest.mark.parametrize('n,m,k,update_topk,grad_dtype', _SHAPES)
+@pytest.mark.parametrize('n,m,k,update_topk,grad_dtype',
+                         tiers.first_fast(_SHAPES))
 def test_matches_reference(n, m, k, update_topk, grad_dtype):
   rng = np.random.default_rng(n * 7919 + m)
   mu = jnp.asarray(0.95, jnp.float32)

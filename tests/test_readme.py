@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import pytest
 
 from tests import docs_pages
-from tests import routing_checks
+from tests.support import routing_checks
 
 README = docs_pages.ROOT / 'README.md'
 

@@ -9,9 +9,10 @@ import pytest
 import taco_optax
 from taco_optax._src.transform import parts as _alias
 from taco_optax._src.transform import rounding as _rounding
-from tests import layerwise_case
-from tests import test_train_step as plain_case
-from tests.bitwise import assert_bitwise_equal
+from tests.support import layerwise_case
+from tests.support.bitwise import assert_bitwise_equal
+from tests.support import tiers
+from tests.support import toy_lm
 
 DTYPES = [jnp.bfloat16, jnp.float16]
 
@@ -215,29 +216,29 @@ def test_resumed_run_equals_an_uninterrupted_one():
                             np.asarray(whole[0]['w']))
 
 
-@pytest.mark.parametrize('scan_layers', [True, False])
-@pytest.mark.parametrize('chunked', [False, True])
+@pytest.mark.parametrize('scan_layers', tiers.first_fast([True, False]))
+@pytest.mark.parametrize('chunked', tiers.first_fast([False, True]))
 def test_layerwise_step_rounds_as_the_optax_path(scan_layers, chunked):
   # The paper's rate on weights of ~1/sqrt(width): most winners' steps are
   # below half an ulp, so the bits decide the result.
   loss = taco_optax.layerwise.LayeredLoss(
-      plain_case._embed, plain_case._layer, plain_case._untied_head,
+      toy_lm.embed, toy_lm.layer, toy_lm.untied_head,
       scan_layers=scan_layers)
   # chunked: every 2-D matrix through the column-block scan.
   train = layerwise_case.train(loss, 3e-4, mu=0.9, k=4,
-                               weight_dimension_numbers=plain_case._matrix_dims,
+                               weight_dimension_numbers=toy_lm.matrix_dims,
                                column_block_elements=48 if chunked else None)
-  params = plain_case._params(scan_layers, jnp.bfloat16)
+  params = toy_lm.params(scan_layers, jnp.bfloat16)
   params = (dict(params[0], w_head=(
-      jax.random.normal(jax.random.key(9), (plain_case.WIDTH,
-                                            plain_case.VOCAB)) / 4
+      jax.random.normal(jax.random.key(9), (toy_lm.WIDTH,
+                                            toy_lm.VOCAB)) / 4
   ).astype(jnp.bfloat16)), params[1])
-  plain = jax.jit(plain_case._plain_step(loss, train.optimizer))
+  plain = jax.jit(toy_lm.plain_step(loss, train.optimizer))
   fused = jax.jit(train.step)
   expected = got = (params, train.optimizer.init(params))
   for step in range(3):
-    expected = plain(*expected, plain_case._tokens(step))[:2]
-    got = fused(*got, plain_case._tokens(step))[:2]
+    expected = plain(*expected, toy_lm.tokens(step))[:2]
+    got = fused(*got, toy_lm.tokens(step))[:2]
   assert_bitwise_equal(got, expected)
   assert int(_alias.taco_states(got[1]).rounding.count) == 3
 
@@ -272,9 +273,9 @@ _BRANCH_DIMS = {'w': taco_optax.TacoDimensionNumbers(),
                 'f32': taco_optax.TacoDimensionNumbers(1, 0)}
 
 
-@pytest.mark.parametrize('dtype', DTYPES)
-@pytest.mark.parametrize('learning_rate', [
-    3e-4, optax.linear_schedule(1e-4, 1e-3, 10)])
+@pytest.mark.parametrize('dtype', tiers.first_fast(DTYPES))
+@pytest.mark.parametrize('learning_rate', tiers.first_fast([
+    3e-4, optax.linear_schedule(1e-4, 1e-3, 10)]))
 def test_taco_branch_is_the_chain_bit_for_bit(dtype, learning_rate):
   # taco() rounds a 16-bit leaf's update at its winners only; its updates
   # and state are chain(scale_by_taco, scale_by_learning_rate,

@@ -26,9 +26,10 @@ from taco_optax._src.layerwise import weight_update as _leaf_update
 from taco_optax._src.layerwise import winners as _winners
 from taco_optax import TacoDimensionNumbers as Dims
 from taco_optax._src.transform.dimension_numbers import normalize_axes
-from tests import multidevice
-from tests.bitwise import assert_bitwise_equal
-from tests import layerwise_case
+from tests.support import multidevice
+from tests.support.bitwise import assert_bitwise_equal
+from tests.support import layerwise_case
+from tests.support import mesh_layered
 
 NUM_DEVICES = 8
 needs_mesh = multidevice.needs_devices(NUM_DEVICES)
@@ -221,13 +222,6 @@ def test_state_shardings_stable_across_init_update_and_jit():
         one, expected, is_leaf=lambda x: isinstance(x, dict))
 
 
-def matmul(a, b):
-  """``a @ b``, replicated on a mesh (explicit axes need an output sharding)."""
-  if jax.sharding.get_abstract_mesh().empty:
-    return a @ b
-  return jnp.matmul(a, b, out_sharding=P())
-
-
 @needs_mesh
 def test_taco_alias_train_step_on_mesh_matches_single_device():
   """The full optax path (partition + AdamW) in a jitted train step."""
@@ -243,8 +237,9 @@ def test_taco_alias_train_step_on_mesh_matches_single_device():
   targets = jax.random.normal(keys[3], (12, 8))
 
   def loss(p):
-    hidden = jnp.tanh(matmul(inputs, p['w1']) + p['b1'])
-    return jnp.mean((matmul(hidden, p['w2']) + p['b2'] - targets) ** 2)
+    hidden = jnp.tanh(mesh_layered.matmul(inputs, p['w1']) + p['b1'])
+    return jnp.mean(
+        (mesh_layered.matmul(hidden, p['w2']) + p['b2'] - targets) ** 2)
 
   tx = taco_optax.taco(learning_rate=1e-2, k=4)
 
@@ -460,79 +455,21 @@ def test_nnx_optimizer_state_gets_taco_shardings(explicit, error, message):
 
 # The layer-wise train step on a mesh.
 
-WIDTH, HIDDEN, NUM_LAYERS = 32, 64, 2
-# Kernel and bias specs: FSDP splits the reduction (input) axis, TP the output
-# axis, and 'both' mixes them as Megatron does (up: columns over 'fsdp', rows
-# over 'tensor'; down the other way round).
-LAYERWISE_LAYOUTS = {
-    'fsdp': {'w_in': P('fsdp', None), 'w_up': P('fsdp', None),
-             'w_down': P('fsdp', None), 'w_out': P('fsdp', None),
-             'b_up': P()},
-    'tp': {'w_in': P(None, 'tensor'), 'w_up': P(None, 'tensor'),
-           'w_down': P(None, 'tensor'), 'w_out': P(None, 'tensor'),
-           'b_up': P('tensor')},
-    'both': {'w_in': P('fsdp', 'tensor'), 'w_up': P('fsdp', 'tensor'),
-             'w_down': P('tensor', 'fsdp'), 'w_out': P('tensor', 'fsdp'),
-             'b_up': P('tensor')},
-}
-
-
-def _layered_loss(scan_layers):
-  """``x @ w_in -> (h + tanh(h @ w_up + b) @ w_down) x L -> MSE(h @ w_out)``.
-
-  ``w_out`` is not read by the embedding, so the step updates it before the
-  layers (the untied-head path).
-  """
-  return taco_optax.layerwise.LayeredLoss(
-      embed=lambda outer, x: matmul(x, outer['w_in']),
-      layer=lambda p, h, x: h + matmul(
-          jnp.tanh(matmul(h, p['w_up']) + p['b_up']), p['w_down']),
-      head=lambda outer, h, x: jnp.mean((matmul(h, outer['w_out']) - .5)**2),
-      scan_layers=scan_layers)
-
-
-def _layered_params(scan_layers):
-  keys = iter(jax.random.split(jax.random.key(0), 3 * NUM_LAYERS + 2))
-  normal = lambda shape: jax.random.normal(next(keys), shape) / shape[0]**.5
-  outer = {'w_in': normal((16, WIDTH)), 'w_out': normal((WIDTH, 16))}
-  layers = [{'w_up': normal((WIDTH, HIDDEN)), 'w_down': normal((HIDDEN, WIDTH)),
-             'b_up': 0.1 * jax.random.normal(next(keys), (HIDDEN,))}
-            for _ in range(NUM_LAYERS)]
-  if scan_layers:
-    layers = jax.tree.map(lambda *xs: jnp.stack(xs), *layers)
-  return outer, layers
-
-
-def _layered_dims(params):
-  """Kernels are matrices, behind a leading layer axis when stacked."""
-  rank = 2 if isinstance(params[1], list) else 3
-  layer_dims = lambda x: Dims(rank - 2, rank - 1) if x.ndim == rank else None
-  return (jax.tree.map(lambda _: Dims(), params[0]),
-          jax.tree.map(layer_dims, params[1]))
-
-
-def _place_layered(params, mesh, layout):
-  def put(path, x):
-    spec = LAYERWISE_LAYOUTS[layout][path[-1].key]
-    spec = P(*(None,) * (x.ndim - len(spec)), *spec)  # the layer axis
-    return jax.device_put(x, NamedSharding(mesh, spec))
-  return jax.tree_util.tree_map_with_path(put, params)
-
-
 @needs_mesh
 @pytest.mark.parametrize('scan_layers, update_topk, chunked, layouts, dtype', [
-    (False, 1, False, tuple(LAYERWISE_LAYOUTS), jnp.float32),
-    (True, 2, False, tuple(LAYERWISE_LAYOUTS), jnp.float32),
+    (False, 1, False, tuple(mesh_layered.LAYERWISE_LAYOUTS), jnp.float32),
+    (True, 2, False, tuple(mesh_layered.LAYERWISE_LAYOUTS), jnp.float32),
     (False, 2, True, ('both',), jnp.float32),
     # bf16 weights: stochastic rounding draws the same bits per device.
-    (True, 1, False, tuple(LAYERWISE_LAYOUTS), jnp.bfloat16),
+    (True, 1, False, tuple(mesh_layered.LAYERWISE_LAYOUTS), jnp.bfloat16),
     (False, 1, True, ('both',), jnp.bfloat16)])
 def test_layerwise_step_on_mesh_equals_single_device(
     scan_layers, update_topk, chunked, layouts, dtype):
   # chunked: every unrolled matrix through the column-block scan.
   train = layerwise_case.train(
-      _layered_loss(scan_layers), learning_rate=1e-2, k=4, mu=0.9,
-      update_topk=update_topk, weight_dimension_numbers=_layered_dims,
+      mesh_layered.layered_loss(scan_layers), learning_rate=1e-2, k=4, mu=0.9,
+      update_topk=update_topk,
+      weight_dimension_numbers=mesh_layered.layered_dims,
       adam_learning_rate=1e-3, column_block_elements=64 if chunked else None)
   inputs = [jax.random.normal(jax.random.key(10 + i), (8, 16))
             for i in range(3)]
@@ -545,7 +482,7 @@ def test_layerwise_step_on_mesh_equals_single_device(
     return params, state
 
   start = jax.tree.map(lambda x: x.astype(dtype),
-                       _layered_params(scan_layers))
+                       mesh_layered.layered_params(scan_layers))
   expected = run(start)
   # In bf16 the gradients themselves are bf16 sums that the sharded matmuls
   # reorder: the FP8 history may then differ in a value (not in which rows
@@ -562,7 +499,7 @@ def test_layerwise_step_on_mesh_equals_single_device(
   mesh = make_mesh()
   for layout in layouts:
     with jax.set_mesh(mesh):
-      sharded = _place_layered(start, mesh, layout)
+      sharded = mesh_layered.place_layered(start, mesh, layout)
       got = run(sharded)
       assert specs(got[0]) == specs(sharded), layout
       assert specs(got[1]) == sharding_specs(

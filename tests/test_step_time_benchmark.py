@@ -9,7 +9,7 @@ import pytest
 
 from benchmarks import step_time
 import taco_optax
-from tests.bitwise import assert_bitwise_equal
+from tests.support.bitwise import assert_bitwise_equal
 
 
 @pytest.fixture

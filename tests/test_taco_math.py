@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 import taco_optax
-from tests import bitwise
-from tests import reference
-from tests import strategies
+from tests.support import bitwise
+from tests.support import reference
+from tests.support import strategies
 
 
 def _run(tx, grads_seq):

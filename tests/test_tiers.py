@@ -1,35 +1,57 @@
-"""The fast tier keeps one case of every matrix that tests/tiers.py splits."""
+"""The long tier is marked at the test, and every split matrix stays fast once.
+
+A parametrised test splits its cases with :func:`tiers.first_fast`: its first
+case (or the ones it names) in the fast tier, the others marked ``long``.
+"""
 
 import pathlib
 
-from tests import tiers
+import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+from tests.support import tiers
 
-
-def test_every_split_names_a_test_that_exists():
-  # A renamed test would silently fall out of the split (all its cases fast).
-  for key, kept in tiers.FAST_CASES.items():
-    path, name = key.split('::')
-    assert f'def {name}(' in (ROOT / path).read_text(), key
-    assert kept is None or kept, key
+TESTS = pathlib.Path(__file__).resolve().parent
 
 
-class _Item:
-
-  def __init__(self, nodeid, case):
-    self.nodeid = nodeid
-    self.originalname = nodeid.split('::')[1].split('[')[0]
-    self.callspec = type('CallSpec', (), {'id': case})()
+def _long(case) -> bool:
+  return any(mark.name == 'long' for mark in getattr(case, 'marks', ()))
 
 
-def test_first_or_named_cases_stay_fast():
-  key = 'tests/test_tunix.py::test_checkpoint_resumes'
-  named = ('tests/examples/test_optimizers.py::'
-           'test_optimizer_lowers_the_loss_of_a_fixed_batch')
-  items = [_Item(f'{key}[a]', 'a'), _Item(f'{key}[b]', 'b'),
-           _Item(f'{named}[adamw]', 'adamw'), _Item(f'{named}[lion]', 'lion'),
-           _Item(f'{named}[taco]', 'taco'),
-           _Item('tests/test_x.py::test_other[a]', 'a')]
-  assert [i.nodeid for i in tiers.long_cases(items)] == [
-      f'{key}[b]', f'{named}[lion]']
+def test_first_case_stays_fast_and_the_others_are_long():
+  cases = tiers.first_fast([True, False, None])
+  assert cases[0] is True
+  assert [_long(case) for case in cases] == [False, True, True]
+  assert [case.values for case in cases[1:]] == [(False,), (None,)]
+
+
+def test_named_cases_stay_fast():
+  cases = tiers.first_fast(['adamw', 'lion', 'taco'], fast=['adamw', 'taco'])
+  assert [_long(case) for case in cases] == [False, True, False]
+
+
+def test_a_case_of_several_arguments_is_one_param():
+  cases = tiers.first_fast([('llama', False), ('qwen3', True)])
+  assert cases[0] == ('llama', False)
+  assert cases[1].values == ('qwen3', True) and _long(cases[1])
+
+
+@pytest.mark.parametrize('fast', [['mistral'], []])
+def test_a_fast_case_that_is_not_a_case_is_an_error(fast):
+  # A renamed case would otherwise silently leave the fast tier.
+  with pytest.raises(ValueError, match='fast cases'):
+    tiers.first_fast(['llama', 'qwen3'], fast=fast)
+
+
+def test_cases_are_marked_long_only_through_first_fast():
+  # A hand-written pytest.param(..., marks=pytest.mark.long) could mark every
+  # case of a matrix long; first_fast always keeps one in the fast tier.
+  # Whole tests are marked with @pytest.mark.long or pytestmark instead.
+  found = sorted(
+      str(path.relative_to(TESTS)) for path in TESTS.rglob('*.py')
+      if path.name not in ('tiers.py', 'test_tiers.py') and
+      'marks=pytest.mark.long' in path.read_text().replace(' ', ''))
+  assert not found, found
+  splits = sum(path.read_text().count('tiers.first_fast(')
+               for path in TESTS.rglob('test_*.py')
+               if path.name != 'test_tiers.py')
+  assert splits > 0

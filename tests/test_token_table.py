@@ -13,7 +13,6 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 
 import taco_optax
@@ -25,60 +24,25 @@ from taco_optax._src.layerwise import weight_update as _leaf_update
 from taco_optax._src.layerwise import winners as _winners
 from taco_optax._src.layerwise import tied_table as _table_update
 from taco_optax._src.layerwise import token_table as _token_table
-from tests import test_train_step as plain_case
-from tests.bitwise import assert_bitwise_equal
-from tests import layerwise_case
+from tests.support.bitwise import assert_bitwise_equal
+from tests.support import layerwise_case
+from tests.support import tiers
+from tests.support import toy_lm
 
-VOCAB, WIDTH = plain_case.VOCAB, plain_case.WIDTH
-
-
-def _next_token_loss(logits, tokens):
-  targets = jnp.roll(tokens, -1, axis=-1)
-  return optax.softmax_cross_entropy_with_integer_labels(
-      logits.astype(jnp.float32), targets).mean()
-
-
-def _features(outer, hidden, tokens):
-  del tokens
-  return hidden * outer['final_scale']
-
-
-EMBED = taco_optax.layerwise.TableLookup(
-    ('embedding',), ids=lambda tokens: tokens,
-    apply=lambda outer, rows, tokens: rows)
-TIED = taco_optax.layerwise.TableProjection(('embedding',), _features,
-                                            _next_token_loss)
-UNTIED = taco_optax.layerwise.TableProjection(
-    ('w_head',), _features, _next_token_loss,
-    project=lambda features, kernel: features @ kernel, table_axis=0)
-
-
-def _untied_params(scan_layers):
-  outer, layers = plain_case._params(scan_layers, jnp.float32)
-  outer = dict(outer, w_head=jax.random.normal(jax.random.key(7),
-                                               (WIDTH, VOCAB)) / 4)
-  return outer, layers
-
-
-def _embedding_rows_are_tokens(params):
-  """The example's layout: vocabulary as rows (``m``), features as columns."""
-  outer_dims, layer_dims = plain_case._matrix_dims(params)
-  outer_dims = dict(outer_dims,
-                    embedding=taco_optax.TacoDimensionNumbers(1, 0))
-  return outer_dims, layer_dims
+VOCAB, WIDTH = toy_lm.VOCAB, toy_lm.WIDTH
 
 
 def _run(head, params, scan_layers, steps=3, batches=None, block=None):
-  loss = taco_optax.layerwise.LayeredLoss(EMBED, plain_case._layer, head,
-                                scan_layers=scan_layers)
+  loss = taco_optax.layerwise.LayeredLoss(toy_lm.EMBED, toy_lm.layer, head,
+                                          scan_layers=scan_layers)
   train = layerwise_case.train(
       loss, 1e-2, mu=0.9, k=3, update_topk=2, adam_learning_rate=1e-3,
-      weight_dimension_numbers=_embedding_rows_are_tokens,
+      weight_dimension_numbers=toy_lm.embedding_rows_are_tokens,
       column_block_elements=block)
-  plain = jax.jit(plain_case._plain_step(loss, train.optimizer))
+  plain = jax.jit(toy_lm.plain_step(loss, train.optimizer))
   fused = jax.jit(train.step)
   expected = got = (params, train.optimizer.init(params))
-  batches = batches or [plain_case._tokens(step) for step in range(steps)]
+  batches = batches or [toy_lm.tokens(step) for step in range(steps)]
   for tokens in batches:
     expected = plain(*expected[:2], tokens)
     got = fused(*got[:2], tokens)
@@ -87,28 +51,29 @@ def _run(head, params, scan_layers, steps=3, batches=None, block=None):
 
 
 def test_calls_equal_the_hand_written_embed_and_head():
-  outer, _ = _untied_params(False)
-  tokens = plain_case._tokens(0)
-  np.testing.assert_array_equal(EMBED(outer, tokens),
-                                plain_case._embed(outer, tokens))
+  outer, _ = toy_lm.untied_params(False)
+  tokens = toy_lm.tokens(0)
+  np.testing.assert_array_equal(toy_lm.EMBED(outer, tokens),
+                                toy_lm.embed(outer, tokens))
   hidden = jax.random.normal(jax.random.key(1), (4, 8, WIDTH))
-  np.testing.assert_allclose(TIED(outer, hidden, tokens),
-                             plain_case._head(outer, hidden, tokens),
+  np.testing.assert_allclose(toy_lm.TIED(outer, hidden, tokens),
+                             toy_lm.head(outer, hidden, tokens),
                              rtol=1e-6)
-  np.testing.assert_allclose(UNTIED(outer, hidden, tokens),
-                             plain_case._untied_head(outer, hidden, tokens),
+  np.testing.assert_allclose(toy_lm.UNTIED(outer, hidden, tokens),
+                             toy_lm.untied_head(outer, hidden, tokens),
                              rtol=1e-6)
 
 
-@pytest.mark.parametrize('scan_layers', [True, False])
-@pytest.mark.parametrize('tied', [True, False])
+@pytest.mark.parametrize('scan_layers', tiers.first_fast([True, False]))
+@pytest.mark.parametrize('tied', tiers.first_fast([True, False]))
 def test_equals_plain_optax_path_in_one_pass(scan_layers, tied):
   # Small tables: the whole gradient is formed (TableGradient.dense) and
   # takes the one-pass update, so everything is bit for bit.
-  params = (plain_case._params(scan_layers, jnp.float32) if tied
-            else _untied_params(scan_layers))
-  got, expected = _run(TIED if tied else UNTIED, params, scan_layers)
-  plain_case._assert_same_step(got, expected)
+  params = (toy_lm.params(scan_layers, jnp.float32) if tied
+            else toy_lm.untied_params(scan_layers))
+  got, expected = _run(toy_lm.TIED if tied else toy_lm.UNTIED, params,
+                       scan_layers)
+  toy_lm.assert_same_step(got, expected)
   for name in ('embedding',) + (() if tied else ('w_head',)):
     assert not np.array_equal(got[0][0][name], params[0][name]), name
 
@@ -120,26 +85,26 @@ def test_column_blocks_equal_plain_optax_path(monkeypatch, tied):
   def no_dense(self):
     raise AssertionError('a blockwise table gradient was formed whole')
   monkeypatch.setattr(_token_table.TableGradient, 'dense', no_dense)
-  params = (plain_case._params(False, jnp.float32) if tied
-            else _untied_params(False))
-  got, expected = _run(TIED if tied else UNTIED, params, scan_layers=False,
-                       block=48)
+  params = (toy_lm.params(False, jnp.float32) if tied
+            else toy_lm.untied_params(False))
+  got, expected = _run(toy_lm.TIED if tied else toy_lm.UNTIED, params,
+                       scan_layers=False, block=48)
   # Same winners and history; a moved weight may differ in its last bit
   # (whether XLA fuses ``p + (-lr) * s``).
-  plain_case._assert_same_step(got, expected, exact_params=False)
+  toy_lm.assert_same_step(got, expected, exact_params=False)
   assert not np.array_equal(got[0][0]['embedding'], params[0]['embedding'])
 
 
 @pytest.mark.parametrize('chunk', [None, 48])
 def test_non_finite_gradient_keeps_the_history_as_the_optax_path(chunk):
-  params = plain_case._params(False, jnp.float32)
-  batches = [plain_case._tokens(0), plain_case._tokens(1)]
-  got, expected = _run(TIED, params, False, batches=batches,
+  params = toy_lm.params(False, jnp.float32)
+  batches = [toy_lm.tokens(0), toy_lm.tokens(1)]
+  got, expected = _run(toy_lm.TIED, params, False, batches=batches,
                        block=chunk or None)
   # A step whose head gradient overflows: an infinite final scale.
   bad = (dict(got[0][0], final_scale=got[0][0]['final_scale'].at[0].set(
       jnp.inf)), got[0][1])
-  got, expected = _run(TIED, bad, False, batches=[plain_case._tokens(2)])
+  got, expected = _run(toy_lm.TIED, bad, False, batches=[toy_lm.tokens(2)])
   table_got, table_expected = got[0][0]['embedding'], expected[0][0][
       'embedding']
   assert np.isnan(table_expected).all()
@@ -151,16 +116,16 @@ def test_non_finite_gradient_keeps_the_history_as_the_optax_path(chunk):
 def test_a_loss_that_reads_the_table_elsewhere_is_refused():
   reads_table = taco_optax.layerwise.TableProjection(
       ('embedding',), lambda outer, hidden, tokens: hidden + outer[
-          'embedding'][0], _next_token_loss)
+          'embedding'][0], toy_lm.next_token_loss)
   with pytest.raises(ValueError, match='features reads the token table'):
-    _run(reads_table, plain_case._params(False, jnp.float32), False, steps=1)
+    _run(reads_table, toy_lm.params(False, jnp.float32), False, steps=1)
 
 
 def test_unknown_table_path_is_refused():
-  wrong = taco_optax.layerwise.TableProjection(('lm_head', 'kernel'), _features,
-                                     _next_token_loss)
+  wrong = taco_optax.layerwise.TableProjection(
+      ('lm_head', 'kernel'), toy_lm.features, toy_lm.next_token_loss)
   with pytest.raises(ValueError, match='no leaf at'):
-    _run(wrong, plain_case._params(False, jnp.float32), False, steps=1)
+    _run(wrong, toy_lm.params(False, jnp.float32), False, steps=1)
 
 
 def test_no_dense_table_gradient_in_the_compiled_step():
@@ -179,17 +144,17 @@ def test_no_dense_table_gradient_in_the_compiled_step():
   tokens = jnp.arange(2 * 4, dtype=jnp.int32).reshape(2, 4) * 97 % vocab
 
   def peak(embed, head):
-    loss = taco_optax.layerwise.LayeredLoss(embed, plain_case._layer, head)
+    loss = taco_optax.layerwise.LayeredLoss(embed, toy_lm.layer, head)
     train = layerwise_case.train(
-        loss, 1e-2, weight_dimension_numbers=_embedding_rows_are_tokens,
+        loss, 1e-2, weight_dimension_numbers=toy_lm.embedding_rows_are_tokens,
         column_block_elements=4096 * 16)
     state = train.optimizer.init(params)
-    return plain_case._peak_bytes(train.step, params, state, tokens,
-                                  donate=(0, 1))
+    return toy_lm.peak_bytes(train.step, params, state, tokens,
+                             donate=(0, 1))
 
   table_bytes = vocab * width * 4
-  dense = peak(plain_case._embed, plain_case._head)
-  blockwise = peak(EMBED, TIED)
+  dense = peak(toy_lm.embed, toy_lm.head)
+  blockwise = peak(toy_lm.EMBED, toy_lm.TIED)
   # Measured with jax 0.10.2: 0.555 x the table (the blocks' history-step
   # transients set both peaks' floor); a dense gradient anywhere gives ~0.
   assert dense - blockwise > 0.4 * table_bytes, (dense, blockwise)
@@ -208,13 +173,13 @@ def test_one_non_finite_block_keeps_the_whole_history(bad_column):
   parts = _alias.parts_of(
       taco_optax.taco(1e-2, k=3, weight_dimension_numbers=dims))
   tx = taco_optax.taco(1e-2, k=3, weight_dimension_numbers=dims)
-  ids = plain_case._tokens(0)
+  ids = toy_lm.tokens(0)
   d_rows = jax.random.normal(jax.random.key(1), ids.shape + (WIDTH,))
   history = _alias.taco_states(tx.init(table)).direction
   # A first finite step, so that the kept history is not all zeros.
   @functools.partial(jax.jit, static_argnums=2)
   def update(d_rows, state, dense):
-    grad = _token_table.lookup_gradient(EMBED, table, ids, d_rows)
+    grad = _token_table.lookup_gradient(toy_lm.EMBED, table, ids, d_rows)
     return _leaf_update.taco_leaf_update(
         table, grad.dense() if dense else grad, kernels.History(*state),
         _winners.WinnerWrite(
@@ -233,14 +198,7 @@ def test_one_non_finite_block_keeps_the_whole_history(bad_column):
                                           history.exponents))
 
 
-def _big_vocab_params(vocab):
-  outer, layers = plain_case._params(False, jnp.float32)
-  outer = dict(outer, embedding=jax.random.normal(
-      jax.random.key(3), (vocab, WIDTH)) / np.sqrt(WIDTH))
-  return outer, layers
-
-
-@pytest.mark.parametrize('update_topk', [1, 2])
+@pytest.mark.parametrize('update_topk', tiers.first_fast([1, 2]))
 def test_tied_table_in_two_phases_equals_plain_optax_path(monkeypatch,
                                                           update_topk):
   # 256 rows, 32 looked-up tokens per batch (some repeated), 4-column
@@ -252,20 +210,20 @@ def test_tied_table_in_two_phases_equals_plain_optax_path(monkeypatch,
   monkeypatch.setattr(_table_update, 'select_outside',
                       lambda *args, **kwargs: calls.append(1) or select(
                           *args, **kwargs))
-  params = _big_vocab_params(vocab)
+  params = toy_lm.big_vocab_params(vocab)
   # Each step looks up half new tokens: rows outside the batch carry
   # history from the steps before and win on it, and rows in it merge their
   # history with both shares of the gradient.
   tokens = [jax.random.randint(jax.random.key(100 + s), (4, 8), 20 * s,
                                20 * s + 40) for s in range(3)]
-  loss = taco_optax.layerwise.LayeredLoss(EMBED, plain_case._layer, TIED,
-                                scan_layers=False)
+  loss = taco_optax.layerwise.LayeredLoss(toy_lm.EMBED, toy_lm.layer,
+                                          toy_lm.TIED, scan_layers=False)
   train = layerwise_case.train(
       loss, 1e-2, mu=0.9, k=3, update_topk=update_topk,
       adam_learning_rate=1e-3,
-      weight_dimension_numbers=_embedding_rows_are_tokens,
+      weight_dimension_numbers=toy_lm.embedding_rows_are_tokens,
       column_block_elements=vocab * 4)
-  plain = jax.jit(plain_case._plain_step(loss, train.optimizer))
+  plain = jax.jit(toy_lm.plain_step(loss, train.optimizer))
   fused = jax.jit(train.step)
   expected = got = (params, train.optimizer.init(params))
   for batch in tokens:
@@ -273,13 +231,13 @@ def test_tied_table_in_two_phases_equals_plain_optax_path(monkeypatch,
     expected = plain(*expected[:2], batch)
     got = fused(*got[:2], batch)
   assert calls, 'the two-phase table update did not run'
-  plain_case._assert_same_step(got, expected, exact_params=False)
+  toy_lm.assert_same_step(got, expected, exact_params=False)
   # The last step moved rows of its batch's tokens and rows outside it.
   moved = np.asarray(got[0][0]['embedding'] != table_before).any(axis=1)
   assert moved[40:80].any() and moved[:40].any(), np.flatnonzero(moved)
 
 
-@pytest.mark.parametrize('seed', range(4))
+@pytest.mark.parametrize('seed', tiers.first_fast(range(4)))
 def test_two_phases_equal_the_column_step_on_ties_and_zero_columns(seed):
   # Gradients of few distinct values (many ties in magnitude, broken by the
   # lower row), a zero column and an empty history: the merged selection
@@ -294,8 +252,8 @@ def test_two_phases_equal_the_column_step_on_ties_and_zero_columns(seed):
   d_logits = levels((10, vocab))
   d_rows = levels((3, 4, width)).at[..., 0].set(0.0)
   features = features.at[:, 0].set(0.0)  # column 0 of the gradient is zero
-  lookup = _token_table.lookup_gradient(EMBED, table, ids, d_rows)
-  projection = _token_table.projection_gradient(TIED, table, features,
+  lookup = _token_table.lookup_gradient(toy_lm.EMBED, table, ids, d_rows)
+  projection = _token_table.projection_gradient(toy_lm.TIED, table, features,
                                                 d_logits)
   dims = taco_optax.TacoDimensionNumbers(1, 0)
   (plan,) = _leaf.leaf_plans(table, dims, None, r)
@@ -314,12 +272,12 @@ def test_two_phases_equal_the_column_step_on_ties_and_zero_columns(seed):
   rows, _ = _table_update.batch_tokens(ids, vocab)
   outside = _table_update.select_outside(projection, rows, state, plan, 0.9,
                                          2)
-  inside = _token_table.lookup_gradient(EMBED, table, ids, d_rows).dense()
+  inside = _token_table.lookup_gradient(toy_lm.EMBED, table, ids,
+                                        d_rows).dense()
   got = _table_update.merge_batch_tokens(
       outside, rows, jnp.take(inside, rows, 0, mode='fill', fill_value=0).T,
       state, plan, 0.9)
   assert_bitwise_equal(got, expected)
-
 
 
 def test_batch_tokens_meet_the_history_without_a_column_token_buffer():
@@ -339,7 +297,7 @@ def test_batch_tokens_meet_the_history_without_a_column_token_buffer():
   d_logits = jax.ShapeDtypeStruct((8, vocab), jnp.float32)
 
   def merge(table, ids, features, d_logits, history):
-    projection = _token_table.projection_gradient(TIED, table, features,
+    projection = _token_table.projection_gradient(toy_lm.TIED, table, features,
                                                   d_logits)
     tokens, _ = _table_update.batch_tokens(ids, vocab)
     outside = _table_update.select_outside(projection, tokens, history,

@@ -21,9 +21,9 @@ from taco_optax._src.transform import ToAdam
 from taco_optax._src.transform import source_of
 from taco_optax._src.transform import trace_dimension_numbers
 from taco_optax._src.transform import trace_walk
-from tests import jaxpr_cases
-from tests.routing_checks import assert_adam_dense
-from tests.routing_checks import assert_one_per_input
+from tests.support import jaxpr_cases
+from tests.support.routing_checks import assert_adam_dense
+from tests.support.routing_checks import assert_one_per_input
 
 DN = taco_optax.TacoDimensionNumbers
 LR = 1e-2

@@ -1,6 +1,5 @@
 """The layerwise TACO train step equals the plain optax path and saves memory."""
 
-import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -8,7 +7,6 @@ import optax
 import pytest
 
 import taco_optax
-from taco_optax._src.transform import parts as _alias
 from taco_optax._src.layerwise import winners as _winners
 from taco_optax._src.layerwise import backward as _backward
 from taco_optax._src.layerwise import outer as _outer_step
@@ -16,84 +14,32 @@ from taco_optax._src.layerwise.leaves import name_of
 from taco_optax._src.transform.dimension_numbers import leaf_dimension_numbers
 from taco_optax._src.transform.dimension_numbers import matrix_layout
 from taco_optax._src.transform.dimension_numbers import TacoDimensionNumbers
-from tests.bitwise import assert_bitwise_equal
-from tests import layerwise_case
+from tests.support.bitwise import assert_bitwise_equal
+from tests.support import layerwise_case
+from tests.support import tiers
+from tests.support import toy_lm
 
 LayeredLoss = taco_optax.layerwise.LayeredLoss
 layerwise_train_step = layerwise_case.train
 
-WIDTH, VOCAB, LAYERS = 16, 24, 3
-
-
-def _embed(outer, tokens):
-  return outer['embedding'][tokens]
-
-
-def _layer(p, hidden, tokens):
-  del tokens
-  normed = hidden * p['scale']
-  return hidden + jnp.tanh(normed @ p['w_up']) @ p['w_down']
-
-
-def _head(outer, hidden, tokens):
-  logits = (hidden * outer['final_scale']) @ outer['embedding'].T
-  logits = logits.astype(jnp.float32)
-  targets = jnp.roll(tokens, -1, axis=-1)
-  return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
-
-
-def _params(scan_layers, dtype, seed=0):
-  keys = jax.random.split(jax.random.key(seed), 2 * LAYERS + 1)
-  init = lambda key, shape: (jax.random.normal(key, shape) /
-                             np.sqrt(shape[-2])).astype(dtype)
-  outer = {'embedding': init(keys[0], (VOCAB, WIDTH)),
-           'final_scale': jnp.ones((WIDTH,), dtype)}
-  layers = [{'w_up': init(keys[1 + 2 * l], (WIDTH, 2 * WIDTH)),
-             'w_down': init(keys[2 + 2 * l], (2 * WIDTH, WIDTH)),
-             'scale': jnp.ones((WIDTH,), dtype)} for l in range(LAYERS)]
-  if scan_layers:
-    layers = jax.tree.map(lambda *xs: jnp.stack(xs), *layers)
-  return outer, layers
-
-
-def _matrix_dims(params):
-  """Matrices are rank 2, plus a leading layer axis when layers are stacked."""
-  outer, layers = params
-  stacked = not isinstance(layers, list)
-  matrix = lambda rank: lambda x: (
-      TacoDimensionNumbers(rank - 2, rank - 1) if x.ndim == rank else None)
-  return (jax.tree.map(matrix(2), outer),
-          jax.tree.map(matrix(3 if stacked else 2), layers))
-
-
-def _tokens(step):
-  return jax.random.randint(jax.random.key(100 + step), (4, 8), 0, VOCAB)
-
-
-def _plain_step(loss, tx):
-  def step(params, opt_state, batch):
-    value, grads = jax.value_and_grad(loss)(params, batch)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, value
-  return step
-
 
 def _run_both(scan_layers, dtype, learning_rate, steps=3, **kwargs):
-  loss = LayeredLoss(_embed, _layer, _head, scan_layers=scan_layers)
+  loss = LayeredLoss(toy_lm.embed, toy_lm.layer, toy_lm.head,
+                     scan_layers=scan_layers)
   train = layerwise_train_step(loss, learning_rate,
-                               weight_dimension_numbers=_matrix_dims,
+                               weight_dimension_numbers=toy_lm.matrix_dims,
                                **kwargs)
-  params = _params(scan_layers, dtype)
+  params = toy_lm.params(scan_layers, dtype)
   state = train.optimizer.init(params)
-  plain = jax.jit(_plain_step(loss, train.optimizer))
+  plain = jax.jit(toy_lm.plain_step(loss, train.optimizer))
   fused = jax.jit(train.step)
   plain_params, plain_state = params, state
   fused_params, fused_state = params, state
   for step in range(steps):
     plain_params, plain_state, plain_loss = plain(plain_params, plain_state,
-                                                  _tokens(step))
+                                                  toy_lm.tokens(step))
     fused_params, fused_state, fused_loss = fused(fused_params, fused_state,
-                                                  _tokens(step))
+                                                  toy_lm.tokens(step))
     np.testing.assert_allclose(fused_loss, plain_loss, rtol=1e-5)
   return (plain_params, plain_state), (fused_params, fused_state), params
 
@@ -141,7 +87,7 @@ def test_equals_plain_optax_path_f32(scan_layers):
     assert not np.array_equal(moved, before)
 
 
-@pytest.mark.parametrize('scan_layers', [True, False])
+@pytest.mark.parametrize('scan_layers', tiers.first_fast([True, False]))
 def test_equals_plain_optax_path_bf16_with_schedule(scan_layers):
   schedule = optax.linear_schedule(2e-2, 1e-2, 5)
   (plain_params, plain_state), (fused_params, fused_state), start = _run_both(
@@ -160,31 +106,26 @@ def test_stacked_leaf_needs_its_layer_axis_as_a_batch_axis():
   # Dimension numbers that make the stacked (L, width) norm scales a matrix
   # whose rows are layers: not expressible layer by layer. (The default
   # sends a leaf named 'scale' to Adam, so they are given here.)
-  loss = LayeredLoss(_embed, _layer, _head, scan_layers=True)
-  params = _params(True, jnp.float32)
-  dims = _matrix_dims(params)
+  loss = LayeredLoss(toy_lm.embed, toy_lm.layer, toy_lm.head, scan_layers=True)
+  params = toy_lm.params(True, jnp.float32)
+  dims = toy_lm.matrix_dims(params)
   dims[1]['scale'] = TacoDimensionNumbers(0, 1)
   train = layerwise_train_step(loss, 1e-2, weight_dimension_numbers=dims)
   state = train.optimizer.init(params)
   with pytest.raises(ValueError, match='leading .layer. axis'):
-    jax.jit(train.step)(params, state, _tokens(0))
+    jax.jit(train.step)(params, state, toy_lm.tokens(0))
 
 
 def test_loss_call_matches_manual_composition():
-  params = _params(False, jnp.float32)
-  loss = LayeredLoss(_embed, _layer, _head, scan_layers=False, remat=False)
-  hidden = _embed(params[0], _tokens(0))
+  params = toy_lm.params(False, jnp.float32)
+  loss = LayeredLoss(toy_lm.embed, toy_lm.layer, toy_lm.head,
+                     scan_layers=False, remat=False)
+  hidden = toy_lm.embed(params[0], toy_lm.tokens(0))
   for p in params[1]:
-    hidden = _layer(p, hidden, _tokens(0))
-  np.testing.assert_allclose(loss(params, _tokens(0)),
-                             _head(params[0], hidden, _tokens(0)), rtol=1e-6)
-
-
-def _peak_bytes(fn, *args, donate=()):
-  compiled = jax.jit(fn, donate_argnums=donate).lower(*args).compile()
-  stats = compiled.memory_analysis()
-  return (stats.argument_size_in_bytes + stats.output_size_in_bytes
-          - stats.alias_size_in_bytes + stats.temp_size_in_bytes)
+    hidden = toy_lm.layer(p, hidden, toy_lm.tokens(0))
+  np.testing.assert_allclose(loss(params, toy_lm.tokens(0)),
+                             toy_lm.head(params[0], hidden, toy_lm.tokens(0)),
+                             rtol=1e-6)
 
 
 def _big_params(scan_layers, width=256, layers=8):
@@ -200,21 +141,22 @@ def _big_params(scan_layers, width=256, layers=8):
   return outer, stack
 
 
-@pytest.mark.parametrize('scan_layers', [True, False])
+@pytest.mark.parametrize('scan_layers', tiers.first_fast([True, False]))
 def test_layerwise_step_peak_memory_is_near_forward(scan_layers):
   """Compile-time peak: weights + a layer's gradients, not all gradients."""
-  loss = LayeredLoss(_embed, _layer, _head, scan_layers=scan_layers)
+  loss = LayeredLoss(toy_lm.embed, toy_lm.layer, toy_lm.head,
+                     scan_layers=scan_layers)
   train = layerwise_train_step(loss, 1e-3,
-                               weight_dimension_numbers=_matrix_dims)
+                               weight_dimension_numbers=toy_lm.matrix_dims)
   params = _big_params(scan_layers)
   state = train.optimizer.init(params)
   tokens = jnp.zeros((2, 16), jnp.int32) + jnp.arange(16) % 64
   param_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
   state_bytes = sum(x.nbytes for x in jax.tree.leaves(state))
-  forward = _peak_bytes(loss, params, tokens)
-  fused = _peak_bytes(train.step, params, state, tokens, donate=(0, 1))
-  plain = _peak_bytes(_plain_step(loss, train.optimizer), params, state,
-                      tokens, donate=(0, 1))
+  forward = toy_lm.peak_bytes(loss, params, tokens)
+  fused = toy_lm.peak_bytes(train.step, params, state, tokens, donate=(0, 1))
+  plain = toy_lm.peak_bytes(toy_lm.plain_step(loss, train.optimizer), params,
+                            state, tokens, donate=(0, 1))
   fused_overhead = (fused - forward - state_bytes) / param_bytes
   plain_overhead = (plain - forward - state_bytes) / param_bytes
   # Eight layers of 2 x 512 KiB matrices: one layer's gradient is 1/8 of the
@@ -240,90 +182,61 @@ def test_layerwise_step_peak_memory_is_near_forward(scan_layers):
                                                     fused_overhead)
 
 
-def _assert_same_step(got, expected, exact_params=True):
-  """TACO history and learning-rate state bit for bit, Adam moments close.
-
-  The vectors' gradients (hence Adam's moments) come from backward passes
-  that sum in another order; TACO's winners and stored history must not
-  differ at all. Without ``exact_params`` a moved weight may differ by the
-  rounding of ``lr * s`` (whether XLA fuses ``p - lr * s`` into one FMA),
-  far below the step ``lr * s`` a wrong winner would leave.
-  """
-  (got_params, got_state), (expected_params, expected_state) = (got[:2],
-                                                                expected[:2])
-  got_parts = _alias.taco_states(got_state)
-  expected_parts = _alias.taco_states(expected_state)
-  assert_bitwise_equal(got_parts.direction, expected_parts.direction)
-  assert_bitwise_equal(got_parts.learning_rate, expected_parts.learning_rate)
-  chex.assert_trees_all_close(got_parts.adam, expected_parts.adam, rtol=1e-5,
-                              atol=1e-9)
-  if exact_params:
-    assert_bitwise_equal(got_params, expected_params)
-  else:
-    chex.assert_trees_all_close(got_params, expected_params, rtol=1e-6,
-                                atol=1e-8)
-
-
 def _transposed_embedding_dims(params):
   """Embedding with the vocabulary as rows (m), as the example model does."""
-  outer_dims, layer_dims = _matrix_dims(params)
+  outer_dims, layer_dims = toy_lm.matrix_dims(params)
   outer_dims = dict(outer_dims, embedding=TacoDimensionNumbers(1, 0))
   return outer_dims, layer_dims
 
 
-@pytest.mark.parametrize('dims', [_matrix_dims, _transposed_embedding_dims])
+@pytest.mark.parametrize('dims',
+                         [toy_lm.matrix_dims, _transposed_embedding_dims])
 def test_column_chunked_update_equals_plain_optax_path(dims):
   # Force every matrix through the column-block scan (2-, 4- or 8-column
   # blocks here); non-finite handling stays per leaf.
-  loss = LayeredLoss(_embed, _layer, _head, scan_layers=False)
+  loss = LayeredLoss(toy_lm.embed, toy_lm.layer, toy_lm.head,
+                     scan_layers=False)
   train = layerwise_train_step(loss, 1e-2, mu=0.9, k=3,
                                weight_dimension_numbers=dims,
                                update_topk=2, adam_learning_rate=1e-3,
                                column_block_elements=48)
-  params = _params(False, jnp.float32)
+  params = toy_lm.params(False, jnp.float32)
   for layout in [matrix_layout(x.shape, d) for x, d in zip(
       jax.tree.leaves(params), leaf_dimension_numbers(dims, params)) if d]:
     assert _winners.column_chunk(layout, 48) is not None, layout
-  plain = jax.jit(_plain_step(loss, train.optimizer))
+  plain = jax.jit(toy_lm.plain_step(loss, train.optimizer))
   fused = jax.jit(train.step)
   expected, got = (params, train.optimizer.init(params)), None
   got = expected
   for step in range(3):
-    expected = plain(*expected[:2], _tokens(step))
-    got = fused(*got[:2], _tokens(step))
+    expected = plain(*expected[:2], toy_lm.tokens(step))
+    got = fused(*got[:2], toy_lm.tokens(step))
   # Same winners and history; a moved weight may differ in its last bit,
   # since XLA's fusion decides whether ``p + (-lr) * s`` is one fused
   # multiply-add (observed: 3 of 384 embedding entries, 1 ulp).
-  _assert_same_step(got, expected, exact_params=False)
-
-
-def _untied_head(outer, hidden, tokens):
-  logits = (hidden * outer['final_scale']) @ outer['w_head']
-  targets = jnp.roll(tokens, -1, axis=-1)
-  return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+  toy_lm.assert_same_step(got, expected, exact_params=False)
 
 
 @pytest.mark.parametrize('scan_layers', [True, False])
 def test_untied_head_is_updated_before_the_layers_and_equals_plain(
     scan_layers):
-  outer, layers = _params(scan_layers, jnp.float32)
-  outer = dict(outer, w_head=jax.random.normal(jax.random.key(7),
-                                               (WIDTH, VOCAB)) / 4)
-  params = (outer, layers)
-  embed_reads = _outer_step.read_keys(lambda o: _embed(o, _tokens(0)),
-                                      outer)
+  params = toy_lm.untied_params(scan_layers)
+  outer = params[0]
+  embed_reads = _outer_step.read_keys(
+      lambda o: toy_lm.embed(o, toy_lm.tokens(0)), outer)
   # The embedding reads its table only, not final_scale or w_head.
   assert sorted(map(name_of, embed_reads)) == ['outer/embedding']
-  loss = LayeredLoss(_embed, _layer, _untied_head, scan_layers=scan_layers)
+  loss = LayeredLoss(toy_lm.embed, toy_lm.layer, toy_lm.untied_head,
+                     scan_layers=scan_layers)
   train = layerwise_train_step(loss, 1e-2, mu=0.9, k=4,
-                               weight_dimension_numbers=_matrix_dims)
-  plain = jax.jit(_plain_step(loss, train.optimizer))
+                               weight_dimension_numbers=toy_lm.matrix_dims)
+  plain = jax.jit(toy_lm.plain_step(loss, train.optimizer))
   fused = jax.jit(train.step)
   expected = got = (params, train.optimizer.init(params))
   for step in range(3):
-    expected = plain(*expected[:2], _tokens(step))
-    got = fused(*got[:2], _tokens(step))
-  _assert_same_step(got, expected)
+    expected = plain(*expected[:2], toy_lm.tokens(step))
+    got = fused(*got[:2], toy_lm.tokens(step))
+  toy_lm.assert_same_step(got, expected)
   assert not np.array_equal(got[0][0]['w_head'], outer['w_head'])
 
 
@@ -334,13 +247,14 @@ def test_a_misplaced_layer_leaf_is_caught_by_name(monkeypatch):
   real = _backward.layer_leaves
   monkeypatch.setattr(_backward, 'layer_leaves', lambda step, layers, l: real(
       step, layers, min(l + 1, len(layers) - 1)))
-  loss = LayeredLoss(_embed, _layer, _head, scan_layers=False)
+  loss = LayeredLoss(toy_lm.embed, toy_lm.layer, toy_lm.head,
+                     scan_layers=False)
   train = layerwise_train_step(loss, 1e-2, k=3,
-                               weight_dimension_numbers=_matrix_dims)
-  params = _params(False, jnp.float32)
+                               weight_dimension_numbers=toy_lm.matrix_dims)
+  params = toy_lm.params(False, jnp.float32)
   with pytest.raises(ValueError, match=r'two results for layers/\d+/'):
     jax.eval_shape(train.step, params, train.optimizer.init(params),
-                   _tokens(0))
+                   toy_lm.tokens(0))
 
 
 def test_a_lost_outer_update_is_caught_by_name(monkeypatch):
@@ -348,12 +262,14 @@ def test_a_lost_outer_update_is_caught_by_name(monkeypatch):
   monkeypatch.setattr(
       _outer_step, 'update_early',
       lambda step, outer, early, grad_of, d_hidden: ({}, d_hidden))
-  outer, layers = _params(True, jnp.float32)
-  params = (dict(outer, w_head=jnp.ones((WIDTH, VOCAB)) / 4), layers)
-  loss = LayeredLoss(_embed, _layer, _untied_head, scan_layers=True)
+  outer, layers = toy_lm.params(True, jnp.float32)
+  params = (dict(outer, w_head=jnp.ones((toy_lm.WIDTH, toy_lm.VOCAB)) / 4),
+            layers)
+  loss = LayeredLoss(toy_lm.embed, toy_lm.layer, toy_lm.untied_head,
+                     scan_layers=True)
   train = layerwise_train_step(loss, 1e-2, k=3,
-                               weight_dimension_numbers=_matrix_dims)
+                               weight_dimension_numbers=toy_lm.matrix_dims)
   with pytest.raises(ValueError,
                      match='outer/w_head: a TACO leaf was not updated'):
     jax.eval_shape(train.step, params, train.optimizer.init(params),
-                   _tokens(0))
+                   toy_lm.tokens(0))

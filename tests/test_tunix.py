@@ -23,6 +23,7 @@ from taco_optax._src.integrations import tunix_api as _tunix_api  # pylint: disa
 from taco_optax._src.integrations import tunix_model as _tunix_model  # pylint: disable=g-import-not-at-top
 from taco_optax import tunix as taco_tunix  # pylint: disable=g-import-not-at-top
 from tests import docs_pages  # pylint: disable=g-import-not-at-top
+from tests.support import tiers  # pylint: disable=g-import-not-at-top
 
 
 
@@ -87,7 +88,7 @@ def test_layered_loss_is_tunix_default_loss(name):
   np.testing.assert_allclose(ours, _default_loss(model, inputs), rtol=2e-6)
 
 
-@pytest.mark.parametrize('name', sorted(MODELS))
+@pytest.mark.parametrize('name', tiers.first_fast(sorted(MODELS)))
 def test_layerwise_trainer_matches_peft_trainer(name):
   data = tunix_models.batches(4)
   peft = _train(peft_trainer.PeftTrainer, MODELS[name](), 4, data)
@@ -142,7 +143,8 @@ def test_layerwise_checkpoint_resumes_in_peft_trainer(tmp_path):
   _assert_same(resumed, straight, exact=False)
 
 
-@pytest.mark.parametrize('first', ['LayerwisePeftTrainer', 'PeftTrainer'])
+@pytest.mark.parametrize('first', tiers.first_fast(
+    ['LayerwisePeftTrainer', 'PeftTrainer']))
 def test_checkpoint_resumes(tmp_path, first):
   """Two steps, a tunix checkpoint, two more = four straight, bit for bit;
   from a PeftTrainer checkpoint (same state layout) up to the float order of

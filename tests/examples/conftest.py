@@ -19,3 +19,11 @@ def session_cache_dir(tmp_path_factory):
   with pytest.MonkeyPatch.context() as patch:
     patch.setenv('TACO_OPTAX_CACHE_DIR', str(folder))
     yield folder
+
+
+@pytest.fixture(scope='module')
+def workspace(tmp_path_factory):
+  """A tiny Llama directory and a text task's files (``tiny_llama``)."""
+  # Imported here: it skips the test without safetensors and tokenizers.
+  from tests.support import tiny_llama  # pylint: disable=g-import-not-at-top
+  return tiny_llama.write_workspace(tmp_path_factory.mktemp('finetune'))

@@ -16,10 +16,9 @@ from examples.finetune import compare
 from examples.finetune import flags
 from examples.finetune import report
 from examples.finetune import run_dirs
-import test_cli  # pylint: disable=g-bad-import-order  (the tiny model, data)
-from test_cli import workspace  # pylint: disable=unused-import,g-bad-import-order
+from tests.support import tiny_llama
 
-_REPO_ROOT = test_cli._REPO_ROOT  # pylint: disable=protected-access
+_REPO_ROOT = tiny_llama.REPO_ROOT
 
 
 def _cli(args, cwd):
@@ -34,7 +33,7 @@ def _cli(args, cwd):
 def test_piped_run_says_what_each_phase_does(workspace):
   output_dir = workspace['root'] / 'run-phases'
   # With progress on: piped, there must be no bar and still every phase line.
-  args = test_cli._text_args(workspace, output_dir)  # pylint: disable=protected-access
+  args = tiny_llama.text_args(workspace, output_dir)
   args.remove('--no-progress')
   process = _cli(args, _REPO_ROOT)
   assert process.returncode == 0, process.stderr
@@ -73,7 +72,7 @@ def test_runs_get_their_own_directories_and_compare(workspace, monkeypatch,
                                                     tmp_path, capsys):
   monkeypatch.chdir(tmp_path)
   for optimizer in ('taco', 'adamw'):
-    args = test_cli._text_args(workspace, 'unused', '--optimizer', optimizer)  # pylint: disable=protected-access
+    args = tiny_llama.text_args(workspace, 'unused', '--optimizer', optimizer)
     del args[args.index('--output-dir'):args.index('--output-dir') + 2]
     assert cli.main(args) == 0
   runs = sorted(os.listdir(tmp_path / 'runs' / 'finetune'))

@@ -30,8 +30,7 @@ from examples.finetune import trainers
 from examples.finetune.model import config as config_lib
 from examples.finetune.model import decoder as model_lib
 import taco_optax
-import test_cli  # pylint: disable=g-bad-import-order  (the tiny model, data)
-from test_cli import workspace  # pylint: disable=unused-import,g-bad-import-order
+from tests.support import tiny_llama
 
 _BF16, _F32 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)
 
@@ -156,7 +155,7 @@ def _results(output_dir):
 def test_results_and_summary_name_the_rounding_and_its_cost(
     workspace, capsys, optimizer, extra, rounding):
   output_dir = workspace['root'] / f'rounding-{optimizer}-{rounding}'
-  assert cli.main(test_cli._text_args(  # pylint: disable=protected-access
+  assert cli.main(tiny_llama.text_args(
       workspace, output_dir, '--optimizer', optimizer, '--dtype', 'bfloat16',
       '--measure-landed', *extra)) == 0
   out = capsys.readouterr().out
@@ -195,7 +194,7 @@ def test_results_and_summary_name_the_rounding_and_its_cost(
 @pytest.mark.long
 def test_float32_runs_say_nothing_is_rounded(workspace, capsys):
   output_dir = workspace['root'] / 'rounding-float32'
-  assert cli.main(test_cli._text_args(  # pylint: disable=protected-access
+  assert cli.main(tiny_llama.text_args(
       workspace, output_dir, '--rounding', 'nearest')) == 0
   out = capsys.readouterr().out
   assert ('16-bit updates: none: float32 parameters (--rounding nearest '
@@ -209,7 +208,7 @@ def test_float32_runs_say_nothing_is_rounded(workspace, capsys):
 
 def test_resume_refuses_another_rounding(workspace, capsys, monkeypatch):
   output_dir = workspace['root'] / 'rounding-resume'
-  args = test_cli._text_args(  # pylint: disable=protected-access
+  args = tiny_llama.text_args(
       workspace, output_dir, '--optimizer', 'adamw', '--dtype', 'auto',
       '--checkpoint-every', '1')
   assert cli.main(args) == 0

@@ -19,13 +19,12 @@ from examples.finetune import compile_cache
 from examples.finetune import flags
 from examples.finetune import report
 from taco_optax._src.kernels import cpu_kernel
-import test_cli  # pylint: disable=g-bad-import-order  (the tiny model, data)
-from test_cli import workspace  # pylint: disable=unused-import,g-bad-import-order
+from tests.support import tiny_llama
 
 
 def _run(workspace, output_dir, *extra) -> dict:
   """One step of the tiny model, two held-out examples, no checkpoint."""
-  args = test_cli._text_args(workspace, output_dir, '--no-checkpoint', *extra)  # pylint: disable=protected-access
+  args = tiny_llama.text_args(workspace, output_dir, '--no-checkpoint', *extra)
   for flag, value in (('--steps', '1'), ('--eval-every', '0'),
                       ('--eval-size', '2'), ('--eval-batch-size', '2')):
     args[args.index(flag) + 1] = value

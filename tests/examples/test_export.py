@@ -32,7 +32,8 @@ from examples.finetune.model import gguf as gguf_lib
 from examples.finetune.model import gguf_export
 from examples.finetune.model import loading
 from examples.finetune.model import saving
-import test_cli  # pylint: disable=g-bad-import-order  (the tiny model)
+from tests.support import tiny_llama
+from tests.support import tiers
 
 _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__))))
@@ -50,7 +51,8 @@ def _logits(model, tokens, mask):
   return np.asarray(model(jnp.asarray(tokens), jnp.asarray(mask)))
 
 
-@pytest.mark.parametrize('name', sorted(hf_checkpoints.HF_MODELS))
+@pytest.mark.parametrize('name', tiers.first_fast(
+    sorted(hf_checkpoints.HF_MODELS), fast=['gpt_neox']))
 def test_export_round_trips_through_our_loader_and_transformers(name,
                                                                 tmp_path):
   source = str(tmp_path / 'source')
@@ -187,14 +189,14 @@ def test_export_refuses_a_folder_that_is_not_empty(tmp_path):
   assert os.listdir(tmp_path / 'out') == ['keep.txt']
 
 
-# The command line, on the tiny Hugging Face llama of test_cli.
+# The command line, on the tiny Hugging Face llama of tests/support/tiny_llama.
 
 @pytest.fixture(scope='module')
 def run(tmp_path_factory):
   """A 3-step TACO run with its end-of-run export."""
   root = tmp_path_factory.mktemp('export')
   model_dir = str(root / 'tiny-llama')
-  test_cli._write_tiny_llama(model_dir, vocab_size=264)  # pylint: disable=protected-access
+  tiny_llama.write_tiny_llama(model_dir, vocab_size=264)
   records = [{'text': f'{w} day {i}', 'label': 'pos' if i % 2 else 'neg'}
              for i, w in enumerate(['good', 'bad', 'fine', 'awful'] * 4)]
   data = str(root / 'data.jsonl')
@@ -321,7 +323,7 @@ def test_checkpoint_of_another_model_is_refused_in_one_line(run, tmp_path):
   """A run whose checkpoint names another model file (here one with
   another vocabulary): refused by the first parameter that differs."""
   other_model = str(tmp_path / 'other-llama')
-  test_cli._write_tiny_llama(other_model, vocab_size=300)  # pylint: disable=protected-access
+  tiny_llama.write_tiny_llama(other_model, vocab_size=300)
   def other_model_file(info):
     info['metadata']['model file'] = other_model
     return info

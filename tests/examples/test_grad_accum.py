@@ -22,8 +22,7 @@ from examples.finetune import checkpoint
 from examples.finetune import data as data_lib
 from examples.finetune import flags
 from examples.finetune import resume
-import test_cli  # pylint: disable=g-bad-import-order  (the tiny model, data)
-from test_cli import workspace  # pylint: disable=unused-import,g-bad-import-order
+from tests.support import tiny_llama
 
 
 def _squad(workspace):
@@ -34,7 +33,7 @@ def _squad(workspace):
                 'question': 'What is the answer?',
                 'answers': {'text': ['ab' * (i % 6) + 'z'],
                             'answer_start': [14]}} for i in range(12)]
-    test_cli._write_jsonl(path, records)
+    tiny_llama.write_jsonl(path, records)
   return str(path)
 
 
@@ -156,7 +155,7 @@ def test_the_planner_sees_the_micro_batch():
 
 
 def test_memory_refusal_names_the_split(workspace):
-  message = test_cli._memory_error(
+  message = tiny_llama.memory_error(
       workspace, workspace['root'] / 'never-accum-oom', optimizer='taco',
       batch_size=8, grad_accum=4, memory_limit_gb=1e-6)
   assert message.startswith('--optimizer taco at --batch-size 8 '
@@ -167,7 +166,7 @@ def test_memory_refusal_names_the_split(workspace):
 def test_memory_refusal_plans_the_micro_batch(workspace):
   # 64 x 24 tokens: the tiny model's logits (and activations) are then large
   # enough against the planner's fixed terms to show at 3 digits.
-  predicted = lambda **kw: _predicted_gb(test_cli._memory_error(
+  predicted = lambda **kw: _predicted_gb(tiny_llama.memory_error(
       workspace, workspace['root'] / 'never-accum-oom', optimizer='taco',
       batch_size=64, memory_limit_gb=1e-6, **kw))
   assert predicted(grad_accum=8) < predicted(), (predicted(grad_accum=8),

@@ -13,6 +13,7 @@ from examples.finetune import trainers
 from examples.finetune.model import config as config_lib
 from examples.finetune.model import decoder as model_lib
 from examples.finetune.model import layered as layered_lib
+from tests.support import tiers
 
 
 def _batch(vocab_size, seed=0):
@@ -35,8 +36,8 @@ def _hints(config):
                                model_lib.taco_update_scale, config.vocab_size)
 
 
-@pytest.mark.parametrize('family,scan_layers', [
-    ('llama', False), ('qwen3', False), ('opt', False), ('llama', True)])
+@pytest.mark.parametrize('family,scan_layers', tiers.first_fast([
+    ('llama', False), ('qwen3', False), ('opt', False), ('llama', True)]))
 def test_layered_loss_equals_model_loss(family, scan_layers):
   model = _model(family, scan_layers)
   batch = _batch(model.config.vocab_size)
@@ -86,8 +87,8 @@ def _flat(tree):
           jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
-@pytest.mark.parametrize('family,scan_layers', [
-    ('llama', False), ('qwen3', False), ('llama', True)])
+@pytest.mark.parametrize('family,scan_layers', tiers.first_fast([
+    ('llama', False), ('qwen3', False), ('llama', True)]))
 def test_layerwise_steps_equal_optax_path(family, scan_layers):
   """The CLI's default TACO path against nnx.Optimizer + optax, step by step.
 

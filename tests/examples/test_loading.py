@@ -15,6 +15,7 @@ from examples.finetune.model import config as config_lib
 from examples.finetune.model import gguf as gguf_lib
 from examples.finetune.model import loading
 from examples.finetune.model import weights as weights_lib
+from tests.support import tiers
 
 
 @pytest.fixture(scope='module')
@@ -44,7 +45,8 @@ def _relative_error(ours, reference, mask):
                / np.abs(reference[mask]).max())
 
 
-@pytest.mark.parametrize('name', sorted(hf_checkpoints.HF_MODELS))
+@pytest.mark.parametrize('name', tiers.first_fast(
+    sorted(hf_checkpoints.HF_MODELS), fast=['llama']))
 def test_logits_match_transformers(name, saved_models):
   directory, torch_model = saved_models(name)
   tokens, mask = _batch()

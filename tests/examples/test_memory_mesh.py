@@ -1,7 +1,7 @@
 """Memory on a mesh: the memory check's limit is all the mesh's devices
 together, and no device holds the whole token table.
 
-The mesh test runs in the 8-device rerun (``tests/multidevice.py``).
+The mesh test runs in the 8-device rerun (``tests/support/multidevice.py``).
 """
 
 import re
@@ -13,19 +13,19 @@ from examples.finetune import api
 from examples.finetune import memory_plan
 from taco_optax._src.layerwise import token_table
 from examples.finetune.model import sharding
-from tests import multidevice
-import test_cli  # pylint: disable=g-bad-import-order  (the tiny model writers)
+from tests.support import multidevice
+from tests.support import tiny_llama
 
 
 def _workspace(tmp_path, vocab_size=264, tied=False):
   model_dir = str(tmp_path / 'tiny-llama')
-  test_cli._write_tiny_llama(model_dir, vocab_size=vocab_size, tied=tied)  # pylint: disable=protected-access
+  tiny_llama.write_tiny_llama(model_dir, vocab_size=vocab_size, tied=tied)
   records = [{'text': f'{w} day {i}', 'label': 'pos' if i % 2 else 'neg'}
              for i, w in enumerate(['good', 'bad', 'fine'] * 4)]
   return {
       'model': model_dir,
-      'train': test_cli._write_jsonl(tmp_path / 'train.jsonl', records),  # pylint: disable=protected-access
-      'test': test_cli._write_jsonl(tmp_path / 'test.jsonl', records[:6]),  # pylint: disable=protected-access
+      'train': tiny_llama.write_jsonl(tmp_path / 'train.jsonl', records),
+      'test': tiny_llama.write_jsonl(tmp_path / 'test.jsonl', records[:6]),
   }
 
 
@@ -34,8 +34,8 @@ def test_limit_counts_every_device_of_the_mesh(tmp_path):
   workspace = _workspace(tmp_path)
   output_dir = tmp_path / 'never-oom'
   with jax.set_mesh(sharding.make_mesh('data=2,fsdp=2,tensor=2')):
-    message = test_cli._memory_error(workspace, output_dir, optimizer='adamw',  # pylint: disable=protected-access
-                                     batch_size=2, memory_limit_gb=1e-6)
+    message = tiny_llama.memory_error(workspace, output_dir, optimizer='adamw',
+                                      batch_size=2, memory_limit_gb=1e-6)
   assert 'the 8 devices have 8e-06 GB' in message, message
 
 
@@ -73,8 +73,8 @@ def test_no_device_holds_the_whole_token_table(tmp_path, monkeypatch, extra):
     monkeypatch.setattr(token_table.TableGradient, 'dense', _no_dense)
   tied = 'tied' in extra
   workspace = _workspace(tmp_path, vocab, tied)
-  words = test_cli._text_args(workspace, tmp_path / 'out', '--no-checkpoint',  # pylint: disable=protected-access
-                              *(w for w in extra if w != 'tied'))
+  words = tiny_llama.text_args(workspace, tmp_path / 'out', '--no-checkpoint',
+                               *(w for w in extra if w != 'tied'))
   assert _vocab_sized(words, vocab) == []
   if extra == ('--mesh', 'fsdp=8'):
     # The same step on one device has them (the probe sees such buffers).

@@ -1,7 +1,7 @@
 """``--mesh``: the fine-tuning example on a simulated 8-device CPU mesh.
 
 Tests marked ``needs_mesh`` run in a subprocess with 8 host devices (see
-``tests/multidevice.py``); the rest run in the one-device suite.
+``tests/support/multidevice.py``); the rest run in the one-device suite.
 """
 
 import json
@@ -19,9 +19,8 @@ from examples.finetune import data as data_lib
 from examples.finetune import resume
 from examples.finetune.model import loading
 from examples.finetune.model import sharding
-from tests import multidevice
-import test_cli  # pylint: disable=g-bad-import-order  (the tiny model, data)
-from test_cli import workspace  # pylint: disable=unused-import,g-bad-import-order
+from tests.support import multidevice
+from tests.support import tiny_llama
 
 NUM_DEVICES = 8
 MESH = 'data=2,fsdp=2,tensor=2'
@@ -108,7 +107,7 @@ def test_a_tied_embedding_is_split_like_any_embedding(tied_model):
 
 def _run(workspace, name, *extra):
   output_dir = workspace['root'] / name
-  assert cli.main(test_cli._text_args(workspace, output_dir, *extra)) == 0  # pylint: disable=protected-access
+  assert cli.main(tiny_llama.text_args(workspace, output_dir, *extra)) == 0
   with open(output_dir / 'results.json') as f:
     return json.load(f)
 
@@ -126,7 +125,7 @@ def _final_state(workspace, name):
 def tied_model(workspace):
   """A tiny Llama whose output projection is its token embedding."""
   directory = str(workspace['root'] / 'tiny-llama-tied')
-  test_cli._write_tiny_llama(directory, vocab_size=264, tied=True)  # pylint: disable=protected-access
+  tiny_llama.write_tiny_llama(directory, vocab_size=264, tied=True)
   return directory
 
 

@@ -11,6 +11,7 @@ import taco_optax
 from taco_optax._src.transform import dimension_numbers as _dimension_numbers
 from examples.finetune.model import config as config_lib
 from examples.finetune.model import decoder as model_lib
+from tests.support import tiers
 
 FAMILIES = config_lib.FAMILIES
 
@@ -51,7 +52,7 @@ def _loss(model, tokens, mask):
   return (losses * weights).sum() / weights.sum()
 
 
-@pytest.mark.parametrize('family', FAMILIES)
+@pytest.mark.parametrize('family', tiers.first_fast(FAMILIES))
 def test_logits_are_float32_with_vocab_width(family):
   model = _tiny_model(family, dtype=jnp.bfloat16, remat='block')
   tokens = _tokens(model.config)
@@ -62,7 +63,7 @@ def test_logits_are_float32_with_vocab_width(family):
   assert np.isfinite(np.asarray(logits)).all()
 
 
-@pytest.mark.parametrize('family', FAMILIES)
+@pytest.mark.parametrize('family', tiers.first_fast(FAMILIES))
 def test_causal_future_tokens_do_not_change_past_logits(family):
   model = _tiny_model(family)
   tokens = _tokens(model.config, batch=1, length=8)
@@ -73,7 +74,7 @@ def test_causal_future_tokens_do_not_change_past_logits(family):
   assert np.abs(before[0, 5:] - after[0, 5:]).max() > 1e-4
 
 
-@pytest.mark.parametrize('family', FAMILIES)
+@pytest.mark.parametrize('family', tiers.first_fast(FAMILIES))
 def test_padding_matches_unpadded_rows(family):
   model = _tiny_model(family)
   tokens = _tokens(model.config, batch=2, length=9)
@@ -191,8 +192,8 @@ def test_taco_dimension_numbers_cover_every_matrix(family, scan_layers):
           in dims) == (family == 'gpt_neox')
 
 
-@pytest.mark.parametrize('family,scan_layers', [
-    ('gpt_neox', True), ('opt', False)])
+@pytest.mark.parametrize('family,scan_layers', tiers.first_fast([
+    ('gpt_neox', True), ('opt', False)]))
 def test_one_taco_step_moves_one_weight_per_column(family, scan_layers):
   model = _tiny_model(family, scan_layers=scan_layers,
                       tie_word_embeddings=False)

@@ -22,9 +22,8 @@ from examples.finetune import checkpoint
 from examples.finetune import flags
 from examples.finetune import processes
 from examples.finetune import resume
-from tests import multiprocess
-import test_cli  # pylint: disable=g-bad-import-order  (the tiny model, data)
-from test_cli import workspace  # pylint: disable=unused-import,g-bad-import-order
+from tests.support import multiprocess
+from tests.support import tiny_llama
 
 pytestmark = pytest.mark.long
 
@@ -37,7 +36,7 @@ _LAUNCH = ['--coordinator-address', '127.0.0.1:{port}', '--num-processes',
 def _args(workspace, output_dir, *extra):
   # --batch-size 4: the batch is split over data x fsdp, so each process
   # feeds its own 2 rows.
-  return test_cli._text_args(  # pylint: disable=protected-access
+  return tiny_llama.text_args(
       workspace, output_dir, '--steps', '4', '--batch-size', '4',
       '--checkpoint-every', '2', *extra)
 

@@ -15,9 +15,11 @@ from examples.finetune import trainers
 from examples.finetune.model import config as config_lib
 from examples.finetune.model import decoder as model_lib
 import taco_optax
+from tests.support import tiers
 
 
-@pytest.mark.parametrize('name', sorted(optimizers.OPTIMIZERS))
+@pytest.mark.parametrize('name', tiers.first_fast(
+    sorted(optimizers.OPTIMIZERS), fast=['adamw', 'taco']))
 def test_optimizer_lowers_the_loss_of_a_fixed_batch(name):
   config = config_lib.ModelConfig.tiny('llama')
   model = model_lib.DecoderLM(config, dtype=jnp.float32,
@@ -49,7 +51,7 @@ def test_linear_schedule_warms_up_then_decays_to_zero():
   np.testing.assert_allclose(values, [0.0, 0.5, 1.0, 0.5, 0.0], atol=1e-6)
 
 
-@pytest.mark.parametrize('taco_step', ['layerwise', 'optax'])
+@pytest.mark.parametrize('taco_step', tiers.first_fast(['layerwise', 'optax']))
 def test_taco_flags_reach_the_trainer(taco_step):
   """--taco-k/--taco-mu build the same TACO on either step path."""
   config = config_lib.ModelConfig.tiny('llama')

@@ -24,10 +24,10 @@ from examples.finetune import trainers
 from examples.finetune.model import decoder
 from examples.finetune.model import loading
 from examples.finetune.model import sharding
-from tests import multidevice
-from tests.bitwise import assert_bitwise_equal
+from tests.support import multidevice
+from tests.support.bitwise import assert_bitwise_equal
 import taco_optax
-import test_cli  # pylint: disable=g-bad-import-order  (the tiny model writer)
+from tests.support import tiny_llama
 
 needs_mesh = multidevice.needs_devices()
 
@@ -100,7 +100,7 @@ def tiny_models(tmp_path_factory):
   models = {}
   for tied in (False, True):
     models[tied] = str(root / f'tiny-llama-{tied}')
-    test_cli._write_tiny_llama(models[tied], vocab_size=264, tied=tied)  # pylint: disable=protected-access
+    tiny_llama.write_tiny_llama(models[tied], vocab_size=264, tied=tied)
   return models
 
 

@@ -21,17 +21,16 @@ import pytest
 from examples.finetune import __main__ as cli
 from examples.finetune import checkpoint
 from examples.finetune import resume
-from tests.bitwise import assert_bitwise_equal
-import test_cli  # pylint: disable=g-bad-import-order  (the tiny model, data)
-from test_cli import workspace  # pylint: disable=unused-import,g-bad-import-order
+from tests.support.bitwise import assert_bitwise_equal
+from tests.support import tiny_llama
 
 STEPS, STOP, EVERY = 6, 3, 2
 _CHECKPOINTS = resume.CHECKPOINT_DIR
 
 
 def _args(workspace, output_dir, optimizer, *extra):
-  args = test_cli._text_args(workspace, output_dir, '--optimizer', optimizer,
-                             '--checkpoint-every', str(EVERY), *extra)
+  args = tiny_llama.text_args(workspace, output_dir, '--optimizer', optimizer,
+                              '--checkpoint-every', str(EVERY), *extra)
   args[args.index('--steps') + 1] = str(STEPS)
   args[args.index('--eval-every') + 1] = '0'
   args.remove('--no-progress')  # the progress lines are checked below
@@ -47,7 +46,7 @@ def _env(**extra):
 
 
 def _run(args, **env):
-  return subprocess.run(_command(args), cwd=test_cli._REPO_ROOT,
+  return subprocess.run(_command(args), cwd=tiny_llama.REPO_ROOT,
                         capture_output=True, text=True, timeout=300,
                         env=_env(**env))
 
@@ -55,7 +54,7 @@ def _run(args, **env):
 def _interrupt(args, signal_number):
   """Runs ``args``, sends ``signal_number`` once step ``STOP`` is done."""
   process = subprocess.Popen(
-      _command(args), cwd=test_cli._REPO_ROOT, stdout=subprocess.PIPE,
+      _command(args), cwd=tiny_llama.REPO_ROOT, stdout=subprocess.PIPE,
       stderr=subprocess.PIPE, text=True,
       env=_env(**{resume.PAUSE_AFTER_STEP_ENV: str(STOP)}))
   seen = []

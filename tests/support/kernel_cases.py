@@ -13,7 +13,7 @@ import ml_dtypes
 import numpy as np
 
 from taco_optax._src.kernels import reference as _column_step
-from tests.bitwise import assert_bitwise_equal
+from tests.support.bitwise import assert_bitwise_equal
 
 HISTORY_FIELDS = ('values', 'exponents', 'indices', 'finite')
 KINDS = ('normal', 'ties', 'zero', 'constant', 'subnormal', 'wide', 'huge',

@@ -12,6 +12,7 @@ output.
 """
 
 import os
+import pathlib
 import signal
 import socket
 import subprocess
@@ -20,7 +21,7 @@ import tempfile
 import time
 from typing import NamedTuple, Optional, Sequence
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO_ROOT = str(pathlib.Path(__file__).resolve().parents[2])
 
 
 class Finished(NamedTuple):

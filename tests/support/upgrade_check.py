@@ -1,6 +1,6 @@
 """The integration tests on the newest tunix, optax, flax and jax, one table.
 
-  python -m tests.upgrade_check --tunix-source PATH [--tunix-commit SHA]
+  python -m tests.support.upgrade_check --tunix-source PATH [--tunix-commit SHA]
       [--layer-on .venv] [--envs DIR] [--rows release,...]
       [--write docs/tunix.md]
 
@@ -30,7 +30,7 @@ import sysconfig
 import tempfile
 import xml.etree.ElementTree as ElementTree
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 NEWEST = ('jax', 'jaxlib', 'flax', 'optax', 'google-tunix')
 OPTAX_FLOOR = '0.2.6'  # pyproject.toml: optax>=0.2.6,<0.2.9
 TUNIX_TESTS = ('tests/test_tunix.py', 'tests/test_inject_routing.py',
@@ -122,7 +122,7 @@ def _table(results, args) -> str:
                     cwd=ROOT, capture_output=True, text=True).stdout.strip():
     commit += ' with uncommitted changes'
   lines = [
-      f'Written by `python -m tests.upgrade_check`. taco_optax commit '
+      f'Written by `python -m tests.support.upgrade_check`. taco_optax commit '
       f'{commit or "unknown"}, {datetime.date.today()}, python '
       f'{sysconfig.get_python_version()}'
       + (', rows layered on an existing environment' if args.layer_on

@@ -14,7 +14,7 @@ import re
 import subprocess
 import sys
 
-_REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_REPO_ROOT = str(pathlib.Path(__file__).resolve().parents[2])
 # Every multi-device test runs on this many simulated devices.
 NUM_DEVICES = 8
 MARK = 'multidevice'

@@ -1,15 +1,16 @@
-"""One process of a multi-process TACO run: ``python -m tests.multiprocess_cases``.
+"""One process of a multi-process TACO run.
 
-``python -m tests.multiprocess_cases CASE[,CASE...] OUT_DIR [--coordinator
-HOST:PORT --num-processes N --process-id I]`` joins JAX's multi-process
-runtime (gloo collectives on CPU) when given a coordinator, builds the cases'
-8-device meshes over every process's devices, runs each CASE's steps in turn
-and has process 0 write every resulting array, gathered whole
-(``process_allgather``), to ``OUT_DIR/CASE.npz`` with ``CASE.json`` (each
-array's dtype, shape, sharding spec and whether it spans processes). Run once on 1 process x 8 devices and
-once on 2 processes x 4 devices, the two files must agree byte for byte
-(``tests/test_multiprocess.py``). The cases are the one-process mesh tests'
-(``tests/test_sharding.py``, ``tests/test_auto_mesh.py``), reused.
+``python -m tests.support.multiprocess_cases CASE[,CASE...] OUT_DIR
+[--coordinator HOST:PORT --num-processes N --process-id I]`` joins JAX's
+multi-process runtime (gloo collectives on CPU) when given a coordinator,
+builds the cases' 8-device meshes over every process's devices, runs each
+CASE's steps in turn and has process 0 write every resulting array, gathered
+whole (``process_allgather``), to ``OUT_DIR/CASE.npz`` with ``CASE.json``
+(each array's dtype, shape, sharding spec and whether it spans processes).
+Run once on 1 process x 8 devices and once on 2 processes x 4 devices, the
+two files must agree byte for byte (``tests/test_multiprocess.py``). The
+cases are the one-process mesh tests' (``tests/test_sharding.py``,
+``tests/test_auto_mesh.py``, ``tests/support/mesh_layered.py``), reused.
 """
 
 import argparse
@@ -130,21 +131,24 @@ def _layerwise_case():
   """``layerwise.train_step``: stacked and unrolled, explicit and Auto."""
   import contextlib  # pylint: disable=g-import-not-at-top
   import jax  # pylint: disable=g-import-not-at-top
-  from tests import layerwise_case  # pylint: disable=g-import-not-at-top
-  from tests import test_sharding as cases  # pylint: disable=g-import-not-at-top
+  # pylint: disable-next=g-import-not-at-top
+  from tests.support import layerwise_case
+  # pylint: disable-next=g-import-not-at-top
+  from tests.support import mesh_layered
 
   results = {}
   inputs = [jax.random.normal(jax.random.key(10 + i), (8, 16))
             for i in range(3)]
   for scan_layers, kind, explicit in LAYERWISE_RUNS:
     train = layerwise_case.train(
-        cases._layered_loss(scan_layers), learning_rate=1e-2, k=4, mu=0.9,  # pylint: disable=protected-access
-        weight_dimension_numbers=cases._layered_dims,  # pylint: disable=protected-access
+        mesh_layered.layered_loss(scan_layers), learning_rate=1e-2, k=4,
+        mu=0.9,
+        weight_dimension_numbers=mesh_layered.layered_dims,
         adam_learning_rate=1e-3)
-    params = cases._layered_params(scan_layers)  # pylint: disable=protected-access
+    params = mesh_layered.layered_params(scan_layers)
     mesh = make_mesh(kind, explicit)
     with jax.set_mesh(mesh) if explicit else contextlib.nullcontext():
-      params = cases._place_layered(params, mesh, 'both')  # pylint: disable=protected-access
+      params = mesh_layered.place_layered(params, mesh, 'both')
       state = train.optimizer.init(params)
       step = jax.jit(train.step)
       for x in inputs:

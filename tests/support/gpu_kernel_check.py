@@ -1,8 +1,8 @@
 """GPU check of the Pallas column-step kernel; run by benchmarks/gpu_kernel.sh.
 
 Not a pytest module (it needs a GPU, or ``1`` as its argument for a smoke run
-in interpret mode): ``python -m tests.gpu_kernel_check [0|1]``. It lives with
-the tests because it compares private kernels with the reference.
+in interpret mode): ``python -m tests.support.gpu_kernel_check [0|1]``. It
+lives with the tests because it compares private kernels with the reference.
 """
 
 import sys
