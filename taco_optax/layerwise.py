@@ -1,8 +1,8 @@
 """The layer-wise TACO train step: each layer's gradient dies as it appears.
 
 :func:`train_step` turns a plain ``loss_fn(params, batch)`` whose blocks are
-rematerialised (each under ``jax.checkpoint`` / ``nnx.remat`` / ``nn.remat`` /
-``eqx.filter_checkpoint``, or stacked in one scan with a rematerialised body;
+rematerialised (each under ``jax.checkpoint``, or Flax's and Equinox's remat
+wrappers, or stacked in one scan with a rematerialised body;
 :func:`layered_loss_of` reads them from its jaxpr), or a loss written as
 :class:`LayeredLoss` (``embed -> layer x L -> head``), and a
 :func:`taco_optax.taco` optimizer into a train step whose peak memory is about

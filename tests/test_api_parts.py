@@ -398,7 +398,7 @@ def test_top_level_is_what_optax_would_export():
       'trace_dimension_numbers']
   assert sorted(taco_optax.layerwise.__all__) == [
       'LayeredLoss', 'TableLookup', 'TableProjection', 'TrainStep',
-      'remat_layers', 'table_mean_bytes', 'train_step']
+      'layered_loss_of', 'remat_layers', 'table_mean_bytes', 'train_step']
   with pytest.raises(AttributeError, match='column_block_elements='):
     taco_optax.layerwise.COLUMN_BLOCK_ELEMENTS  # pylint: disable=pointless-statement
   with pytest.raises(AttributeError, match=r'layerwise\.train_step'):
