@@ -421,3 +421,36 @@ def test_a_loss_that_is_not_a_scalar_is_refused():
   assert 'one scalar' in message
   with pytest.raises(TypeError, match='loss_fn'):
     layerwise.train_step('loss', _tx())
+
+
+def _assert_within_float_order(got, expected):
+  # Measured: at most one float32 ulp of a leaf's largest entry (a norm
+  # scale's 1.19e-7 at 1.02); the bound is two.
+  for a, b in zip(_leaves(got), _leaves(expected)):
+    bound = 2 * np.finfo(np.float32).eps * max(np.abs(b).max(), 1e-30)
+    np.testing.assert_allclose(a, b, rtol=0, atol=bound)
+
+
+def test_clipping_and_accumulation_take_the_plain_loss():
+  loss_fn, params, tx = _dict_case(scan=False)
+  # clip_global_norm=c is optax.chain(clip_by_global_norm(c), tx).
+  chain = optax.chain(optax.clip_by_global_norm(0.05), tx)
+  plain = jax.jit(_plain_step(loss_fn, chain))
+  lean = jax.jit(layerwise.train_step(loss_fn, tx, clip_global_norm=0.05))
+  expected, got = (params, chain.init(params)), (params, tx.init(params))
+  for step in range(2):
+    *expected, _ = plain(*expected, _tokens(step))
+    *got, _ = lean(*got, _tokens(step))
+  _assert_within_float_order(got[0], expected[0])
+  # accumulation_steps=A is optax.MultiSteps(tx, A) fed the A micro-batches.
+  multi = optax.MultiSteps(tx, 2)
+  plain = jax.jit(_plain_step(loss_fn, multi))
+  lean = jax.jit(layerwise.train_step(loss_fn, tx, accumulation_steps=2))
+  expected, got = (params, multi.init(params)), (params, tx.init(params))
+  for step in range(2):
+    micro = jnp.stack([_tokens(10 * step), _tokens(10 * step + 1)])
+    for a in range(2):
+      *expected, _ = plain(*expected, micro[a])
+    *got, _ = lean(*got, micro)
+  _assert_within_float_order(got[0], expected[0])
+  assert any((a != b).any() for a, b in zip(_leaves(got[0]), _leaves(params)))
