@@ -19,6 +19,7 @@ import pytest
 import taco_optax
 from taco_optax import layerwise
 from tests.support import tiers
+from tests.support import toy_lm
 
 D, VOCAB, FFN, HEADS, LAYERS = 16, 32, 24, 2, 3
 
@@ -272,14 +273,6 @@ CASES = {
 }
 
 
-def _plain_step(loss_fn, tx):
-  def step(params, opt_state, batch):
-    loss, grads = jax.value_and_grad(loss_fn)(params, batch)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, loss
-  return step
-
-
 def _leaves(tree):
   return [np.asarray(x) for x in jax.tree.leaves(tree)]
 
@@ -289,7 +282,7 @@ def _leaves(tree):
                          'nnx-list-tied']))
 def test_equals_the_plain_optax_path_f32(case):
   loss_fn, params, tx = CASES[case]()
-  plain = jax.jit(_plain_step(loss_fn, tx))
+  plain = jax.jit(toy_lm.plain_step(loss_fn, tx))
   lean = jax.jit(layerwise.train_step(loss_fn, tx))
   expected = got = (params, tx.init(params))
   for step in range(3):
@@ -393,7 +386,7 @@ def test_the_head_recomputes_what_it_reads_before_the_blocks():
       x = jax.checkpoint(_dict_block)(p, x)
     return _next_token_loss((x + x0) @ params['head_t'].T, tokens)
 
-  expected = jax.jit(_plain_step(skip_to_head, tx))(
+  expected = jax.jit(toy_lm.plain_step(skip_to_head, tx))(
       params, tx.init(params), _tokens())
   got = jax.jit(layerwise.train_step(skip_to_head, tx))(
       params, tx.init(params), _tokens())
@@ -435,7 +428,7 @@ def test_clipping_and_accumulation_take_the_plain_loss():
   loss_fn, params, tx = _dict_case(scan=False)
   # clip_global_norm=c is optax.chain(clip_by_global_norm(c), tx).
   chain = optax.chain(optax.clip_by_global_norm(0.05), tx)
-  plain = jax.jit(_plain_step(loss_fn, chain))
+  plain = jax.jit(toy_lm.plain_step(loss_fn, chain))
   lean = jax.jit(layerwise.train_step(loss_fn, tx, clip_global_norm=0.05))
   expected, got = (params, chain.init(params)), (params, tx.init(params))
   for step in range(2):
@@ -444,7 +437,7 @@ def test_clipping_and_accumulation_take_the_plain_loss():
   _assert_within_float_order(got[0], expected[0])
   # accumulation_steps=A is optax.MultiSteps(tx, A) fed the A micro-batches.
   multi = optax.MultiSteps(tx, 2)
-  plain = jax.jit(_plain_step(loss_fn, multi))
+  plain = jax.jit(toy_lm.plain_step(loss_fn, multi))
   lean = jax.jit(layerwise.train_step(loss_fn, tx, accumulation_steps=2))
   expected, got = (params, multi.init(params)), (params, tx.init(params))
   for step in range(2):
