@@ -18,6 +18,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import taco_optax
+from jax._src import compilation_cache as jax_compilation_cache  # pylint: disable=g-bad-import-order
 from taco_optax._src.kernels import auto_partition as _auto_partition
 from taco_optax import TacoDimensionNumbers as Dims
 from tests.support import multidevice
@@ -184,15 +185,18 @@ HLO_CASES = {
 @pytest.mark.parametrize('kernel, context_mesh', [
     ('cpu', False), ('reference', False), ('auto', True)])
 def test_auto_mesh_update_gathers_candidates_not_the_gradient(
-    monkeypatch, request, case, kernel, context_mesh):
+    monkeypatch, case, kernel, context_mesh):
   monkeypatch.setenv('TACO_OPTAX_KERNEL', kernel)
   # XLA calls the partitioning rule only when it compiles: a program the
   # run's persistent compilation cache holds (the same HLO from another case
   # or file) would be loaded without calling it, and nothing be recorded.
-  cached = jax.config.jax_enable_compilation_cache
-  jax.config.update('jax_enable_compilation_cache', False)
-  request.addfinalizer(
-      lambda: jax.config.update('jax_enable_compilation_cache', cached))
+  # jax decides once per process whether that cache is used (an earlier
+  # test that set a cache folder turns it on for good: the flag
+  # jax_enable_compilation_cache is not read again), so the test answers that
+  # question itself, and drops the executables held in memory.
+  monkeypatch.setattr(jax_compilation_cache, 'is_cache_used',
+                      lambda backend: False)
+  jax.clear_caches()
   shape, spec, dims, row_shards, candidate_shards = HLO_CASES[case]
   k = 16
   rows = int(np.prod(shape[:-1]))
