@@ -121,7 +121,8 @@ def traced_step(loss_fn: Callable[[Any, Any], jax.Array],
     # state's masked leaves are unboxed (transform.without_masked_boxes), so
     # only the values give the params' and the state's subtrees one
     # structure. Boxes hold one array each: the leaves keep their order.
-    pure_params, pure_state = _unboxed(params), _unboxed(opt_state)
+    pure_params = transform.unboxed(params)
+    pure_state = transform.unboxed(opt_state)
     traced = traced_loss.layered_loss_of(loss_fn, params, one_batch)
     relayout = Relayout.of(pure_params, traced.split)
     pair_step = make_step(traced.loss, pair_parts(parts, params, relayout))
@@ -134,13 +135,7 @@ def traced_step(loss_fn: Callable[[Any, Any], jax.Array],
   return step
 
 
-def _unboxed(tree: Any) -> Any:
-  return jax.tree.map(
-      lambda x: x.get_value() if transform.is_variable(x) else x, tree,
-      is_leaf=transform.is_variable)
-
-
 def _reboxed(like: Any, values: Any) -> Any:
-  """``values`` (:func:`_unboxed` of a tree like ``like``) in ``like``'s
+  """``values`` (``transform.unboxed`` of a tree like ``like``) in ``like``'s
   boxes."""
   return jax.tree.structure(like).unflatten(jax.tree.leaves(values))

@@ -49,7 +49,7 @@ from taco_optax._src.transform.scale import taco_state
 from taco_optax._src.transform.state_shardings import state_shardings
 from taco_optax._src.transform.trace_routing import trace_dimension_numbers
 from taco_optax._src.transform.trees import is_masked
-from taco_optax._src.transform.trees import is_variable
+from taco_optax._src.transform.trees import unboxed
 
 __all__ = (
     'LeafPlan',
@@ -68,7 +68,6 @@ __all__ = (
     'flat_index',
     'is_low_precision',
     'is_masked',
-    'is_variable',
     'jaxpr_internals',
     'leaf_dimension_numbers',
     'leaf_histories',
@@ -89,5 +88,6 @@ __all__ = (
     'taco_state',
     'taco_states',
     'trace_dimension_numbers',
+    'unboxed',
     'with_taco_states',
 )

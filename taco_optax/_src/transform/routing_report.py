@@ -108,11 +108,8 @@ def _size(shape: tuple[int, ...]) -> int:
 
 def _abstract(params: Any) -> Any:
   """``params`` as ShapeDtypeStructs, Variables (Flax NNX) unwrapped."""
-  is_variable = trees.is_variable
-  value = lambda x: x.get_value() if is_variable(x) else x
-  return jax.tree.map(
-      lambda x: jax.ShapeDtypeStruct(jnp.shape(value(x)), value(x).dtype),
-      params, is_leaf=is_variable)
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), x.dtype),
+                      trees.unboxed(params))
 
 
 def _leaf_bytes(params: Any, *trees: Any) -> list[int]:

@@ -33,6 +33,12 @@ def is_variable(x: Any) -> bool:
   return callable(getattr(x, 'get_value', None))
 
 
+def unboxed(tree: Any) -> Any:
+  """``tree`` with each :func:`is_variable` box replaced by its value."""
+  return jax.tree.map(lambda x: x.get_value() if is_variable(x) else x, tree,
+                      is_leaf=is_variable)
+
+
 def box_structure(params: Any) -> Any:
   """``params``' structure with each :func:`is_variable` box one leaf.
 
