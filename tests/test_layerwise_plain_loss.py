@@ -340,9 +340,18 @@ def test_a_loss_without_blocks_is_refused_naming_how_to_mark_them():
                'eqx.filter_checkpoint', 'scan'):
     assert mark in message, (mark, message)
   assert 'jax.jit' not in message
-  # A jitted loss hides its blocks inside one call: said so.
-  message = _refusal(jax.jit(_dict_loss(scan=False)), params)
-  assert 'not jax.jit of it' in message, message
+
+
+def test_a_jitted_loss_is_read_through_its_jit():
+  # jax.jit around the loss (or inside it, as jnp.take is) only groups
+  # equations: the trace opens it and finds the same blocks.
+  params = _dict_params(scan=False)
+  plain = layerwise.layered_loss_of(_dict_loss(False), params, _tokens())
+  jitted = layerwise.layered_loss_of(jax.jit(_dict_loss(False)), params,
+                                     _tokens())
+  assert jitted.num_blocks == plain.num_blocks == LAYERS
+  assert [len(x) for x in jitted.split(params)[1]] == [
+      len(x) for x in plain.split(params)[1]]
 
 
 def test_a_parameter_read_by_two_blocks_is_refused_by_name():

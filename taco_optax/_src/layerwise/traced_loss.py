@@ -86,8 +86,8 @@ def _no_blocks(eqns: Sequence[Any]) -> ValueError:
   names = [_internals.primitive(e) for e in eqns]
   nested = [n for e, n in zip(eqns, names) if n in _internals.CALLS
             and _contains_remat(_internals.called_jaxpr(e))]
-  where = (f' The blocks sit inside a {nested[0]!r} call: pass the loss '
-           'itself, not jax.jit of it (the step is jitted whole).'
+  where = (f' The blocks sit inside a {nested[0]!r} call, which the step '
+           'does not open: call them at the top level of loss_fn.'
            if nested else '')
   shown = ', '.join(names[:12]) + (', ...' if len(names) > 12 else '')
   return ValueError(
@@ -314,7 +314,8 @@ def layered_loss_of(loss_fn: Callable[[Any, Any], jax.Array], params: Any,
   """
   leaves_with_paths = jax.tree_util.tree_leaves_with_path(
       params, is_leaf=transform.is_masked)
-  closed = jax.make_jaxpr(loss_fn)(_abstract(params), _abstract(batch))
+  closed = _internals.inline_calls(
+      jax.make_jaxpr(loss_fn)(_abstract(params), _abstract(batch)))
   jaxpr = closed.jaxpr
   if len(jaxpr.outvars) != 1 or getattr(jaxpr.outvars[0].aval, 'shape',
                                         None) != ():

@@ -14,6 +14,7 @@ values; none of them interprets what the equation means for a parameter.
 
 from typing import Any, Sequence
 
+import jax
 from jax.extend import core as jex_core
 
 # Sub-jaxprs called with the operands as they are: primitive -> parameter.
@@ -169,3 +170,60 @@ def closed_function(jaxpr: Any) -> Any:
   if not hasattr(jaxpr, 'consts'):
     jaxpr = jex_core.ClosedJaxpr(jaxpr, ())
   return jex_core.jaxpr_as_fun(jaxpr)
+
+
+# Calls that only group equations (``jax.jit`` inside a traced function):
+# running their body in place computes the same values and derivatives.
+INLINED = ('jit', 'pjit', 'closed_call', 'core_call')
+
+
+def _bind(eqn: Any, operands: Sequence[Any], params: dict) -> list[Any]:
+  # As jax.core.eval_jaxpr binds an equation (jax 0.10 to 0.12).
+  with eqn.ctx.manager:
+    out = eqn.primitive.bind(*operands,
+                             **eqn.primitive.get_bind_params(params))
+  return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def bind_like(eqn: Any, operands: Sequence[Any], **changes: Any) -> list[Any]:
+  """The equation's primitive applied to ``operands``, with its parameters
+  (``changes`` replacing some, e.g. a ``gather``'s ``slice_sizes``)."""
+  return _bind(eqn, operands, {**eqn.params, **changes})
+
+
+def _run_inlined(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any]
+                 ) -> list[Any]:
+  env: dict[Any, Any] = {}
+  read = lambda v: v.val if is_literal(v) else env[v]
+  env.update(zip(jaxpr.constvars, consts))
+  env.update(zip(jaxpr.invars, args))
+  for eqn in jaxpr.eqns:
+    operands = [read(v) for v in eqn.invars]
+    if primitive(eqn) in INLINED:
+      body = called_jaxpr(eqn)
+      outs = _run_inlined(open_jaxpr(body), getattr(body, 'consts', ()),
+                          operands)
+    else:
+      outs = _bind(eqn, operands, eqn.params)
+    env.update((v, x) for v, x in zip(eqn.outvars, outs) if not is_dropped(v))
+  return [read(v) for v in jaxpr.outvars]
+
+
+def inline_calls(closed: Any) -> Any:
+  """``closed`` (a ``ClosedJaxpr``) traced again with every
+  :data:`INLINED` call at its top level (and inside those) replaced by the
+  call's equations; remat, scan and custom-derivative calls stay whole."""
+  avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype,
+                                weak_type=v.aval.weak_type)
+           for v in closed.jaxpr.invars]
+  return jax.make_jaxpr(lambda *args: _run_inlined(
+      closed.jaxpr, closed.consts, args))(*avals)
+
+
+def gather_numbers(eqn: Any) -> tuple[tuple[int, ...], tuple[int, ...],
+                                      tuple[int, ...]]:
+  """``(offset_dims, collapsed_slice_dims, start_index_map)`` of a
+  ``gather``."""
+  numbers = eqn.params['dimension_numbers']
+  return (tuple(numbers.offset_dims), tuple(numbers.collapsed_slice_dims),
+          tuple(numbers.start_index_map))
