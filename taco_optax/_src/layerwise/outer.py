@@ -253,4 +253,7 @@ def after_embedding(loss: LayeredLoss, step: leaves_lib.StepLeaves,
 def _sum_grads(a, b):
   if a is None or b is None:
     return b if a is None else a
-  return a + b
+  # A projected table that goes to Adam (no TACO plan) beside the lookup's
+  # gradient of it (zeros when the embedding does not read it): dense.
+  dense = lambda g: g.dense() if isinstance(g, token_table.TableGradient) else g
+  return dense(a) + dense(b)

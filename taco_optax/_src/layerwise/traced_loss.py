@@ -30,6 +30,7 @@ import numpy as np
 
 from taco_optax._src import transform
 from taco_optax._src.layerwise import program as program_lib
+from taco_optax._src.layerwise import traced_tables
 from taco_optax._src.layerwise.layered_loss import LayeredLoss
 
 _internals = transform.jaxpr_internals
@@ -380,5 +381,9 @@ def layered_loss_of(loss_fn: Callable[[Any, Any], jax.Array], params: Any,
       return outer, tuple(flat[i] for i in stacked)
     return outer, [tuple(flat[i] for i in leaves) for leaves in per_block]
 
-  loss = LayeredLoss(embed, run_layer, head, scan_layers=scanned)
+  tables = traced_tables.find_tables(program, outer_leaves, first,
+                                     blocks[-1], targets, head_eqns, last,
+                                     jaxpr.outvars)
+  loss = LayeredLoss(tables.embed or embed, run_layer, tables.head or head,
+                     scan_layers=scanned)
   return TracedLoss(loss, split, count)
