@@ -205,3 +205,31 @@ def test_function_of_runs_a_slice_of_equations():
   body = jx.closed_function(jx.called_jaxpr(
       _eqns(jax.checkpoint(lambda w, x: x @ w), W, X)[0]))
   assert (body(W, X)[0] == X @ W).all()
+
+
+def test_inline_calls_opens_jit_and_keeps_remat_and_custom_calls():
+  def loss(w, x):
+    h = jax.jit(lambda w, x: jnp.take(w, x.astype(jnp.int32), axis=0))(w, x)
+    h = jax.checkpoint(lambda h: jnp.tanh(h) * 2.0)(h)
+    return _custom_jvp(lambda h: jnp.sum(h * h))(h)
+  closed = jax.make_jaxpr(loss)(W, jnp.zeros((2,), jnp.float32))
+  assert [jx.primitive(e) for e in closed.jaxpr.eqns][0] == 'jit'
+  inlined = jx.inline_calls(closed)
+  names = [jx.primitive(e) for e in inlined.jaxpr.eqns]
+  assert 'jit' not in names and 'pjit' not in names
+  assert 'gather' in names
+  assert names.count('remat2') + names.count('checkpoint') == 1
+  assert names[-1] == 'custom_jvp_call'
+  x = jnp.array([2.0, 0.0])
+  assert jex_core.jaxpr_as_fun(inlined)(W * 3.0, x)[0] == loss(W * 3.0, x)
+
+
+def test_bind_like_rebinds_with_changed_parameters():
+  gather = next(e for e in _eqns(lambda t, i: t[i], W, jnp.array([1, 2]))
+                if jx.primitive(e) == 'gather')
+  offset, collapsed, starts = jx.gather_numbers(gather)
+  assert (offset, collapsed, starts) == ((1,), (0,), (0,))
+  table = jnp.arange(12.0).reshape(4, 3)
+  rows = jx.bind_like(gather, [table[:, :2], jnp.array([[1], [3]])],
+                      slice_sizes=(1, 2))[0]
+  assert rows.tolist() == [[3.0, 4.0], [9.0, 10.0]]

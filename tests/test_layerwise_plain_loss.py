@@ -297,6 +297,32 @@ def test_equals_the_plain_optax_path_f32(case):
   assert all(m > 0 for m in moved), moved
 
 
+# Where each case's token tables sit among the outer leaves, and their d axis.
+TABLES = {
+    'nnx-list-tied': ((0,), (0,), 1), 'nnx-scan-tied': ((0,), (0,), 1),
+    'nnx-list-untied': ((0,), (1,), 0), 'nnx-scan-untied': ((0,), (1,), 0),
+    'jax-dict-list': ((0,), (2,), 1), 'jax-dict-scan': ((0,), (2,), 1),
+    'linen-remat': ((0,), (0,), 1), 'linen-scan': ((0,), (0,), 1),
+    'equinox': ((0,), (1,), 0),
+}
+
+
+@pytest.mark.parametrize('case', sorted(CASES))
+def test_the_token_tables_are_read_as_lookup_and_projection(case):
+  # The embedding's row lookup and the head's projection are recognised in
+  # the program, so the step never forms the tables' dense gradients.
+  loss_fn, params, _ = CASES[case]()
+  traced = layerwise.layered_loss_of(loss_fn, params, _tokens())
+  embed, head = traced.loss.embed, traced.loss.head
+  assert isinstance(embed, layerwise.TableLookup)
+  assert isinstance(head, layerwise.TableProjection)
+  assert (embed.table, head.table, head.table_axis) == TABLES[case]
+  outer, layers = traced.split(params)
+  # The recognised pieces compute the loss's own value.
+  assert float(traced.loss((outer, layers), _tokens())) == float(
+      loss_fn(params, _tokens()))
+
+
 def test_reads_the_blocks_and_their_parameters():
   loss_fn, params, _ = _dict_case(scan=False)
   traced = layerwise.layered_loss_of(loss_fn, params, _tokens())
@@ -401,6 +427,9 @@ def test_the_head_recomputes_what_it_reads_before_the_blocks():
       params, tx.init(params), _tokens())
   for a, b in zip(_leaves(got), _leaves(expected)):
     np.testing.assert_array_equal(a, b)
+  # The head reads the table besides the lookup: read densely, not refused.
+  traced = layerwise.layered_loss_of(skip_to_head, params, _tokens())
+  assert not isinstance(traced.loss.embed, layerwise.TableLookup)
 
 
 def test_blocks_of_different_programs_are_refused():
