@@ -260,6 +260,37 @@ def _equinox_case():
   return loss_fn, params, tx
 
 
+
+class _EqxModules(eqx.Module):
+  """Equinox's own layers: a vmapped eqx.nn.Embedding, tied to the head."""
+  embed: eqx.nn.Embedding
+  blocks: list
+
+  def __init__(self, key):
+    keys = jax.random.split(key, LAYERS + 1)
+    self.embed = eqx.nn.Embedding(VOCAB, D, key=keys[0])
+    self.blocks = [_EqxBlock(k) for k in keys[1:]]
+
+  def __call__(self, tokens):
+    x = jax.vmap(jax.vmap(self.embed))(tokens)
+    for block in self.blocks:
+      x = eqx.filter_checkpoint(lambda b, h: b(h))(block, x)
+    return x @ self.embed.weight.T
+
+
+def _equinox_modules_case():
+  params, static = eqx.partition(_EqxModules(jax.random.key(0)),
+                                 eqx.is_inexact_array)
+
+  def loss_fn(params, tokens):
+    return _next_token_loss(eqx.combine(params, static)(tokens[:, :-1]),
+                            tokens)
+
+  return loss_fn, params, taco_optax.taco(
+      1e-2, weight_dimension_numbers=taco_optax.equinox.dimension_numbers(
+          params, overrides={'blocks/*/[!s]*': taco_optax.TacoDimensionNumbers()}),
+      update_scale=taco_optax.equinox.update_scales(params))
+
 CASES = {
     'nnx-list-tied': lambda: _nnx_case(tied=True, scan=False),
     'nnx-list-untied': lambda: _nnx_case(tied=False, scan=False),
@@ -270,6 +301,7 @@ CASES = {
     'linen-remat': lambda: _linen_case(scan=False),
     'linen-scan': lambda: _linen_case(scan=True),
     'equinox': _equinox_case,
+    'equinox-modules': _equinox_modules_case,
 }
 
 
@@ -304,6 +336,7 @@ TABLES = {
     'jax-dict-list': ((0,), (2,), 1), 'jax-dict-scan': ((0,), (2,), 1),
     'linen-remat': ((0,), (0,), 1), 'linen-scan': ((0,), (0,), 1),
     'equinox': ((0,), (1,), 0),
+    'equinox-modules': ((0,), (0,), 1),
 }
 
 

@@ -25,6 +25,7 @@ beside the token table) the largest table is taken.
 from typing import Any, NamedTuple, Optional, Sequence
 
 import jax
+import jax.numpy as jnp
 
 from taco_optax._src import transform
 from taco_optax._src.layerwise import program as program_lib
@@ -94,26 +95,35 @@ def _apply_ops(ops: Sequence[Any], table: jax.Array) -> jax.Array:
   return table
 
 
-def _is_row_gather(use: _Use, program: program_lib.Program) -> bool:
+def _row_gather(use: _Use, program: program_lib.Program) -> Optional[int]:
+  """How many index components the gather of whole rows of ``use`` takes:
+  1 (``table[ids]``: the row), 2 (a vmapped ``table[i]``, as
+  ``eqx.nn.Embedding`` gives: the row and a column start that clipping pins
+  to 0 for whole rows), or ``None`` for any other gather."""
   eqn = use.eqn
   if _internals.primitive(eqn) != 'gather' or use.position != 0 or any(
       _internals.primitive(op) == 'transpose' for op in use.ops):
-    return False
+    return None
   offset, collapsed, starts = _internals.gather_numbers(eqn)
   operand, ids = eqn.invars[0].aval, eqn.invars[1]
   out = eqn.outvars[0].aval
-  return (operand.ndim == 2 and collapsed == (0,) and starts == (0,)
-          and offset == (out.ndim - 1,)
-          and not _internals.gather_batching_dims(eqn)
-          and _internals.slice_sizes(eqn) == (1, operand.shape[1])
-          and not _internals.is_literal(ids) and ids.aval.shape[-1:] == (1,)
-          and ids not in program.depends)
+  if (operand.ndim != 2 or not offset or offset[-1] != out.ndim - 1
+      or 1 in collapsed or _internals.gather_batching_dims(eqn)
+      or _internals.slice_sizes(eqn) != (1, operand.shape[1])
+      or _internals.is_literal(ids) or ids in program.depends):
+    return None
+  if starts == (0,) and ids.aval.shape[-1:] == (1,):
+    return 1
+  if (starts == (0, 1) and ids.aval.shape[-1:] == (2,)
+      and _internals.gather_mode(eqn) == 'CLIP'):
+    return 2
+  return None
 
 
 def _lookup(program: program_lib.Program, prefix: Sequence[Any],
             head_eqns: Sequence[Any], leaf: int, slot: int, use: _Use,
-            outer_leaves: Sequence[int], targets: Sequence[Any]
-            ) -> Optional[token_table.TableLookup]:
+            outer_leaves: Sequence[int], targets: Sequence[Any],
+            components: int) -> Optional[token_table.TableLookup]:
   gather, rows = use.eqn, use.eqn.outvars[0]
   ids_var = gather.invars[1]
   apply_eqns = needed(prefix, targets, given=[rows])
@@ -132,7 +142,10 @@ def _lookup(program: program_lib.Program, prefix: Sequence[Any],
 
   def take(table, row_ids):
     table = _apply_ops(use.ops, table)
-    return _internals.bind_like(gather, [table, row_ids[..., None]],
+    index = row_ids[..., None]
+    if components == 2:  # the column start: 0, as clipping made it
+      index = jnp.concatenate([index, jnp.zeros_like(index)], -1)
+    return _internals.bind_like(gather, [table, index],
                                 slice_sizes=(1, table.shape[1]))[0]
   return token_table.TableLookup((slot,), ids, apply, take)
 
@@ -204,10 +217,11 @@ def find_tables(program: program_lib.Program, outer_leaves: Sequence[int],
       continue
     lookup = head = None
     if before:
-      if not _is_row_gather(before[0], program):
+      components = _row_gather(before[0], program)
+      if components is None:
         continue
       lookup = _lookup(program, prefix, head_eqns, leaf, slot, before[0],
-                       outer_leaves, targets)
+                       outer_leaves, targets, components)
       if lookup is None:
         continue
     if after:

@@ -227,3 +227,9 @@ def gather_numbers(eqn: Any) -> tuple[tuple[int, ...], tuple[int, ...],
   numbers = eqn.params['dimension_numbers']
   return (tuple(numbers.offset_dims), tuple(numbers.collapsed_slice_dims),
           tuple(numbers.start_index_map))
+
+
+def gather_mode(eqn: Any) -> str:
+  """A ``gather``'s out-of-bounds mode by name (``'CLIP'``,
+  ``'FILL_OR_DROP'``, ``'PROMISE_IN_BOUNDS'``)."""
+  return eqn.params['mode'].name
