@@ -6,6 +6,8 @@ full jitted train step (params and state donated) as the example runs it:
 
 * ``taco_layerwise``: ``taco_optax.layerwise.train_step`` on the example's
   split of the model (what ``--optimizer taco`` runs);
+* ``taco_plain_loss``: the same step built from the plain loss (its blocks
+  and token tables read from the jaxpr);
 * ``taco_optax``: ``value_and_grad -> taco.update -> apply_updates``
   (``--taco-step optax``);
 * ``adamw``, ``adafactor``, ``lion``, ``muon``: the same plain step with the
@@ -23,7 +25,8 @@ milliseconds per thousand of them (where compile time goes).
 
   python -m benchmarks.train_step [--dtypes float32,bfloat16]
       [--batches 4,16] [--seq 64] [--layers N] [--steps 2] [--rounds 3]
-      [--optimizers taco_layerwise,taco_optax,adamw,adafactor,lion,muon]
+      [--optimizers taco_layerwise,taco_plain_loss,taco_optax,adamw,adafactor,
+                    lion,muon]
       [--write docs/measured/train_step.md]
 """
 
@@ -41,7 +44,8 @@ from benchmarks import provenance
 from examples.finetune import api
 import taco_optax
 
-PATHS = ('taco_layerwise', 'taco_optax', 'adamw', 'adafactor', 'lion', 'muon')
+PATHS = ('taco_layerwise', 'taco_plain_loss', 'taco_optax', 'adamw',
+         'adafactor', 'lion', 'muon')
 
 
 def _decoder(dtype, num_layers):
@@ -56,6 +60,9 @@ def _step(path, decoder, config):
   tx = api.optimizer(name).build(1e-5, hints, api.TacoSettings())
   if path == 'taco_layerwise':
     return taco_optax.layerwise.train_step(decoder.loss, tx), tx
+  if path == 'taco_plain_loss':
+    plain_loss = lambda params, batch: decoder.loss(params, batch)
+    return taco_optax.layerwise.train_step(plain_loss, tx), tx
   return memory.plain_step(decoder.loss, tx), tx
 
 

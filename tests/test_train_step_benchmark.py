@@ -10,30 +10,33 @@ from benchmarks import train_step
 @pytest.mark.long
 def test_last_line_has_one_ratio_per_optimizer(capfd, tmp_path):
   written = tmp_path / 'train_step.md'
-  train_step.main(['--layers', '1', '--dtypes', 'float32', '--batches', '1',
+  train_step.main(['--layers', '2', '--dtypes', 'float32', '--batches', '1',
                    '--seq', '8', '--warmup', '0', '--steps', '1',
                    '--rounds', '2',
-                   '--optimizers', 'taco_layerwise,taco_optax,adamw',
+                   '--optimizers',
+                   'taco_layerwise,taco_plain_loss,taco_optax,adamw',
                    '--write', str(written)])
   last = capfd.readouterr().out.strip().splitlines()[-1]
   ratios = dict(re.findall(r'(\w+)=([\d.]+)', last))
   assert set(ratios) == {
-      'taco_layerwise_over_adamw', 'taco_optax_over_adamw',
-      'taco_layerwise_compile_over_adamw', 'taco_optax_compile_over_adamw'}
+      'taco_layerwise_over_adamw', 'taco_plain_loss_over_adamw',
+      'taco_optax_over_adamw', 'taco_layerwise_compile_over_adamw',
+      'taco_plain_loss_compile_over_adamw', 'taco_optax_compile_over_adamw'}
   assert last.startswith('taco_layerwise_over_adamw=')
   assert all(float(v) > 0 for v in ratios.values())
   # The written file carries the command, its provenance and the same table.
   text = written.read_text()
   assert text.startswith('# Whole train steps (written by `python -m '
-                         'benchmarks.train_step --layers 1')
+                         'benchmarks.train_step --layers 2')
   assert '\nCommit ' in text and last in text
   assert re.search(r'\ntaco_layerwise +[\d.]+ +[\d.]+ +[\d.]+ +[\d.]+\n',
                    text)
   # Where compile time goes: each path's program sizes, positive counts.
   programs = re.findall(
-      r'\n(taco_layerwise|taco_optax|adamw) +([\d.]+) +([\d,]+) +([\d,]+) '
-      r'+([\d,]+) +([\d.]+)(?=\n)', text)
-  assert [p[0] for p in programs] == ['taco_layerwise', 'taco_optax', 'adamw']
+      r'\n(taco_layerwise|taco_plain_loss|taco_optax|adamw) +([\d.]+) '
+      r'+([\d,]+) +([\d,]+) +([\d,]+) +([\d.]+)(?=\n)', text)
+  assert [p[0] for p in programs] == ['taco_layerwise', 'taco_plain_loss',
+                                      'taco_optax', 'adamw']
   for _, _, ops, instructions, computations, _ in programs:
     assert min(int(c.replace(',', '')) for c in
                (ops, instructions, computations)) > 0
