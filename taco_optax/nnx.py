@@ -15,6 +15,7 @@ from jax.sharding import PartitionSpec
 import optax
 
 from taco_optax._src import kernels
+from taco_optax._src import routing
 from taco_optax._src import transform
 
 try:
@@ -25,7 +26,7 @@ except ImportError as error:  # pragma: no cover - depends on the install
       '`pip install "taco_optax[flax]"`.') from error
 
 # Flax is imported above: the module that reads Flax modules may now load.
-from taco_optax._src.integrations import nnx_routes  # pylint: disable=g-import-not-at-top,g-bad-import-order
+from taco_optax._src.routing import nnx_routes  # pylint: disable=g-import-not-at-top,g-bad-import-order
 
 __all__ = ('dimension_numbers', 'for_nnx_optimizer', 'update_scales')
 
@@ -33,7 +34,7 @@ __all__ = ('dimension_numbers', 'for_nnx_optimizer', 'update_scales')
 def dimension_numbers(
     model: nnx.Module, wrt: Any = nnx.Param, *,
     overrides: Optional[Mapping[str, Optional[
-        transform.TacoDimensionNumbers]]] = None) -> nnx.State:
+        routing.TacoDimensionNumbers]]] = None) -> nnx.State:
   """TACO's ``weight_dimension_numbers`` for ``model``, read from its modules.
 
   Each parameter is routed by the module that holds it: ``nnx.Linear`` and

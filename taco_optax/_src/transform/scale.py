@@ -9,12 +9,11 @@ import numpy as np
 import optax
 
 from taco_optax._src import kernels
-from taco_optax._src.transform import dimension_numbers as dn
+from taco_optax._src import routing
 from taco_optax._src.transform import hyperparams
 from taco_optax._src.transform import inject_guard
 from taco_optax._src.transform import inputs
 from taco_optax._src.transform import plan as plan_lib
-from taco_optax._src.transform import trees
 
 ScaleTree = plan_lib.ScaleTree
 
@@ -164,7 +163,7 @@ def scale_by_taco(
     mu: Union[float, jax.Array] = 0.95,
     *,
     update_topk: Optional[int] = None,
-    weight_dimension_numbers: dn.WeightDimNumOrFn | None = None,
+    weight_dimension_numbers: routing.WeightDimNumOrFn | None = None,
     update_scale: ScaleTree = None,
     values_dtype: Optional[jax.typing.DTypeLike] = None,
     index_dtype: Optional[jax.typing.DTypeLike] = None,
@@ -293,7 +292,7 @@ class TacoDirection(NamedTuple):
 
 def taco_direction(k: Optional[int], mu: Union[float, jax.Array], *,
                    update_topk: Optional[int],
-                   weight_dimension_numbers: dn.WeightDimNumOrFn | None,
+                   weight_dimension_numbers: routing.WeightDimNumOrFn | None,
                    update_scale: ScaleTree,
                    values_dtype: Optional[jax.typing.DTypeLike],
                    index_dtype: Optional[jax.typing.DTypeLike],
@@ -332,16 +331,16 @@ def taco_direction(k: Optional[int], mu: Union[float, jax.Array], *,
     return history
 
   def init_fn(params):
-    if trees.is_params_placeholder(params):
+    if routing.is_params_placeholder(params):
       # tree_map_params: the histories are (k, n), not like the params.
-      return TacoState(*(trees.NotParams() for _ in TacoState._fields))
+      return TacoState(*(routing.NotParams() for _ in TacoState._fields))
     leaves, treedef = jax.tree.flatten(params)
     state = taco_state(treedef, [init_leaf(p, plan) for p, plan in
                                  zip(leaves, plans(params))])
     # Boxed parameters (nnx.Variables, as nnx.Optimizer passes them) box
     # their histories too; a masked leaf's box goes: no Variable around a
-    # placeholder (trees.box_structure says why).
-    return trees.without_masked_boxes(state)
+    # placeholder (routing.box_structure says why).
+    return routing.without_masked_boxes(state)
 
   def update_fn(updates, state, params=None):
     updates, params = inputs.checked(updates, params)
@@ -367,7 +366,7 @@ def check_history_shapes(updates: Any, histories: list[kernels.History],
   checks larger ones against ``params`` when given)."""
   paths = jax.tree_util.tree_leaves_with_path(updates)
   for (path, grad), history, plan in zip(paths, histories, plans):
-    if plan is None or trees.is_masked(history.indices):
+    if plan is None or routing.is_masked(history.indices):
       continue
     layout = plan.layout
     made_for = history.indices.shape[:-2] + history.indices.shape[-1:]
@@ -375,9 +374,9 @@ def check_history_shapes(updates: Any, histories: list[kernels.History],
     if (made_for != layout.batch_shape + (layout.n,)
         or kept != history_size(k, layout.m)):
       raise ValueError(
-          f'The gradient of the TACO leaf {dn.path_name(path)!r} has shape '
-          f'{grad.shape} ({layout.num_matrices} x {layout.m} x {layout.n} '
-          f'as a matrix), but its state was initialised for '
+          f'The gradient of the TACO leaf {routing.path_name(path)!r} has '
+          f'shape {grad.shape} ({layout.num_matrices} x {layout.m} x '
+          f'{layout.n} as a matrix), but its state was initialised for '
           f'{math.prod(made_for[:-1])} matrices of {made_for[-1]} columns '
           f'keeping {kept} of their rows: '
           'give update gradients of the shapes given to init.')
