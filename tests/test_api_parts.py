@@ -206,9 +206,9 @@ def test_nothing_outside_the_package_imports_its_private_modules():
   assert not offenders, offenders
 
 
-def test_the_five_rooms():
+def test_the_six_rooms():
   assert SUBPACKAGES == ['integrations', 'kernels', 'layerwise', 'routing',
-                         'transform']
+                         'sharding', 'transform']
   assert sorted(p.name for p in PACKAGE.glob('*.py')) == [
       '__init__.py', 'equinox.py', 'layerwise.py', 'linen.py', 'nnx.py',
       'tunix.py']
@@ -349,9 +349,10 @@ def test_subpackages_have_no_import_cycle():
     return parts[0] if parts and parts[0] in SUBPACKAGES else None
   graph = _graph(_package_of, package_of_import)
   _assert_acyclic(graph)
-  assert graph == {'kernels': set(), 'routing': set(),
-                   'transform': {'kernels', 'routing'},
-                   'layerwise': {'kernels', 'routing', 'transform'},
+  assert graph == {'routing': set(), 'sharding': set(),
+                   'kernels': {'sharding'},
+                   'transform': {'kernels', 'routing', 'sharding'},
+                   'layerwise': {'kernels', 'routing', 'sharding', 'transform'},
                    'integrations': {'layerwise'}}
 
 

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 
 from taco_optax._src import kernels
 from taco_optax._src import routing
+from taco_optax._src import sharding
 from taco_optax._src.layerwise import token_table
 from taco_optax._src.layerwise import winners as winners_lib
 
@@ -22,7 +23,7 @@ def chunked_leaf_update(param: jax.Array, grad: Any,
                         history: kernels.History,
                         layout: routing.MatrixLayout, chunk: int,
                         write: winners_lib.WinnerWrite,
-                        shards: Optional[kernels.LeafSharding]
+                        shards: Optional[sharding.LeafSharding]
                         ) -> tuple[jax.Array, kernels.History,
                                    Optional[jax.Array]]:
   """``weight_update.local_leaf_update`` of a 2-D leaf, ``chunk`` columns at

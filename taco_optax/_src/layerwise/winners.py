@@ -16,6 +16,7 @@ import optax
 
 from taco_optax._src import kernels
 from taco_optax._src import routing
+from taco_optax._src import sharding
 from taco_optax._src import transform
 from taco_optax._src.layerwise import ordering
 
@@ -100,7 +101,7 @@ def winner_bits(rounding: LeafRounding, layout: routing.MatrixLayout,
   """
   coords = layout.element_coords(shape, row_ids, winners)
   if shards is not None:
-    coords = [c + kernels.block_start(shards, axis, shape[axis])
+    coords = [c + sharding.block_start(shards, axis, shape[axis])
               for axis, c in enumerate(coords)]
   if rounding.layer is not None:
     coords = [jnp.broadcast_to(rounding.layer, coords[0].shape)] + coords
@@ -115,7 +116,7 @@ def local_winners(winners, shards):
   """
   if shards is None or not shards.gather_axes:  # every device holds whole rows
     return winners
-  local, held = kernels.local_rows(winners, shards)
+  local, held = sharding.local_rows(winners, shards)
   return jnp.where(held, local, -1)
 
 

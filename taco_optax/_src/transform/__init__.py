@@ -2,14 +2,16 @@
 
 What the package's public face and its siblings use: the public names
 (:func:`taco`, :func:`scale_by_taco`, :class:`TacoState`,
-:func:`state_shardings`, :func:`stochastic_rounding`, :func:`routing_report`);
+:func:`stochastic_rounding`, :func:`routing_report`);
 :func:`parts_of`, the one place that gives a ``taco(...)``'s
 :class:`TacoParts` (the layer-wise step and tunix's trainer apply them by
 hand); each leaf's :class:`LeafPlan`; and the stochastic rounding's bits,
 which the layer-wise step draws at its winners exactly as the optax path does.
 Which leaves are matrices, and their axes, is routing's
-(:mod:`taco_optax._src.routing`); :func:`routing_report` stays here because it
-reports what a built ``taco(...)`` does with them (its parts and its state).
+(:mod:`taco_optax._src.routing`), where a leaf and the state live on a mesh
+the sharding room's (:mod:`taco_optax._src.sharding`); :func:`routing_report`
+stays here because it reports what a built ``taco(...)`` does with the leaves
+(its parts and its state).
 """
 
 # Routing's, re-exported here only until relayout.py and traced_loss.py
@@ -40,7 +42,6 @@ from taco_optax._src.transform.scale import TacoState
 from taco_optax._src.transform.scale import leaf_histories
 from taco_optax._src.transform.scale import scale_by_taco
 from taco_optax._src.transform.scale import taco_state
-from taco_optax._src.transform.state_shardings import state_shardings
 
 __all__ = (
     'LeafPlan',
@@ -63,7 +64,6 @@ __all__ = (
     'rounded_update',
     'routing_report',
     'scale_by_taco',
-    'state_shardings',
     'stochastic_rounding',
     'taco',
     'taco_state',

@@ -20,6 +20,7 @@ import optax
 
 from taco_optax._src import kernels
 from taco_optax._src import routing
+from taco_optax._src import sharding
 from taco_optax._src.transform import rounding as rounding_lib
 from taco_optax._src.transform import scale
 
@@ -28,7 +29,7 @@ def _rounds_winners(param: Any, grad: Any, plan: Any) -> bool:
   """Whether a leaf's 16-bit update is rounded at its winners only."""
   return (plan is not None and not routing.is_masked(param) and grad.size > 0
           and rounding_lib.is_low_precision(param.dtype)
-          and kernels.leaf_sharding_of(grad, plan.axes(grad.shape)) is None)
+          and sharding.leaf_sharding_of(grad, plan.axes(grad.shape)) is None)
 
 
 def _winner_update(param: jax.Array, step: kernels.ColumnStep,

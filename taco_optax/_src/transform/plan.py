@@ -13,8 +13,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from taco_optax._src import kernels
 from taco_optax._src import routing
+from taco_optax._src import sharding
 
 ScaleTree = Union[float, None, Any]
 
@@ -37,7 +37,7 @@ class LeafPlan(NamedTuple):
   update_topk: int
   implementation: str = 'auto'
 
-  def axes(self, shape: tuple[int, ...]) -> kernels.LeafAxes:
+  def axes(self, shape: tuple[int, ...]) -> sharding.LeafAxes:
     """The ``(batch, reduction, output)`` axes of this leaf (or a block of
     it) of ``shape``, normalised."""
     return routing.normalize_axes(shape, self.dim_num)

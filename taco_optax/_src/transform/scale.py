@@ -10,6 +10,7 @@ import optax
 
 from taco_optax._src import kernels
 from taco_optax._src import routing
+from taco_optax._src import sharding
 from taco_optax._src.transform import hyperparams
 from taco_optax._src.transform import inject_guard
 from taco_optax._src.transform import inputs
@@ -132,7 +133,7 @@ def one_sparse_rows(indices: jax.Array, signs: jax.Array, m: int,
 
 def dense_direction(grad: jax.Array, history: kernels.History, *,
                     plan: plan_lib.LeafPlan, mu: Union[float, jax.Array],
-                    shards: Optional[kernels.LeafSharding] = None
+                    shards: Optional[sharding.LeafSharding] = None
                     ) -> tuple[jax.Array, kernels.History]:
   """``scale_by_taco`` on one leaf: the dense direction and the new history.
 
@@ -150,7 +151,7 @@ def dense_direction(grad: jax.Array, history: kernels.History, *,
       implementation=plan.implementation, shards=shards)
   winners = step.winner_indices
   if shards is not None:
-    winners, held = kernels.local_rows(winners, shards)
+    winners, held = sharding.local_rows(winners, shards)
     winners = jnp.where(held, winners, -1)
   direction = one_sparse_rows(winners, step.winner_signs * plan.scale,
                               layout.m, grad.dtype)
@@ -325,9 +326,9 @@ def taco_direction(k: Optional[int], mu: Union[float, jax.Array], *,
     history = kernels.History(
         jnp.zeros(shape, values_dtype), indices,
         jnp.zeros(layout.batch_shape + (layout.n,), kernels.EXPONENT_DTYPE))
-    sharded = kernels.leaf_sharding_of(param, plan.axes(param.shape))
+    sharded = sharding.leaf_sharding_of(param, plan.axes(param.shape))
     if sharded is not None:
-      history = kernels.with_state_sharding(history, *sharded)
+      history = sharding.with_state_sharding(history, *sharded)
     return history
 
   def init_fn(params):
@@ -391,7 +392,7 @@ def leaf_direction(grad: jax.Array, history: kernels.History,
   per device when the leaf is split over an explicit mesh."""
   if plan is None:
     return grad, history
-  sharded = kernels.leaf_sharding_of(grad, plan.axes(grad.shape))
+  sharded = sharding.leaf_sharding_of(grad, plan.axes(grad.shape))
   if sharded is None:
     return dense_direction(grad, history, plan=plan, mu=mu)
   return kernels.map_over_shards(dense_direction, *sharded, (grad,),
