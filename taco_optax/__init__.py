@@ -15,14 +15,14 @@ from the modules by :mod:`taco_optax.nnx`, :mod:`taco_optax.linen` and
 """
 
 from taco_optax import layerwise  # noqa: F401  (the public submodule, imported with the package)
-from taco_optax._src.transform import TacoDimensionNumbers
+from taco_optax._src.routing import TacoDimensionNumbers
+from taco_optax._src.routing import trace_dimension_numbers
+from taco_optax._src.sharding import state_shardings
 from taco_optax._src.transform import TacoState
 from taco_optax._src.transform import routing_report
 from taco_optax._src.transform import scale_by_taco
-from taco_optax._src.transform import state_shardings
 from taco_optax._src.transform import stochastic_rounding
 from taco_optax._src.transform import taco
-from taco_optax._src.transform import trace_dimension_numbers
 
 __version__ = '0.1.0'
 

@@ -32,7 +32,7 @@ Example:
 
 from typing import Any, Mapping, Optional
 
-from taco_optax._src import transform
+from taco_optax._src import routing
 
 try:
   import equinox as eqx
@@ -42,7 +42,7 @@ except ImportError as error:  # pragma: no cover - depends on the install
       '`pip install "taco_optax[equinox]"`.') from error
 
 # Equinox is imported above: the module that reads its modules may now load.
-from taco_optax._src.integrations import equinox_routes  # pylint: disable=g-import-not-at-top,g-bad-import-order
+from taco_optax._src.routing import equinox_routes  # pylint: disable=g-import-not-at-top,g-bad-import-order
 
 __all__ = ('dimension_numbers', 'update_scales')
 
@@ -50,7 +50,7 @@ __all__ = ('dimension_numbers', 'update_scales')
 def dimension_numbers(
     model: Any, *, filter_spec: Any = eqx.is_inexact_array,
     overrides: Optional[Mapping[str, Optional[
-        transform.TacoDimensionNumbers]]] = None) -> Any:
+        routing.TacoDimensionNumbers]]] = None) -> Any:
   """TACO's ``weight_dimension_numbers`` for an Equinox ``model``.
 
   Each array is routed by the ``eqx.Module`` that holds it:

@@ -12,7 +12,7 @@ from typing import Any, Mapping, Optional
 
 import jax
 
-from taco_optax._src import transform
+from taco_optax._src import routing
 
 try:
   from flax import linen as nn
@@ -22,7 +22,7 @@ except ImportError as error:  # pragma: no cover - depends on the install
       '`pip install "taco_optax[flax]"`.') from error
 
 # Flax is imported above: the module that reads Linen modules may now load.
-from taco_optax._src.integrations import linen_routes  # pylint: disable=g-import-not-at-top,g-bad-import-order
+from taco_optax._src.routing import linen_routes  # pylint: disable=g-import-not-at-top,g-bad-import-order
 
 __all__ = ('dimension_numbers', 'update_scales')
 
@@ -36,7 +36,7 @@ def _abstract_params(module: nn.Module, rngs: Any, init_args: tuple[Any, ...],
 def dimension_numbers(
     module: nn.Module, *init_args: Any, rngs: Any = None,
     overrides: Optional[Mapping[str, Optional[
-        transform.TacoDimensionNumbers]]] = None,
+        routing.TacoDimensionNumbers]]] = None,
     **init_kwargs: Any) -> Any:
   """TACO's ``weight_dimension_numbers`` for a Linen ``module``.
 

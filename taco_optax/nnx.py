@@ -14,7 +14,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec
 import optax
 
-from taco_optax._src import kernels
+from taco_optax._src import routing
+from taco_optax._src import sharding as sharding_lib
 from taco_optax._src import transform
 
 try:
@@ -25,7 +26,7 @@ except ImportError as error:  # pragma: no cover - depends on the install
       '`pip install "taco_optax[flax]"`.') from error
 
 # Flax is imported above: the module that reads Flax modules may now load.
-from taco_optax._src.integrations import nnx_routes  # pylint: disable=g-import-not-at-top,g-bad-import-order
+from taco_optax._src.routing import nnx_routes  # pylint: disable=g-import-not-at-top,g-bad-import-order
 
 __all__ = ('dimension_numbers', 'for_nnx_optimizer', 'update_scales')
 
@@ -33,7 +34,7 @@ __all__ = ('dimension_numbers', 'for_nnx_optimizer', 'update_scales')
 def dimension_numbers(
     model: nnx.Module, wrt: Any = nnx.Param, *,
     overrides: Optional[Mapping[str, Optional[
-        transform.TacoDimensionNumbers]]] = None) -> nnx.State:
+        routing.TacoDimensionNumbers]]] = None) -> nnx.State:
   """TACO's ``weight_dimension_numbers`` for ``model``, read from its modules.
 
   Each parameter is routed by the module that holds it: ``nnx.Linear`` and
@@ -146,7 +147,7 @@ def for_nnx_optimizer(tx: optax.GradientTransformation
 
   def abstract_param(x):
     value = x.get_value() if is_variable(x) else x
-    sharding = (kernels.explicit_sharding(value)
+    sharding = (sharding_lib.explicit_sharding(value)
                 or getattr(value, 'sharding', None))
     names = x.get_metadata('out_sharding', None) if is_variable(x) else None
     if names is not None and not isinstance(sharding, NamedSharding):
@@ -162,9 +163,9 @@ def for_nnx_optimizer(tx: optax.GradientTransformation
     if not is_variable(leaf) or not shardings:  # e.g. Variable(MaskedNode())
       return leaf
     (sharding,) = shardings
-    names = kernels.padded_spec(sharding.spec, leaf.get_value().ndim)
+    names = sharding_lib.padded_spec(sharding.spec, leaf.get_value().ndim)
     return leaf.replace(leaf.get_value(),
-                        out_sharding=tuple(kernels.spec_entry(a)
+                        out_sharding=tuple(sharding_lib.spec_entry(a)
                                            for a in names))
 
   def init_fn(params):
@@ -174,7 +175,7 @@ def for_nnx_optimizer(tx: optax.GradientTransformation
                for x in jax.tree.leaves(abstract)):
       return state
     shardings = iter(jax.tree.leaves(
-        transform.state_shardings(tx, abstract)))
+        sharding_lib.state_shardings(tx, abstract)))
     leaves, treedef = jax.tree.flatten(state, is_leaf=is_variable)
     return treedef.unflatten([
         relabel(x, [next(shardings) for _ in jax.tree.leaves(x)])

@@ -206,8 +206,9 @@ def test_nothing_outside_the_package_imports_its_private_modules():
   assert not offenders, offenders
 
 
-def test_the_four_rooms():
-  assert SUBPACKAGES == ['integrations', 'kernels', 'layerwise', 'transform']
+def test_the_six_rooms():
+  assert SUBPACKAGES == ['integrations', 'kernels', 'layerwise', 'routing',
+                         'sharding', 'transform']
   assert sorted(p.name for p in PACKAGE.glob('*.py')) == [
       '__init__.py', 'equinox.py', 'layerwise.py', 'linen.py', 'nnx.py',
       'tunix.py']
@@ -252,8 +253,9 @@ def test_subpackages_meet_only_through_their_surfaces():
 
 
 def test_optional_modules_are_imported_by_their_public_module_only():
-  optional = {f'taco_optax._src.integrations.{name}': name
-              for name in _surface('integrations').OPTIONAL_MODULES}
+  optional = {f'taco_optax._src.{package}.{name}': name
+              for package in SUBPACKAGES
+              for name in getattr(_surface(package), 'OPTIONAL_MODULES', ())}
   importers = {}
   for path in sorted(PACKAGE.rglob('*.py')):
     for module, names in _imports(path):
@@ -347,9 +349,11 @@ def test_subpackages_have_no_import_cycle():
     return parts[0] if parts and parts[0] in SUBPACKAGES else None
   graph = _graph(_package_of, package_of_import)
   _assert_acyclic(graph)
-  assert graph == {'kernels': set(), 'transform': {'kernels'},
-                   'layerwise': {'kernels', 'transform'},
-                   'integrations': {'layerwise', 'transform'}}
+  assert graph == {'routing': set(), 'sharding': set(),
+                   'kernels': {'sharding'},
+                   'transform': {'kernels', 'routing', 'sharding'},
+                   'layerwise': {'kernels', 'routing', 'sharding', 'transform'},
+                   'integrations': {'layerwise'}}
 
 
 def test_modules_have_no_import_cycle():

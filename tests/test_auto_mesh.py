@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 import taco_optax
 from jax._src import compilation_cache as jax_compilation_cache  # pylint: disable=g-bad-import-order
-from taco_optax._src.kernels import auto_partition as _auto_partition
+from taco_optax._src.sharding import auto_partition as _auto_partition
 from taco_optax import TacoDimensionNumbers as Dims
 from tests.support import multidevice
 from tests.support.bitwise import assert_bitwise_equal

@@ -18,7 +18,7 @@ import pytest
 from flax import nnx
 
 import taco_optax
-from taco_optax._src import transform
+from taco_optax._src import routing
 from tests.support import routing_checks
 
 DN = taco_optax.TacoDimensionNumbers
@@ -170,12 +170,12 @@ def test_a_gradient_of_another_shape_is_refused_by_name(dtype):
 
 
 def test_to_adam_entries_mean_none_and_carry_their_reason():
-  entry = transform.ToAdam('eqx.nn.Conv2d: no TACO rule')
+  entry = routing.ToAdam('eqx.nn.Conv2d: no TACO rule')
   assert entry == None and None == entry  # pylint: disable=g-equals-none
-  assert transform.source_of(entry) == 'eqx.nn.Conv2d: no TACO rule'
-  chosen = transform.decided(DN(1, 0), 'eqx.nn.Linear (out, in)')
+  assert routing.source_of(entry) == 'eqx.nn.Conv2d: no TACO rule'
+  chosen = routing.decided(DN(1, 0), 'eqx.nn.Linear (out, in)')
   assert chosen == DN(1, 0) and repr(chosen) == repr(DN(1, 0))
-  assert transform.source_of(chosen) == 'eqx.nn.Linear (out, in)'
+  assert routing.source_of(chosen) == 'eqx.nn.Linear (out, in)'
   params = {'conv': jnp.ones((3, 3, 4, 8)), 'w': jnp.ones((8, 4))}
   tx = taco_optax.taco(LR, weight_dimension_numbers={'conv': entry,
                                                      'w': chosen})

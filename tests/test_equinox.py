@@ -15,8 +15,8 @@ import optax
 import pytest
 
 import taco_optax
-from taco_optax._src.transform import ToAdam
-from taco_optax._src.transform import source_of
+from taco_optax._src.routing import ToAdam
+from taco_optax._src.routing import source_of
 from tests.support.routing_checks import assert_adam_dense
 from tests.support.routing_checks import assert_one_per_input
 

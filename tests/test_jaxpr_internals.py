@@ -1,6 +1,6 @@
 """The adapter over jaxpr internals, pinned on the smallest programs.
 
-``taco_optax._src.transform.jaxpr_internals`` is the one place the trace
+``taco_optax._src.routing.jaxpr_internals`` is the one place the trace
 reads primitive names and parameters. Each test builds the smallest program
 that has the equation and checks what the adapter reads against what the
 program means (operand counts, axes, shapes), so a jax that changes an
@@ -14,7 +14,7 @@ import pytest
 from jax.extend import core as jex_core
 from jax.sharding import PartitionSpec as P
 
-from taco_optax._src.transform import jaxpr_internals as jx
+from taco_optax._src.routing import jaxpr_internals as jx
 from tests.support import jaxpr_cases
 
 X = jnp.ones((2, 4))

@@ -17,7 +17,7 @@ import pytest
 from flax import nnx
 
 import taco_optax
-from taco_optax._src.transform import dimension_numbers as _dimension_numbers
+from taco_optax._src.routing import dimension_numbers as _dimension_numbers
 from taco_optax.nnx import dimension_numbers
 from taco_optax.nnx import update_scales
 from examples.finetune.model import config as config_lib

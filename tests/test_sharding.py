@@ -20,12 +20,12 @@ from jax.sharding import PartitionSpec as P
 import taco_optax
 from taco_optax._src.transform import parts as _alias
 from taco_optax._src.transform import plan as _leaf
-from taco_optax._src.kernels import mesh as _mesh
+from taco_optax._src.sharding import mesh as _mesh
 from taco_optax._src import kernels
 from taco_optax._src.layerwise import weight_update as _leaf_update
 from taco_optax._src.layerwise import winners as _winners
 from taco_optax import TacoDimensionNumbers as Dims
-from taco_optax._src.transform.dimension_numbers import normalize_axes
+from taco_optax._src.routing.dimension_numbers import normalize_axes
 from tests.support import multidevice
 from tests.support.bitwise import assert_bitwise_equal
 from tests.support import layerwise_case

@@ -17,10 +17,10 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import taco_optax
-from taco_optax._src.transform import ToAdam
-from taco_optax._src.transform import source_of
-from taco_optax._src.transform import trace_dimension_numbers
-from taco_optax._src.transform import trace_walk
+from taco_optax._src.routing import ToAdam
+from taco_optax._src.routing import source_of
+from taco_optax._src.routing import trace_dimension_numbers
+from taco_optax._src.routing import trace_walk
 from tests.support import jaxpr_cases
 from tests.support.routing_checks import assert_adam_dense
 from tests.support.routing_checks import assert_one_per_input
@@ -494,7 +494,7 @@ def test_example_families_are_all_compared():
 def _entries(tree):
   """path -> entry of a dimension-numbers tree (entries kept whole)."""
   is_entry = lambda x: x is None or isinstance(x, (DN, ToAdam))
-  return {taco_optax._src.transform.path_name(path): entry
+  return {taco_optax._src.routing.path_name(path): entry
           for path, entry in jax.tree_util.tree_flatten_with_path(
               tree, is_leaf=is_entry)[0]}
 

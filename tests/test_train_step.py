@@ -11,9 +11,9 @@ from taco_optax._src.layerwise import winners as _winners
 from taco_optax._src.layerwise import backward as _backward
 from taco_optax._src.layerwise import outer as _outer_step
 from taco_optax._src.layerwise.leaves import name_of
-from taco_optax._src.transform.dimension_numbers import leaf_dimension_numbers
-from taco_optax._src.transform.dimension_numbers import matrix_layout
-from taco_optax._src.transform.dimension_numbers import TacoDimensionNumbers
+from taco_optax._src.routing.dimension_numbers import leaf_dimension_numbers
+from taco_optax._src.routing.dimension_numbers import matrix_layout
+from taco_optax._src.routing.dimension_numbers import TacoDimensionNumbers
 from tests.support.bitwise import assert_bitwise_equal
 from tests.support import layerwise_case
 from tests.support import tiers

@@ -1,1 +1,1 @@
-"""taco_optax\x27s implementation: four subpackages, each with its surface."""
+"""taco_optax\x27s implementation: six subpackages, each with its surface."""

@@ -8,7 +8,7 @@ import pytest
 from flax import nnx
 
 import taco_optax
-from taco_optax._src.transform import dimension_numbers as _dimension_numbers
+from taco_optax._src.routing import dimension_numbers as _dimension_numbers
 from examples.finetune.model import config as config_lib
 from examples.finetune.model import decoder as model_lib
 from tests.support import tiers

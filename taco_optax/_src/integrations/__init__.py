@@ -1,29 +1,16 @@
-"""Other frameworks' weights and trainers, read in their own terms.
+"""tunix's trainer with the layer-wise step, read in tunix's own terms.
 
-What needs nothing beyond jax and optax is here: the TACO axes of a weight
-read from its einsum (:func:`weight_dimension_numbers`). The modules that need
-an optional framework are imported by their public module only, after that
-framework (:data:`OPTIONAL_MODULES`): ``nnx_routes`` (Flax NNX; by
-:mod:`taco_optax.nnx`), ``linen_routes`` (Flax Linen; by
-:mod:`taco_optax.linen`), ``equinox_routes`` (Equinox; by
-:mod:`taco_optax.equinox`), and ``tunix_model`` and ``tunix_api`` (tunix;
-by :mod:`taco_optax.tunix`).
+Both modules need tunix and are imported by :mod:`taco_optax.tunix` only,
+after tunix (:data:`OPTIONAL_MODULES`): ``tunix_model`` (the model's layers
+as a :class:`~taco_optax.layerwise.LayeredLoss`) and ``tunix_api`` (the
+trainer's hooks). Which leaves of a Flax, Linen or Equinox model are
+matrices is routing's (:mod:`taco_optax._src.routing`).
 """
-
-from taco_optax._src.integrations.einsum import AmbiguousEinsum
-from taco_optax._src.integrations.einsum import lora_dimension_numbers
-from taco_optax._src.integrations.einsum import weight_dimension_numbers
-from taco_optax._src.integrations.einsum import weight_rank
 
 # Modules of this package that import an optional framework at their top:
 # imported directly by the public module of that framework, never from here.
-OPTIONAL_MODULES = ('nnx_routes', 'tunix_model', 'tunix_api', 'linen_routes',
-                    'equinox_routes')
+OPTIONAL_MODULES = ('tunix_model', 'tunix_api')
 
 __all__ = (
     'OPTIONAL_MODULES',
-    'AmbiguousEinsum',
-    'lora_dimension_numbers',
-    'weight_dimension_numbers',
-    'weight_rank',
 )

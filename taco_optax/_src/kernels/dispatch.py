@@ -40,11 +40,11 @@ from typing import Literal, NamedTuple, Optional, Union, cast, get_args
 import jax
 import jax.numpy as jnp
 
-from taco_optax._src.kernels import auto_partition
+from taco_optax._src import sharding
 from taco_optax._src.kernels import codec
 from taco_optax._src.kernels import cpu_kernel
-from taco_optax._src.kernels import mesh
 from taco_optax._src.kernels import reference
+from taco_optax._src.kernels import sharded_step
 
 ENV = 'TACO_OPTAX_KERNEL'
 # What runs the column step: 'auto' chooses among the others.
@@ -188,24 +188,24 @@ _LOCAL_STEPS = {
 
 
 def _sharded_step(grad_rows, values, indices, exponents, mu, update_topk,
-                  shards: mesh.LeafSharding) -> reference.ColumnStep:
+                  shards: sharding.LeafSharding) -> reference.ColumnStep:
   """The step on one device's slice of rows split over a mesh (exact)."""
   return reference.reference_column_step(
       grad_rows, values, indices, exponents, mu, update_topk,
-      mesh.selection(shards))
+      sharded_step.selection(shards))
 
 
 def column_step(grad_rows: jax.Array, values: jax.Array, indices: jax.Array,
                 exponents: jax.Array, mu: Union[float, jax.Array],
                 update_topk: int, implementation: str = 'auto',
-                shards: Optional[mesh.LeafSharding] = None
+                shards: Optional[sharding.LeafSharding] = None
                 ) -> reference.ColumnStep:
   """One TACO step on rows by the chosen implementation.
 
   Same arguments and results as :func:`reference.reference_column_step`,
   plus the resolved ``implementation`` and, inside ``shard_map`` on an
   Explicit mesh, the leaf's ``shards`` (the rows are this device's slices).
-  On an Auto mesh XLA partitions the step through ``auto_partition``'s rule.
+  On an Auto mesh XLA partitions the step by :func:`sharding.partitioned_step`.
   """
   if shards is not None:
     choice = Choice('reference', 'a leaf split over an Explicit mesh merges '
@@ -218,9 +218,9 @@ def column_step(grad_rows: jax.Array, values: jax.Array, indices: jax.Array,
     if shards is not None:
       return _sharded_step(grad_rows, values, indices, exponents, mu,
                            update_topk, shards)
-    return auto_partition.partitioned_step(
+    return reference.ColumnStep(*sharding.partitioned_step(
         grad_rows, values, indices, exponents, mu, update_topk,
-        _LOCAL_STEPS[choice.implementation], _sharded_step)
+        _LOCAL_STEPS[choice.implementation], _sharded_step))
 
 
 def history_rows(stored: jax.Array) -> jax.Array:
@@ -255,7 +255,7 @@ def _empty_step(grad_rows: jax.Array, values: jax.Array, indices: jax.Array,
 def history_step(grad_rows: jax.Array, history: codec.History, *,
                  update_topk: int,
                  mu: Union[float, jax.Array], implementation: str,
-                 shards: Optional[mesh.LeafSharding] = None
+                 shards: Optional[sharding.LeafSharding] = None
                  ) -> tuple[reference.ColumnStep, codec.History]:
   """The column step on rows, with the history in its stored layout.
 

@@ -75,7 +75,7 @@ def scatter_add_rows(dense: jax.Array, indices: jax.Array,
 class Selection(NamedTuple):
   """How a leaf's candidates are formed and ranked.
 
-  The single-device :data:`SINGLE_DEVICE`; on a mesh, ``mesh.selection``
+  The single-device :data:`SINGLE_DEVICE`; on a mesh, ``sharded_step.selection``
   returns one whose functions work on this device's slice of every row (with
   global row indices) and combine results across devices.
 

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from taco_optax._src import kernels
+from taco_optax._src import sharding
 from taco_optax._src.layerwise import leaves as leaves_lib
 from taco_optax._src.layerwise import ordering
 from taco_optax._src.layerwise import winners
@@ -115,7 +116,7 @@ def unrolled(layer_backward: LayerBackward, layers: list[Any],
     # gradients' reductions of every layer into one at the end, keeping them
     # all alive (on one device waiting for one is enough, and waiting for
     # all made XLA:CPU keep more: docs/measured/mesh_memory.md).
-    if any(kernels.explicit_sharding(p) is not None for p in written):
+    if any(sharding.explicit_sharding(p) is not None for p in written):
       d_hidden = ordering.ordered_after_all(d_hidden, written)
     elif written:
       d_hidden = ordering.ordered_after(d_hidden, written[0])

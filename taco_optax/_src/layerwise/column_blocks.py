@@ -13,16 +13,17 @@ import jax
 import jax.numpy as jnp
 
 from taco_optax._src import kernels
-from taco_optax._src import transform
+from taco_optax._src import routing
+from taco_optax._src import sharding
 from taco_optax._src.layerwise import token_table
 from taco_optax._src.layerwise import winners as winners_lib
 
 
 def chunked_leaf_update(param: jax.Array, grad: Any,
                         history: kernels.History,
-                        layout: transform.MatrixLayout, chunk: int,
+                        layout: routing.MatrixLayout, chunk: int,
                         write: winners_lib.WinnerWrite,
-                        shards: Optional[kernels.LeafSharding]
+                        shards: Optional[sharding.LeafSharding]
                         ) -> tuple[jax.Array, kernels.History,
                                    Optional[jax.Array]]:
   """``weight_update.local_leaf_update`` of a 2-D leaf, ``chunk`` columns at
@@ -102,7 +103,7 @@ class _Blocks:
   array on every iteration): the loop moves their bits as integers instead.
   """
 
-  def __init__(self, layout: transform.MatrixLayout, chunk: int, dtype: Any):
+  def __init__(self, layout: routing.MatrixLayout, chunk: int, dtype: Any):
     self.rows_are_axis0 = layout.transpose == (0, 1)
     self.axis = winners_lib.column_axis(layout)
     self.chunk = chunk

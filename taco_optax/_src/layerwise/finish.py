@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from taco_optax._src import routing
 from taco_optax._src import transform
 from taco_optax._src.layerwise import leaves as leaves_lib
 from taco_optax._src.layerwise import winners
@@ -105,7 +106,7 @@ def finish(step: leaves_lib.StepLeaves, params: Any, opt_state: Any,
       masked(new_leaves))
   applied = jax.tree.leaves(optax.apply_updates(masked(new_leaves),
                                                 adam_updates),
-                            is_leaf=transform.is_masked)
+                            is_leaf=routing.is_masked)
   new_leaves = [a if is_adam(leaf) else x
                 for leaf, x, a in zip(records, new_leaves, applied)]
   histories = [updated[leaf.key].history if leaf.plan is not None

@@ -16,6 +16,7 @@ from typing import Any, Callable, Iterator, NamedTuple, Optional
 import jax
 
 from taco_optax._src import kernels
+from taco_optax._src import routing
 from taco_optax._src import transform
 from taco_optax._src.layerwise import token_table
 from taco_optax._src.layerwise import weight_update
@@ -29,7 +30,7 @@ LAYERS: Key = (jax.tree_util.SequenceKey(1),)
 def name_of(key: Key) -> str:
   """``'layers/3/attn/q_proj/kernel'`` for a key in the pair."""
   part = 'outer' if key[:1] == OUTER else 'layers'
-  rest = transform.path_name(key[1:])
+  rest = routing.path_name(key[1:])
   return f'{part}/{rest}' if rest else part
 
 
@@ -141,7 +142,7 @@ def step_leaves(parts: transform.TacoParts, params: Any, opt_state: Any,
   ``measure`` and ``norm`` as the fields."""
   states = transform.taco_states(opt_state)
   flat = list(keyed(params, ()))
-  masked = jax.tree.structure(params, is_leaf=transform.is_masked)
+  masked = jax.tree.structure(params, is_leaf=routing.is_masked)
   histories = transform.leaf_histories(states.direction, masked)
   keys = _rounding_keys(parts, states, [x for _, x in flat])
   leaves = {}

@@ -12,7 +12,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from taco_optax._src import kernels
+from taco_optax._src import sharding
 
 
 def data_dependency(values: jax.Array, after: Any) -> jax.Array:
@@ -25,7 +25,7 @@ def data_dependency(values: jax.Array, after: Any) -> jax.Array:
   front; the input cotangent ``d_out @ W.T`` reads ``W`` without feeding the
   update, so the update is made to depend on it.
   """
-  first = kernels.first_element(jax.tree.leaves(after)[0])
+  first = sharding.first_element(jax.tree.leaves(after)[0])
   first = first.astype(values.dtype)
   return values + jnp.where(jnp.isfinite(first), first, 0) * 0
 
@@ -40,7 +40,7 @@ def ordered_after_if_sharded(tree: Any, after: Any) -> Any:
   (whose uses gather them whole); the other leaves are returned as they
   are, so no copy of an unsharded weight is made."""
   return jax.tree.map(
-      lambda x: x if kernels.explicit_sharding(x) is None
+      lambda x: x if sharding.explicit_sharding(x) is None
       else data_dependency(x, after), tree)
 
 
@@ -49,6 +49,6 @@ def ordered_after_all(tree: Any, afters: list[Any]) -> Any:
   of each one's first element), not only the first."""
   total = jnp.zeros((), jnp.float32)
   for x in jax.tree.leaves(afters):
-    first = kernels.first_element(x).astype(jnp.float32)
+    first = sharding.first_element(x).astype(jnp.float32)
     total = total + jnp.where(jnp.isfinite(first), first, 0)
   return ordered_after(tree, total)

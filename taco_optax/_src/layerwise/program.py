@@ -4,9 +4,9 @@ what depends on the parameters, and slices of it run as functions."""
 import dataclasses
 from typing import Any, Callable, Sequence
 
-from taco_optax._src import transform
+from taco_optax._src import routing
 
-_internals = transform.jaxpr_internals
+_internals = routing.jaxpr_internals
 
 
 @dataclasses.dataclass

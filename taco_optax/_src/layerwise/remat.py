@@ -15,13 +15,13 @@ from typing import Any, Callable
 
 import jax
 
-from taco_optax._src import kernels
+from taco_optax._src import sharding
 from taco_optax._src.layerwise import backward
 from taco_optax._src.layerwise import ordering
 
 
 def _splits_over_a_mesh(layers: Any) -> bool:
-  return any(kernels.explicit_sharding(x) is not None
+  return any(sharding.explicit_sharding(x) is not None
              for x in jax.tree.leaves(layers))
 
 

@@ -21,11 +21,12 @@ import jax
 import jax.numpy as jnp
 
 from taco_optax._src import kernels
+from taco_optax._src import sharding
 from taco_optax._src.layerwise import token_table
 from taco_optax._src.layerwise import winners as winners_lib
 
 
-def local_shape(shards: kernels.LeafSharding, mesh, shape) -> tuple[int, ...]:
+def local_shape(shards: sharding.LeafSharding, mesh, shape) -> tuple[int, ...]:
   """One device's block shape of a leaf of ``shape``."""
   sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
   out = []
@@ -73,7 +74,7 @@ def update(param: jax.Array, grad: token_table.TableGradient,
           block_grad.astype(jnp.float32)))
     columns = lambda x: jax.lax.dynamic_slice_in_dim(x, start, chunk, -1)
     block_param = jax.lax.dynamic_slice_in_dim(table, start, chunk, axis)
-    mesh, shards = kernels.leaf_sharding_of(block_param,
+    mesh, shards = sharding.leaf_sharding_of(block_param,
                                             plan.axes(block_param.shape))
     block_param, block_history = kernels.map_over_shards(
         local_update, mesh, shards,

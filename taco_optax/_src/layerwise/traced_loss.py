@@ -28,12 +28,13 @@ from typing import Any, Callable, NamedTuple, Sequence
 import jax
 import numpy as np
 
+from taco_optax._src import routing
 from taco_optax._src import transform
 from taco_optax._src.layerwise import program as program_lib
 from taco_optax._src.layerwise import traced_tables
 from taco_optax._src.layerwise.layered_loss import LayeredLoss
 
-_internals = transform.jaxpr_internals
+_internals = routing.jaxpr_internals
 
 _HOW_TO_MARK = (
     'Mark each block for recomputation: jax.checkpoint (or jax.remat) on a '

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from taco_optax._src import kernels
+from taco_optax._src import sharding
 from taco_optax._src.layerwise import column_blocks
 from taco_optax._src.layerwise import sharded_table
 from taco_optax._src.layerwise import token_table
@@ -54,12 +55,12 @@ def taco_leaf_update(param: jax.Array, grad: Any,
   Returns:
     The :class:`LeafUpdate`.
   """
-  sharded = kernels.leaf_sharding_of(param, write.plan.axes(param.shape))
+  sharded = sharding.leaf_sharding_of(param, write.plan.axes(param.shape))
   if sharded is None:
     return _local_update(param, grad, history, write)
   if write.after is not None:  # the one element data_dependency reads
     write = write._replace(
-        after=kernels.first_element(jax.tree.leaves(write.after)[0]))
+        after=sharding.first_element(jax.tree.leaves(write.after)[0]))
   if isinstance(grad, token_table.TableGradient):
     chunk = sharded_table.chunk_of(param, grad, write, *sharded)
     if chunk is not None:  # each device forms its rows, a block at a time
@@ -96,7 +97,7 @@ def _local_update(param: jax.Array, grad: Any, history: kernels.History,
 
 def local_leaf_update(param: jax.Array, grad: Any, history: kernels.History,
                       *, write: WinnerWrite,
-                      shards: Optional[kernels.LeafSharding] = None
+                      shards: Optional[sharding.LeafSharding] = None
                       ) -> tuple[jax.Array, kernels.History]:
   """:func:`taco_leaf_update` on whole arrays, or on one device's blocks.
 

@@ -15,6 +15,8 @@ import jax.numpy as jnp
 import optax
 
 from taco_optax._src import kernels
+from taco_optax._src import routing
+from taco_optax._src import sharding
 from taco_optax._src import transform
 from taco_optax._src.layerwise import ordering
 
@@ -25,7 +27,7 @@ from taco_optax._src.layerwise import ordering
 DEFAULT_COLUMN_BLOCK_ELEMENTS = 2**20
 
 
-def column_chunk(layout: transform.MatrixLayout,
+def column_chunk(layout: routing.MatrixLayout,
                  block_elements: int) -> Optional[int]:
   """Columns per block for a chunked update, or None for one pass."""
   if layout.batch_shape or layout.n * layout.m <= 2 * block_elements:
@@ -38,7 +40,7 @@ def column_chunk(layout: transform.MatrixLayout,
   return chunk if chunk < layout.n else None
 
 
-def column_axis(layout: transform.MatrixLayout) -> int:
+def column_axis(layout: routing.MatrixLayout) -> int:
   """The axis of a 2-D leaf that holds its columns (the paper's ``n``)."""
   return 0 if layout.transpose == (0, 1) else 1
 
@@ -87,7 +89,7 @@ def square_sum(grad: jax.Array) -> jax.Array:
   return jnp.sum(jnp.square(grad.astype(jnp.float32)))
 
 
-def winner_bits(rounding: LeafRounding, layout: transform.MatrixLayout,
+def winner_bits(rounding: LeafRounding, layout: routing.MatrixLayout,
                 shape: tuple[int, ...], row_ids: jax.Array,
                 winners: jax.Array, shards=None) -> jax.Array:
   """The random bits of the elements at ``(row_ids, winners)`` of the rows.
@@ -99,7 +101,7 @@ def winner_bits(rounding: LeafRounding, layout: transform.MatrixLayout,
   """
   coords = layout.element_coords(shape, row_ids, winners)
   if shards is not None:
-    coords = [c + kernels.block_start(shards, axis, shape[axis])
+    coords = [c + sharding.block_start(shards, axis, shape[axis])
               for axis, c in enumerate(coords)]
   if rounding.layer is not None:
     coords = [jnp.broadcast_to(rounding.layer, coords[0].shape)] + coords
@@ -114,7 +116,7 @@ def local_winners(winners, shards):
   """
   if shards is None or not shards.gather_axes:  # every device holds whole rows
     return winners
-  local, held = kernels.local_rows(winners, shards)
+  local, held = sharding.local_rows(winners, shards)
   return jnp.where(held, local, -1)
 
 
@@ -192,8 +194,8 @@ def drop_leading_axis(plan: Optional[transform.LeafPlan], shape: tuple[int, ...]
         f'A stacked TACO leaf of shape {shape} must keep its leading (layer) '
         'axis as a batch axis; check weight_dimension_numbers.')
   transpose = tuple(ax - 1 for ax in layout.transpose[1:])
-  _, reduction, output = transform.normalize_axes(shape, plan.dim_num)
-  dim_num = transform.TacoDimensionNumbers(tuple(ax - 1 for ax in reduction),
+  _, reduction, output = routing.normalize_axes(shape, plan.dim_num)
+  dim_num = routing.TacoDimensionNumbers(tuple(ax - 1 for ax in reduction),
                                     tuple(ax - 1 for ax in output))
   return plan._replace(
       layout=layout._replace(batch_shape=layout.batch_shape[1:],

@@ -8,14 +8,12 @@ import jax
 import optax
 
 from taco_optax._src import kernels
-from taco_optax._src.transform import default_routing
-from taco_optax._src.transform import dimension_numbers as dn
+from taco_optax._src import routing
 from taco_optax._src.transform import hyperparams
 from taco_optax._src.transform import inject_guard
 from taco_optax._src.transform import parts as parts_lib
 from taco_optax._src.transform import rounding as rounding_lib
 from taco_optax._src.transform import scale
-from taco_optax._src.transform import trees
 
 
 def taco(
@@ -24,7 +22,7 @@ def taco(
     mu: Union[float, jax.Array] = 0.95,
     *,
     update_topk: Optional[int] = None,
-    weight_dimension_numbers: dn.WeightDimNumOrFn | None = None,
+    weight_dimension_numbers: routing.WeightDimNumOrFn | None = None,
     update_scale: scale.ScaleTree = None,
     values_dtype: Optional[jax.typing.DTypeLike] = None,
     index_dtype: Optional[jax.typing.DTypeLike] = None,
@@ -151,13 +149,13 @@ def taco(
   optimizer = parts.transformation()
   if parts.default_routing:
     optimizer = parts_lib.replace_init(
-        optimizer, default_routing.checked_init(optimizer.init))
+        optimizer, routing.checked_init(optimizer.init))
   return optimizer
 
 
 def _parts(learning_rate: optax.ScalarOrSchedule, k: Optional[int],
            mu: Union[float, jax.Array], *, update_topk: Optional[int],
-           weight_dimension_numbers: dn.WeightDimNumOrFn | None,
+           weight_dimension_numbers: routing.WeightDimNumOrFn | None,
            update_scale: scale.ScaleTree,
            values_dtype: Optional[jax.typing.DTypeLike],
            index_dtype: Optional[jax.typing.DTypeLike],
@@ -171,22 +169,22 @@ def _parts(learning_rate: optax.ScalarOrSchedule, k: Optional[int],
     adam_learning_rate = learning_rate
   default_routing = weight_dimension_numbers is None
   if default_routing:
-    weight_dimension_numbers = dn.rank2_matrices
+    weight_dimension_numbers = routing.rank2_matrices
   resolved = kernels.resolve(implementation)
   stochastic = rounding_lib.check_mode(rounding) == 'stochastic'
 
   def dims_tree(params):
-    return dn.resolve(weight_dimension_numbers, params)
+    return routing.resolve(weight_dimension_numbers, params)
 
   def per_leaf(params, fn):
-    dims = dn.entries(dims_tree(params), params)
+    dims = routing.entries(dims_tree(params), params)
     return jax.tree.structure(params).unflatten([fn(d) for d in dims])
 
   def param_labels(params):
-    # One label per box (see trees.box_structure): no Variable in the state
+    # One label per box (see routing.box_structure): no Variable in the state
     # around a placeholder.
-    dims = dn.entries(dims_tree(params), params)
-    return trees.box_structure(params).unflatten(
+    dims = routing.entries(dims_tree(params), params)
+    return routing.box_structure(params).unflatten(
         [parts_lib.ADAM_LABEL if d is None else parts_lib.TACO_LABEL
          for d in dims])
 

@@ -19,16 +19,17 @@ import jax.numpy as jnp
 import optax
 
 from taco_optax._src import kernels
+from taco_optax._src import routing
+from taco_optax._src import sharding
 from taco_optax._src.transform import rounding as rounding_lib
 from taco_optax._src.transform import scale
-from taco_optax._src.transform import trees
 
 
 def _rounds_winners(param: Any, grad: Any, plan: Any) -> bool:
   """Whether a leaf's 16-bit update is rounded at its winners only."""
-  return (plan is not None and not trees.is_masked(param) and grad.size > 0
+  return (plan is not None and not routing.is_masked(param) and grad.size > 0
           and rounding_lib.is_low_precision(param.dtype)
-          and kernels.leaf_sharding_of(grad, plan.axes(grad.shape)) is None)
+          and sharding.leaf_sharding_of(grad, plan.axes(grad.shape)) is None)
 
 
 def _winner_update(param: jax.Array, step: kernels.ColumnStep,
@@ -71,10 +72,10 @@ def taco_branch(direction: scale.TacoDirection,
   def update_fn(updates, state, params=None):
     if rounding is None or params is None:
       return chained.update(updates, state, params)
-    leaves, treedef = jax.tree.flatten(updates, is_leaf=trees.is_masked)
+    leaves, treedef = jax.tree.flatten(updates, is_leaf=routing.is_masked)
     param_leaves = treedef.flatten_up_to(params)
     plans = iter(direction.plans(updates))
-    plan_of = [None if trees.is_masked(g) else next(plans) for g in leaves]
+    plan_of = [None if routing.is_masked(g) else next(plans) for g in leaves]
     winners_only = [_rounds_winners(p, g, plan)
                     for p, g, plan in zip(param_leaves, leaves, plan_of)]
     if not any(winners_only):
@@ -88,7 +89,7 @@ def taco_branch(direction: scale.TacoDirection,
     histories = iter(histories)
     directions, steps, new_histories = [], {}, []
     for i, (grad, plan) in enumerate(zip(leaves, plan_of)):
-      if trees.is_masked(grad):
+      if routing.is_masked(grad):
         continue
       history = next(histories)
       if winners_only[i]:
@@ -111,7 +112,7 @@ def taco_branch(direction: scale.TacoDirection,
     scaled = iter(scaled)
     out = []
     for i, (grad, param) in enumerate(zip(leaves, param_leaves)):
-      if trees.is_masked(grad):
+      if routing.is_masked(grad):
         out.append(grad)
       elif i in steps:
         out.append(_winner_update(param, *steps[i], next(scaled), keys[i]))

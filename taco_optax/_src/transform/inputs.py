@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from taco_optax._src.transform import dimension_numbers as dn
+from taco_optax._src import routing
 
 
 def as_arrays(tree: Any) -> Any:
@@ -32,8 +32,8 @@ def check_like_params(updates: Any, params: Any) -> None:
   for path, grad in paths:
     if jnp.result_type(grad) == jax.dtypes.float0:
       raise ValueError(
-          f'The gradient of {dn.path_name(path)!r} is float0, the gradient '
-          'of an integer parameter (jax.grad(..., allow_int=True)): '
+          f'The gradient of {routing.path_name(path)!r} is float0, the '
+          'gradient of an integer parameter (jax.grad(..., allow_int=True)): '
           'optimizers update floating parameters only; leave integer leaves '
           'out of the params and grads given to init and update (e.g. '
           'eqx.partition(model, eqx.is_inexact_array)).')
@@ -47,7 +47,7 @@ def check_like_params(updates: Any, params: Any) -> None:
     shape = getattr(param, 'shape', None)
     if shape is not None and tuple(shape) != tuple(jnp.shape(grad)):
       raise ValueError(
-          f'The gradient of {dn.path_name(path)!r} has shape '
+          f'The gradient of {routing.path_name(path)!r} has shape '
           f'{tuple(jnp.shape(grad))}, its parameter {tuple(shape)}: they '
           'must be equal.')
 

@@ -13,9 +13,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from taco_optax._src import kernels
-from taco_optax._src.transform import dimension_numbers as dn
-from taco_optax._src.transform import trees
+from taco_optax._src import routing
+from taco_optax._src import sharding
 
 ScaleTree = Union[float, None, Any]
 
@@ -32,20 +31,20 @@ class LeafPlan(NamedTuple):
     implementation: what runs the column step (``kernels.IMPLEMENTATIONS``,
       resolved).
   """
-  layout: dn.MatrixLayout
-  dim_num: dn.TacoDimensionNumbers
+  layout: routing.MatrixLayout
+  dim_num: routing.TacoDimensionNumbers
   scale: float
   update_topk: int
   implementation: str = 'auto'
 
-  def axes(self, shape: tuple[int, ...]) -> kernels.LeafAxes:
+  def axes(self, shape: tuple[int, ...]) -> sharding.LeafAxes:
     """The ``(batch, reduction, output)`` axes of this leaf (or a block of
     it) of ``shape``, normalised."""
-    return dn.normalize_axes(shape, self.dim_num)
+    return routing.normalize_axes(shape, self.dim_num)
 
-  def local_layout(self, shape: tuple[int, ...]) -> dn.MatrixLayout:
+  def local_layout(self, shape: tuple[int, ...]) -> routing.MatrixLayout:
     """The layout of a block of this leaf of ``shape`` (e.g. one device's)."""
-    return dn.matrix_layout(shape, self.dim_num)
+    return routing.matrix_layout(shape, self.dim_num)
 
 
 def _is_scale_leaf(x: Any) -> bool:
@@ -54,9 +53,9 @@ def _is_scale_leaf(x: Any) -> bool:
 
 def leaf_scales(update_scale: ScaleTree, tree: Any) -> list[Optional[float]]:
   """``update_scale`` (a number, tree prefix or callable) for every leaf."""
-  if not dn.is_tree_of(update_scale, _is_scale_leaf):
+  if not routing.is_tree_of(update_scale, _is_scale_leaf):
     update_scale = cast(Callable[[Any], Any], update_scale)(tree)
-  return trees.per_leaf(update_scale, tree, _is_scale_leaf)
+  return routing.per_leaf(update_scale, tree, _is_scale_leaf)
 
 
 def _checked_scale(scale: Any, path: Any) -> Any:
@@ -66,18 +65,20 @@ def _checked_scale(scale: Any, path: Any) -> Any:
     return scale
   if not (math.isfinite(float(scale)) and float(scale) >= 0):
     raise ValueError(
-        f'update_scale={scale} for the TACO leaf {dn.path_name(path)!r}: an '
-        'update scale must be finite and >= 0 (a negative one turns every '
-        'step into ascent; 0 freezes the matrix). None means m / n.')
+        f'update_scale={scale} for the TACO leaf '
+        f'{routing.path_name(path)!r}: an update scale must be finite and '
+        '>= 0 (a negative one turns every step into ascent; 0 freezes the '
+        'matrix). None means m / n.')
   return scale
 
 
-def _default_scale(layout: dn.MatrixLayout) -> float:
+def _default_scale(layout: routing.MatrixLayout) -> float:
   """``m / n``; 0 for a matrix without columns (it has nothing to update)."""
   return layout.m / layout.n if layout.n else 0.0
 
 
-def leaf_plans(tree: Any, weight_dimension_numbers: dn.WeightDimNumOrFn | None,
+def leaf_plans(tree: Any,
+               weight_dimension_numbers: routing.WeightDimNumOrFn | None,
                update_scale: ScaleTree, update_topk: int,
                implementation: str = 'auto') -> list[Optional[LeafPlan]]:
   """One :class:`LeafPlan` per leaf of ``tree`` (``None``: not a TACO leaf).
@@ -87,7 +88,7 @@ def leaf_plans(tree: Any, weight_dimension_numbers: dn.WeightDimNumOrFn | None,
       (the sign of a complex number is not ternary).
   """
   leaves = jax.tree_util.tree_leaves_with_path(tree)
-  dims = dn.leaf_dimension_numbers(weight_dimension_numbers, tree)
+  dims = routing.leaf_dimension_numbers(weight_dimension_numbers, tree)
   scales = leaf_scales(update_scale, tree)
   plans: list[Optional[LeafPlan]] = []
   for (path, leaf), dim_num, scale in zip(leaves, dims, scales):
@@ -101,7 +102,7 @@ def leaf_plans(tree: Any, weight_dimension_numbers: dn.WeightDimNumOrFn | None,
           f'{leaf.dtype}; TACO is defined for real matrices. Route it to '
           'another optimizer with None dimension numbers, or split it into '
           'real and imaginary parameters.')
-    layout = dn.matrix_layout(leaf.shape, dim_num)
+    layout = routing.matrix_layout(leaf.shape, dim_num)
     plans.append(LeafPlan(
         layout=layout, dim_num=dim_num,
         scale=_default_scale(layout) if scale is None else scale,

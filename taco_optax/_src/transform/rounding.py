@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from taco_optax._src.transform import trees
+from taco_optax._src import routing
 
 # How 16-bit parameters' updates are rounded (taco's ``rounding``).
 Rounding = Literal['stochastic', 'nearest']
@@ -197,8 +197,8 @@ def rounded_to_params() -> optax.GradientTransformation:
     if params is None:
       return updates, state
     return jax.tree.map(
-        lambda u, p: u if trees.is_masked(u) else u.astype(p.dtype), updates,
-        params, is_leaf=trees.is_masked), state
+        lambda u, p: u if routing.is_masked(u) else u.astype(p.dtype), updates,
+        params, is_leaf=routing.is_masked), state
 
   return optax.GradientTransformation(lambda params: optax.EmptyState(),
                                       update_fn)
@@ -232,8 +232,8 @@ def stochastic_rounding(seed: int = 0) -> optax.GradientTransformation:
   """
 
   def init_fn(params):
-    if trees.is_params_placeholder(params):
-      return trees.NotParams()  # tree_map_params: no params-shaped state
+    if routing.is_params_placeholder(params):
+      return routing.NotParams()  # tree_map_params: no params-shaped state
     if not any(is_low_precision(jnp.result_type(p))
                for p in jax.tree.leaves(params)):
       # Nothing to round: no counter (one 'count' in the state for
@@ -242,16 +242,16 @@ def stochastic_rounding(seed: int = 0) -> optax.GradientTransformation:
     return StochasticRoundingState(count=jnp.zeros((), jnp.int32))
 
   def update_fn(updates, state, params=None):
-    leaves, treedef = jax.tree.flatten(updates, is_leaf=trees.is_masked)
+    leaves, treedef = jax.tree.flatten(updates, is_leaf=routing.is_masked)
     if isinstance(state, optax.EmptyState):
-      if any(not trees.is_masked(u) and is_low_precision(u.dtype)
+      if any(not routing.is_masked(u) and is_low_precision(u.dtype)
              for u in leaves):
         raise ValueError(
             'Stochastic rounding: init saw no 16-bit parameters, but these '
             'updates are 16-bit; init with the parameters you update.')
       return updates, state
     if params is None:
-      if any(not trees.is_masked(u) and is_low_precision(u.dtype)
+      if any(not routing.is_masked(u) and is_low_precision(u.dtype)
              for u in leaves):
         raise ValueError(
             'Stochastic rounding of 16-bit parameters reads them: pass '
@@ -259,7 +259,7 @@ def stochastic_rounding(seed: int = 0) -> optax.GradientTransformation:
             "'nearest'.")
       return updates, advanced(state)
     keys = leaf_keys(seed, state.count, len(leaves))
-    out = [update if trees.is_masked(update)
+    out = [update if routing.is_masked(update)
            else rounded_leaf_update(param, update, keys[i])
            for i, (update, param) in enumerate(zip(
                leaves, treedef.flatten_up_to(params)))]

@@ -6,10 +6,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from taco_optax._src.transform import default_routing as default_routing_lib
-from taco_optax._src.transform import dimension_numbers as dn
+from taco_optax._src import routing
 from taco_optax._src.transform import parts as parts_lib
-from taco_optax._src.transform import trees
 
 
 class LeafRoute(NamedTuple):
@@ -109,7 +107,7 @@ def _size(shape: tuple[int, ...]) -> int:
 def _abstract(params: Any) -> Any:
   """``params`` as ShapeDtypeStructs, Variables (Flax NNX) unwrapped."""
   return jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), x.dtype),
-                      trees.unboxed(params))
+                      routing.unboxed(params))
 
 
 def _leaf_bytes(params: Any, *trees: Any) -> list[int]:
@@ -135,12 +133,12 @@ def _adam_why(leaf: jax.ShapeDtypeStruct, source: Optional[str],
     return source
   if default_routing:
     return (f'default: rank {leaf.ndim}, the default routes rank-2 leaves '
-            f'only (give its axes: {default_routing_lib.HELPERS[framework]})')
+            f'only (give its axes: {routing.HELPERS[framework]})')
   return 'weight_dimension_numbers gives None'
 
 
-def _taco_why(dims: dn.TacoDimensionNumbers) -> str:
-  source = dn.source_of(dims)
+def _taco_why(dims: routing.TacoDimensionNumbers) -> str:
+  source = routing.source_of(dims)
   return _dims_text(dims) + ('' if source is None else f'; {source}')
 
 
@@ -183,19 +181,19 @@ def routing_report(tx: optax.GradientTransformation, params: Any
   theirs = _leaf_bytes(params, adamw_state[0].mu, adamw_state[0].nu)
   histories = jax.tree.structure(params).flatten_up_to(
       states.direction.indices)
-  entries = dn.entries(parts.dimension_numbers(params), params,
+  entries = routing.entries(parts.dimension_numbers(params), params,
                        reasons=True)
-  framework = default_routing_lib.framework_of(params)
+  framework = routing.framework_of(params)
   rows = []
   leaves = jax.tree_util.tree_leaves_with_path(params)
   for (path, leaf), plan, own, adamw, history, entry in zip(
       leaves, parts.plans(params), ours, theirs, histories, entries):
-    common = dict(path=dn.path_name(path), shape=tuple(leaf.shape),
+    common = dict(path=routing.path_name(path), shape=tuple(leaf.shape),
                   dtype=jnp.dtype(leaf.dtype).name, state_bytes=own,
                   adamw_state_bytes=adamw)
     if plan is None:
       rows.append(LeafRoute(route='adam',
-                            why=_adam_why(leaf, dn.source_of(entry),
+                            why=_adam_why(leaf, routing.source_of(entry),
                                           parts.default_routing, framework),
                             matrices=None, m=None, n=None, k=None, scale=None,
                             **common))
@@ -209,6 +207,6 @@ def routing_report(tx: optax.GradientTransformation, params: Any
                        _total_bytes(adamw_state))
 
 
-def _dims_text(dims: dn.TacoDimensionNumbers) -> str:
-  return (f'reduction {dn.as_tuple(dims.reduction_axis)}, '
-          f'output {dn.as_tuple(dims.output_axis)}')
+def _dims_text(dims: routing.TacoDimensionNumbers) -> str:
+  return (f'reduction {routing.as_tuple(dims.reduction_axis)}, '
+          f'output {routing.as_tuple(dims.output_axis)}')

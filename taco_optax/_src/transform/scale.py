@@ -9,12 +9,12 @@ import numpy as np
 import optax
 
 from taco_optax._src import kernels
-from taco_optax._src.transform import dimension_numbers as dn
+from taco_optax._src import routing
+from taco_optax._src import sharding
 from taco_optax._src.transform import hyperparams
 from taco_optax._src.transform import inject_guard
 from taco_optax._src.transform import inputs
 from taco_optax._src.transform import plan as plan_lib
-from taco_optax._src.transform import trees
 
 ScaleTree = plan_lib.ScaleTree
 
@@ -133,7 +133,7 @@ def one_sparse_rows(indices: jax.Array, signs: jax.Array, m: int,
 
 def dense_direction(grad: jax.Array, history: kernels.History, *,
                     plan: plan_lib.LeafPlan, mu: Union[float, jax.Array],
-                    shards: Optional[kernels.LeafSharding] = None
+                    shards: Optional[sharding.LeafSharding] = None
                     ) -> tuple[jax.Array, kernels.History]:
   """``scale_by_taco`` on one leaf: the dense direction and the new history.
 
@@ -151,7 +151,7 @@ def dense_direction(grad: jax.Array, history: kernels.History, *,
       implementation=plan.implementation, shards=shards)
   winners = step.winner_indices
   if shards is not None:
-    winners, held = kernels.local_rows(winners, shards)
+    winners, held = sharding.local_rows(winners, shards)
     winners = jnp.where(held, winners, -1)
   direction = one_sparse_rows(winners, step.winner_signs * plan.scale,
                               layout.m, grad.dtype)
@@ -164,7 +164,7 @@ def scale_by_taco(
     mu: Union[float, jax.Array] = 0.95,
     *,
     update_topk: Optional[int] = None,
-    weight_dimension_numbers: dn.WeightDimNumOrFn | None = None,
+    weight_dimension_numbers: routing.WeightDimNumOrFn | None = None,
     update_scale: ScaleTree = None,
     values_dtype: Optional[jax.typing.DTypeLike] = None,
     index_dtype: Optional[jax.typing.DTypeLike] = None,
@@ -293,7 +293,7 @@ class TacoDirection(NamedTuple):
 
 def taco_direction(k: Optional[int], mu: Union[float, jax.Array], *,
                    update_topk: Optional[int],
-                   weight_dimension_numbers: dn.WeightDimNumOrFn | None,
+                   weight_dimension_numbers: routing.WeightDimNumOrFn | None,
                    update_scale: ScaleTree,
                    values_dtype: Optional[jax.typing.DTypeLike],
                    index_dtype: Optional[jax.typing.DTypeLike],
@@ -326,22 +326,22 @@ def taco_direction(k: Optional[int], mu: Union[float, jax.Array], *,
     history = kernels.History(
         jnp.zeros(shape, values_dtype), indices,
         jnp.zeros(layout.batch_shape + (layout.n,), kernels.EXPONENT_DTYPE))
-    sharded = kernels.leaf_sharding_of(param, plan.axes(param.shape))
+    sharded = sharding.leaf_sharding_of(param, plan.axes(param.shape))
     if sharded is not None:
-      history = kernels.with_state_sharding(history, *sharded)
+      history = sharding.with_state_sharding(history, *sharded)
     return history
 
   def init_fn(params):
-    if trees.is_params_placeholder(params):
+    if routing.is_params_placeholder(params):
       # tree_map_params: the histories are (k, n), not like the params.
-      return TacoState(*(trees.NotParams() for _ in TacoState._fields))
+      return TacoState(*(routing.NotParams() for _ in TacoState._fields))
     leaves, treedef = jax.tree.flatten(params)
     state = taco_state(treedef, [init_leaf(p, plan) for p, plan in
                                  zip(leaves, plans(params))])
     # Boxed parameters (nnx.Variables, as nnx.Optimizer passes them) box
     # their histories too; a masked leaf's box goes: no Variable around a
-    # placeholder (trees.box_structure says why).
-    return trees.without_masked_boxes(state)
+    # placeholder (routing.box_structure says why).
+    return routing.without_masked_boxes(state)
 
   def update_fn(updates, state, params=None):
     updates, params = inputs.checked(updates, params)
@@ -367,7 +367,7 @@ def check_history_shapes(updates: Any, histories: list[kernels.History],
   checks larger ones against ``params`` when given)."""
   paths = jax.tree_util.tree_leaves_with_path(updates)
   for (path, grad), history, plan in zip(paths, histories, plans):
-    if plan is None or trees.is_masked(history.indices):
+    if plan is None or routing.is_masked(history.indices):
       continue
     layout = plan.layout
     made_for = history.indices.shape[:-2] + history.indices.shape[-1:]
@@ -375,9 +375,9 @@ def check_history_shapes(updates: Any, histories: list[kernels.History],
     if (made_for != layout.batch_shape + (layout.n,)
         or kept != history_size(k, layout.m)):
       raise ValueError(
-          f'The gradient of the TACO leaf {dn.path_name(path)!r} has shape '
-          f'{grad.shape} ({layout.num_matrices} x {layout.m} x {layout.n} '
-          f'as a matrix), but its state was initialised for '
+          f'The gradient of the TACO leaf {routing.path_name(path)!r} has '
+          f'shape {grad.shape} ({layout.num_matrices} x {layout.m} x '
+          f'{layout.n} as a matrix), but its state was initialised for '
           f'{math.prod(made_for[:-1])} matrices of {made_for[-1]} columns '
           f'keeping {kept} of their rows: '
           'give update gradients of the shapes given to init.')
@@ -392,7 +392,7 @@ def leaf_direction(grad: jax.Array, history: kernels.History,
   per device when the leaf is split over an explicit mesh."""
   if plan is None:
     return grad, history
-  sharded = kernels.leaf_sharding_of(grad, plan.axes(grad.shape))
+  sharded = sharding.leaf_sharding_of(grad, plan.axes(grad.shape))
   if sharded is None:
     return dense_direction(grad, history, plan=plan, mu=mu)
   return kernels.map_over_shards(dense_direction, *sharded, (grad,),

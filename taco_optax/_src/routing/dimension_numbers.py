@@ -14,7 +14,7 @@ from typing import Any, Callable, NamedTuple, Optional, Sequence, Union, cast
 import jax
 import jax.numpy as jnp
 
-from taco_optax._src.transform import trees
+from taco_optax._src.routing import trees
 
 Axes = Union[int, Sequence[int]]
 

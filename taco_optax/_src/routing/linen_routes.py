@@ -36,10 +36,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from taco_optax._src import transform
-from taco_optax._src.integrations import einsum
+from taco_optax._src.routing import dimension_numbers as dn
+from taco_optax._src.routing import einsum
+from taco_optax._src.routing import overrides as overrides_lib
 
-DN = transform.TacoDimensionNumbers
+DN = dn.TacoDimensionNumbers
 TABLE_SCALE = 1.0  # the paper's update scale for a token table
 
 _logger = logging.getLogger('taco_optax')
@@ -108,7 +109,7 @@ def _compact(axes: tuple[int, ...]) -> Any:
 
 def _decided(reduction, output, source: str, table: bool = False) -> Route:
   dims = DN(_compact(tuple(reduction)), _compact(tuple(output)))
-  return Route(transform.decided(dims, source), table=table)
+  return Route(dn.decided(dims, source), table=table)
 
 
 def _embed_rule(site: _Site) -> Optional[Route]:
@@ -132,9 +133,9 @@ def _dense_rule(site: _Site) -> Optional[Route]:
   if not general and not (hasattr(module, 'features')
                           and hasattr(module, 'axis')):
     return None
-  batch = len(transform.as_tuple(getattr(module, 'batch_dims', ())))
-  inputs = len(transform.as_tuple(module.axis))
-  features = transform.as_tuple(module.features)
+  batch = len(dn.as_tuple(getattr(module, 'batch_dims', ())))
+  inputs = len(dn.as_tuple(module.axis))
+  features = dn.as_tuple(module.features)
   outputs = len(features)
   if (len(site.shape) != batch + inputs + outputs
       or site.shape[batch + inputs:] != features):
@@ -163,27 +164,27 @@ def _einsum_rule(site: _Site) -> Optional[Route]:
   if rank != len(site.shape):
     return Route(refused=f'rank {len(site.shape)}, but the weight of '
                  f'{einsum_str!r} has rank {rank}')
-  return _decided(transform.as_tuple(declared.reduction_axis),
-                  transform.as_tuple(declared.output_axis),
+  return _decided(dn.as_tuple(declared.reduction_axis),
+                  dn.as_tuple(declared.output_axis),
                   f'{site.owner} {site.name} of {einsum_str!r}')
 
 
 def site_route(site: _Site, dtype: Any) -> Route:
   """The route of one parameter, from the module that owns it."""
   if site.name in _VECTOR_NAMES or isinstance(site.module, _NORMS):
-    return Route(transform.ToAdam(f'{site.owner} {site.name}'))
+    return Route(dn.ToAdam(f'{site.owner} {site.name}'))
   if not jnp.issubdtype(dtype, jnp.floating):
-    return Route(transform.ToAdam(f'{site.owner} {site.name}: {dtype}'))
+    return Route(dn.ToAdam(f'{site.owner} {site.name}: {dtype}'))
   if len(site.shape) < 2:
-    return Route(transform.ToAdam(f'{site.owner} {site.name}: not a matrix'))
+    return Route(dn.ToAdam(f'{site.owner} {site.name}: not a matrix'))
   if isinstance(site.module, _CONVS):
-    return Route(transform.ToAdam(
+    return Route(dn.ToAdam(
         f'{site.owner} {site.where}: convolution kernels go to Adam'))
   for rule in (_embed_rule, _dense_rule, _einsum_rule):
     found = rule(site)
     if found is not None:
       return found
-  return Route(transform.ToAdam(
+  return Route(dn.ToAdam(
       f'{site.owner} {site.where}: no TACO rule for this module'),
                unknown=True)
 
@@ -303,11 +304,11 @@ def _stacked(record: Record, inserted: tuple[int, ...],
   """``record``'s entry over the axes of ``shape``, where lifted transforms
   inserted the axes ``inserted`` (batch axes)."""
   entry = record.route.entry
-  if isinstance(entry, transform.ToAdam):
+  if isinstance(entry, dn.ToAdam):
     return entry  # Adam needs no axes
   layers: list[Any] = []
-  axes = [transform.as_tuple(entry.reduction_axis),
-          transform.as_tuple(entry.output_axis)]
+  axes = [dn.as_tuple(entry.reduction_axis),
+          dn.as_tuple(entry.output_axis)]
   for index in inserted:  # each add_axis shifts the axes at or after it
     layers = [a + (a >= index) for a in layers] + [index]
     axes = [tuple(a + (a >= index) for a in group) for group in axes]
@@ -319,16 +320,16 @@ def _stacked(record: Record, inserted: tuple[int, ...],
         'axis cannot be located')
   if not inserted:
     return entry
-  source = (f'{transform.source_of(entry)}; stacked: batch axis '
+  source = (f'{dn.source_of(entry)}; stacked: batch axis '
             f'{_compact(tuple(sorted(layers)))}')
-  return transform.decided(DN(*map(_compact, axes)), source)
+  return dn.decided(DN(*map(_compact, axes)), source)
 
 
 def _leaf_entry(leaf: Any, record: Optional[Record]) -> Any:
   value = nn.meta.unbox(leaf)
   if record is None:
     if jnp.ndim(value) < 2 or not jnp.issubdtype(value.dtype, jnp.floating):
-      return transform.ToAdam('not a matrix')
+      return dn.ToAdam('not a matrix')
     raise _Refused('no Linen module method was seen creating it')
   if record.route.refused is not None:
     raise _Refused(record.route.refused)
@@ -352,13 +353,13 @@ def dimension_numbers(params: Any, records: Mapping[tuple[str, ...], Record],
     ValueError: naming every parameter no rule and no override covers, and
       every override pattern that matches no parameter.
   """
-  book = transform.Overrides(
+  book = overrides_lib.Overrides(
       'taco_optax.linen.dimension_numbers', overrides,
       "dimension_numbers(module, x, overrides={'layers/mlp/kernel': "
       'TacoDimensionNumbers(reduction_axis=1, output_axis=2)})')
 
   def entry(path, leaf):
-    name = transform.path_name(path)
+    name = dn.path_name(path)
     shape = tuple(jnp.shape(nn.meta.unbox(leaf)))
     record = records.get(_keys(path))
     override = book.entry(name)

@@ -19,7 +19,7 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 
-from taco_optax._src.transform import dimension_numbers as dn
+from taco_optax._src.routing import dimension_numbers as dn
 
 _logger = logging.getLogger('taco_optax')
 

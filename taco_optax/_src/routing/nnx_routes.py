@@ -34,10 +34,11 @@ from flax import nnx
 import jax
 import jax.numpy as jnp
 
-from taco_optax._src import transform
-from taco_optax._src.integrations import einsum
+from taco_optax._src.routing import dimension_numbers as dn
+from taco_optax._src.routing import einsum
+from taco_optax._src.routing import overrides as overrides_lib
 
-DN = transform.TacoDimensionNumbers
+DN = dn.TacoDimensionNumbers
 TABLE_SCALE = 1.0  # the paper's update scale for a token table
 
 
@@ -65,7 +66,7 @@ def _shifted(declared: DN, declared_rank: int, ndim: int) -> DN:
   extra = ndim - declared_rank
 
   def shift(axes):
-    shifted = tuple(a + extra for a in transform.as_tuple(axes))
+    shifted = tuple(a + extra for a in dn.as_tuple(axes))
     return shifted[0] if len(shifted) == 1 else shifted
 
   return DN(shift(declared.reduction_axis), shift(declared.output_axis))
@@ -153,7 +154,7 @@ def _sourced(route: Route, holder: Any, name: str) -> Route:
   """``route`` whose dimension numbers say the rule (the module's type)."""
   if route.dims is None:
     return route
-  return route._replace(dims=transform.decided(
+  return route._replace(dims=dn.decided(
       route.dims, f'taco_optax.nnx: {type(holder).__name__}.{name}'))
 
 
@@ -166,16 +167,16 @@ def routes(model: Any, wrt: Any, overrides: Mapping[str, Optional[DN]]
       every override pattern that matches no parameter.
   """
   holders = _holders(model)
-  book = transform.Overrides(
+  book = overrides_lib.Overrides(
       'taco_optax.nnx.dimension_numbers', overrides,
       "dimension_numbers(model, overrides={'layers/*/mlp/gate_proj': "
       'TacoDimensionNumbers(reduction_axis=1, output_axis=2)})')
   found = {}
   for path, variable in nnx.to_flat_state(nnx.state(model, wrt)):
-    name = transform.path_name(path)
+    name = dn.path_name(path)
     override = book.entry(name)
     if override:  # None stays None in an nnx.State
-      found[path] = Route(None if isinstance(override[0], transform.ToAdam)
+      found[path] = Route(None if isinstance(override[0], dn.ToAdam)
                           else override[0])
       continue
     holder = holders.get(tuple(path[:-1]))

@@ -17,7 +17,7 @@ The rules below read the parameters of jax's primitives
 
 from typing import Any, NamedTuple, Optional, Sequence
 
-from taco_optax._src.transform import jaxpr_internals as jx
+from taco_optax._src.routing import jaxpr_internals as jx
 
 Axes = tuple[int, ...]
 

@@ -21,12 +21,12 @@ Primitive names and parameters are jaxpr internals, read through
 
 from typing import Any, Sequence
 
-from taco_optax._src.transform import jaxpr_internals as jx
-from taco_optax._src.transform import trace_uses
-from taco_optax._src.transform import trace_views
-from taco_optax._src.transform.trace_uses import Found
-from taco_optax._src.transform.trace_uses import Use
-from taco_optax._src.transform.trace_uses import Value
+from taco_optax._src.routing import jaxpr_internals as jx
+from taco_optax._src.routing import trace_uses
+from taco_optax._src.routing import trace_views
+from taco_optax._src.routing.trace_uses import Found
+from taco_optax._src.routing.trace_uses import Use
+from taco_optax._src.routing.trace_uses import Value
 
 # Kernels whose use of a weight the trace cannot read.
 OPAQUE = frozenset(('pallas_call', 'ffi_call', 'custom_call',

@@ -11,7 +11,7 @@ import fnmatch
 import logging
 from typing import Any, Mapping, Optional, Sequence
 
-from taco_optax._src.transform import dimension_numbers as dn
+from taco_optax._src.routing import dimension_numbers as dn
 
 
 def matching(name: str, overrides: Mapping[str, Any]) -> Optional[str]:

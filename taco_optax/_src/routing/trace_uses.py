@@ -10,9 +10,9 @@ through :mod:`jaxpr_internals`.
 
 from typing import Any, NamedTuple, Optional, Sequence
 
-from taco_optax._src.transform import jaxpr_internals as jx
-from taco_optax._src.transform import trace_views
-from taco_optax._src.transform.trace_views import View
+from taco_optax._src.routing import jaxpr_internals as jx
+from taco_optax._src.routing import trace_views
+from taco_optax._src.routing.trace_views import View
 
 # Use kinds.
 MATRIX = 'matrix'          # a dot_general: dims say the axes

@@ -35,9 +35,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from taco_optax._src import transform
+from taco_optax._src.routing import dimension_numbers as dn
+from taco_optax._src.routing import overrides as overrides_lib
 
-DN = transform.TacoDimensionNumbers
+DN = dn.TacoDimensionNumbers
 TABLE_SCALE = 1.0  # the paper's update scale for a token table
 
 # Modules whose every array is a vector (a stack of vectors when stacked).
@@ -106,7 +107,7 @@ def _declared(site: Site, declared: tuple[int, ...], source: str,
                  f'declares its {site.field} as {tuple(declared)}')
   if extra:
     source += f'; stacked: batch axis {_compact(tuple(range(extra)))}'
-  return Route(transform.decided(DN(extra + 1, extra), source), table=table)
+  return Route(dn.decided(DN(extra + 1, extra), source), table=table)
 
 
 def _linear_rule(site: Site) -> Optional[Route]:
@@ -114,7 +115,7 @@ def _linear_rule(site: Site) -> Optional[Route]:
   if not isinstance(module, eqx.nn.Linear) or site.field != 'weight':
     return None
   if 'scalar' in (module.in_features, module.out_features):
-    return Route(transform.ToAdam(
+    return Route(dn.ToAdam(
         "eqx.nn.Linear weight with a 'scalar' side: a vector"))
   # Both are ints here ('scalar' returned above).
   sides = cast(tuple[int, int], (module.out_features, module.in_features))
@@ -146,20 +147,20 @@ def site_route(site: Site) -> Route:
   """The route of one array, from the module that holds it."""
   owner, rank = _owner(site.module), len(site.shape)
   if not jnp.issubdtype(site.dtype, jnp.floating):
-    return Route(transform.ToAdam(f'{owner} {site.field}: {site.dtype}'))
+    return Route(dn.ToAdam(f'{owner} {site.field}: {site.dtype}'))
   if (site.field in _VECTOR_FIELDS or isinstance(site.module, _VECTOR_MODULES)
       or isinstance(site.module, eqx.nn.WeightNorm) and site.field == 'g'):
-    return Route(transform.ToAdam(f'{owner} {site.field}'))
+    return Route(dn.ToAdam(f'{owner} {site.field}'))
   if rank < 2:
-    return Route(transform.ToAdam(f'{owner} {site.field}: rank {rank}'))
+    return Route(dn.ToAdam(f'{owner} {site.field}: rank {rank}'))
   if isinstance(site.module, _CONVS):
-    return Route(transform.ToAdam(
+    return Route(dn.ToAdam(
         f'{owner} {site.where}: convolution kernels go to Adam'))
   for rule in (_linear_rule, _embedding_rule, _cell_rule):
     found = rule(site)
     if found is not None:
       return found
-  return Route(transform.ToAdam(
+  return Route(dn.ToAdam(
       f'{owner} {site.where}: no TACO rule for this module'), unknown=True)
 
 
@@ -182,7 +183,7 @@ def sites(model: Any) -> dict[tuple[Any, ...], Site]:
         module = node if isinstance(node, eqx.Module) else None
         full = prefix + tuple(path)
         found[full] = Site(module, _field_name(path[0]) if path else '',
-                           transform.path_name(full), tuple(np.shape(leaf)),
+                           dn.path_name(full), tuple(np.shape(leaf)),
                            leaf.dtype)
 
   walk(model, ())
@@ -197,7 +198,7 @@ def routes(model: Any, filter_spec: Any) -> Any:
   def route(path, leaf):
     site = found.get(tuple(path))
     if site is None:
-      return Route(transform.ToAdam(f'not an array: {type(leaf).__name__}'))
+      return Route(dn.ToAdam(f'not an array: {type(leaf).__name__}'))
     return site_route(site)
 
   return jax.tree_util.tree_map_with_path(
@@ -216,13 +217,13 @@ def dimension_numbers(model: Any, filter_spec: Any,
     ValueError: naming every array no rule and no override covers, and
       every override pattern that matches no array.
   """
-  book = transform.Overrides(
+  book = overrides_lib.Overrides(
       'taco_optax.equinox.dimension_numbers', overrides,
       "dimension_numbers(model, overrides={'layers/*/weight': "
       'TacoDimensionNumbers(reduction_axis=2, output_axis=1)})')
 
   def entry(path, route):
-    name = transform.path_name(path)
+    name = dn.path_name(path)
     override = book.entry(name)
     if override:
       return override[0]

@@ -35,12 +35,12 @@ from typing import Any, Callable, Mapping, NamedTuple, Optional, Sequence
 import jax
 import jax.numpy as jnp
 
-from taco_optax._src.transform import dimension_numbers as dn
-from taco_optax._src.transform import overrides as overrides_lib
-from taco_optax._src.transform import trace_errors
-from taco_optax._src.transform import trace_uses
-from taco_optax._src.transform import trace_views
-from taco_optax._src.transform import trace_walk
+from taco_optax._src.routing import dimension_numbers as dn
+from taco_optax._src.routing import overrides as overrides_lib
+from taco_optax._src.routing import trace_errors
+from taco_optax._src.routing import trace_uses
+from taco_optax._src.routing import trace_views
+from taco_optax._src.routing import trace_walk
 
 TABLE_SCALE = 1.0  # the paper's update scale for a token table
 

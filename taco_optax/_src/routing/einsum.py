@@ -16,7 +16,7 @@ Anything else (an axis of ``w`` alone, a repeated letter, an ellipsis in the
 weight, more than two operands, no explicit output) is ambiguous.
 """
 
-from taco_optax._src import transform
+from taco_optax._src.routing import dimension_numbers as dn
 
 _ELLIPSIS = '.'
 
@@ -38,7 +38,7 @@ def _operands(einsum_str: str) -> tuple[str, str, str]:
   return lhs, weight, output.replace('...', _ELLIPSIS)
 
 
-def weight_dimension_numbers(einsum_str: str) -> transform.TacoDimensionNumbers:
+def weight_dimension_numbers(einsum_str: str) -> dn.TacoDimensionNumbers:
   """The :class:`TacoDimensionNumbers` of ``w`` in ``einsum(einsum_str, x, w)``.
 
   Args:
@@ -52,7 +52,7 @@ def weight_dimension_numbers(einsum_str: str) -> transform.TacoDimensionNumbers:
     AmbiguousEinsum: when the einsum does not say it (see the module).
 
   Examples:
-    >>> from taco_optax._src.integrations import einsum
+    >>> from taco_optax._src.routing import einsum
     >>> einsum.weight_dimension_numbers('BTNH,NHD->BTD')
     TacoDimensionNumbers(reduction_axis=(0, 1), output_axis=(2,))
   """
@@ -79,7 +79,7 @@ def weight_dimension_numbers(einsum_str: str) -> transform.TacoDimensionNumbers:
     raise AmbiguousEinsum(
         f'the weight of {einsum_str!r} has no '
         f'{"reduction" if not reduction else "output"} axis')
-  return transform.TacoDimensionNumbers(tuple(reduction), tuple(out))
+  return dn.TacoDimensionNumbers(tuple(reduction), tuple(out))
 
 
 def weight_rank(einsum_str: str) -> int:
@@ -88,7 +88,7 @@ def weight_rank(einsum_str: str) -> int:
 
 
 def lora_dimension_numbers(lora_einsum_str: str, factor: str
-                           ) -> transform.TacoDimensionNumbers:
+                           ) -> dn.TacoDimensionNumbers:
   """The axes of a LoRA factor of an einsum weight.
 
   qwix's LoRA of ``einsum('BTNH,NHD->BTD', x, w)`` computes

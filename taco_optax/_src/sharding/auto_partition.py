@@ -34,13 +34,13 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec
 
-from taco_optax._src.kernels import mesh as mesh_lib
-from taco_optax._src.kernels import reference
+from taco_optax._src.sharding import mesh as mesh_lib
 
-# (grad_rows, values, indices, exponents, mu, update_topk) -> ColumnStep.
-LocalStep = Callable[..., reference.ColumnStep]
+# (grad_rows, values, indices, exponents, mu, update_topk) -> the kernels'
+# ColumnStep (a NamedTuple with a ``finite`` flag), read here as a tuple.
+LocalStep = Callable[..., Any]
 # The same plus the leaf's mesh_lib.LeafSharding: one device's slice of rows.
-ShardedStep = Callable[..., reference.ColumnStep]
+ShardedStep = Callable[..., Any]
 
 # Rows N, candidates m, history k, winners r; an empty entry is a scalar (mu
 # when it is an array, the finiteness flag).
@@ -175,12 +175,15 @@ def partitioned_step(grad_rows: jax.Array, values: jax.Array,
                      indices: jax.Array, exponents: jax.Array,
                      mu: Union[float, jax.Array], update_topk: int,
                      local_step: LocalStep, sharded_step: ShardedStep
-                     ) -> reference.ColumnStep:
+                     ) -> tuple[jax.Array, ...]:
   """``local_step`` on rows, partitioned per device on an Auto mesh.
 
-  Same arguments and results as :func:`reference.reference_column_step`
-  on one device. In a process with one device it is ``local_step`` itself;
-  under :func:`jax.vmap` each entry runs ``local_step`` unpartitioned.
+  Same arguments as
+  :func:`taco_optax._src.kernels.reference.reference_column_step` on one
+  device, and its results as a plain tuple (``dispatch`` makes them its
+  ``ColumnStep`` again). In a process with one device it is ``local_step``
+  itself; under :func:`jax.vmap` each entry runs ``local_step``
+  unpartitioned.
 
   Args:
     grad_rows: ``(N, m)`` gradient rows.
@@ -195,14 +198,15 @@ def partitioned_step(grad_rows: jax.Array, values: jax.Array,
       split (it takes the leaf's ``mesh_lib.LeafSharding`` last).
 
   Returns:
-    A :class:`reference.ColumnStep`.
+    The fields of the kernels' ``ColumnStep``, in its order.
   """
   if jax.device_count() == 1:  # nothing to partition
-    return local_step(grad_rows, values, indices, exponents, mu, update_topk)
+    return tuple(local_step(grad_rows, values, indices, exponents, mu,
+                            update_topk))
   static_mu = None if isinstance(mu, jax.Array) else mu
   key = (local_step, sharded_step, static_mu, update_topk)
   if key not in _ops:
     _ops[key] = _make_op(local_step, sharded_step, static_mu, update_topk)
   arrays: tuple[jax.Array, ...] = (grad_rows, values, indices, exponents)
   arrays += (jnp.asarray(mu),) if static_mu is None else ()
-  return reference.ColumnStep(*_ops[key](*arrays))
+  return tuple(_ops[key](*arrays))
