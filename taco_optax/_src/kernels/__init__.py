@@ -32,10 +32,6 @@ from taco_optax._src.kernels.reference import step_from_top_k
 from taco_optax._src.kernels.sharded_step import all_finite
 from taco_optax._src.kernels.sharded_step import map_over_shards
 
-# The sharding room's, re-exported here only until layerwise/tied_table.py
-# (edited on another branch) names it as the sharding room's.
-from taco_optax._src.sharding import leaf_sharding_of
-
 __all__ = (
     'ENV',
     'EXPONENT_DTYPE',
@@ -47,7 +43,6 @@ __all__ = (
     'decode_history',
     'history_rows',
     'history_step',
-    'leaf_sharding_of',
     'map_over_shards',
     'merged_candidates',
     'resolve',

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from taco_optax._src import kernels
+from taco_optax._src import sharding
 from taco_optax._src import transform
 from taco_optax._src.layerwise import token_table
 from taco_optax._src.layerwise import winners
@@ -163,7 +164,7 @@ def applies(param: jax.Array, gradient: token_table.TableGradient,
             block_elements: int) -> bool:
   """Whether the two phases can run for this table (``k`` history entries
   per column) on this device."""
-  if kernels.leaf_sharding_of(param, plan.axes(param.shape)) is not None:
+  if sharding.leaf_sharding_of(param, plan.axes(param.shape)) is not None:
     return False
   layout = plan.local_layout(param.shape)
   # Phase 1 must find max(k, r) tokens outside the batch's.

@@ -29,7 +29,6 @@ import jax
 import numpy as np
 
 from taco_optax._src import routing
-from taco_optax._src import transform
 from taco_optax._src.layerwise import program as program_lib
 from taco_optax._src.layerwise import traced_tables
 from taco_optax._src.layerwise.layered_loss import LayeredLoss
@@ -315,7 +314,7 @@ def layered_loss_of(loss_fn: Callable[[Any, Any], jax.Array], params: Any,
       blocks differ or share parameters, or values skip blocks.
   """
   leaves_with_paths = jax.tree_util.tree_leaves_with_path(
-      params, is_leaf=transform.is_masked)
+      params, is_leaf=routing.is_masked)
   closed = _internals.inline_calls(
       jax.make_jaxpr(loss_fn)(_abstract(params), _abstract(batch)))
   jaxpr = closed.jaxpr
@@ -376,7 +375,7 @@ def layered_loss_of(loss_fn: Callable[[Any, Any], jax.Array], params: Any,
     return head_of(outer, jax.tree.leaves(batch), hidden)[0]
 
   def split(numbered):
-    flat = jax.tree.leaves(numbered, is_leaf=transform.is_masked)
+    flat = jax.tree.leaves(numbered, is_leaf=routing.is_masked)
     outer = tuple(flat[i] for i in outer_leaves)
     if scanned:
       return outer, tuple(flat[i] for i in stacked)

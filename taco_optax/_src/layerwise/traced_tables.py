@@ -27,11 +27,11 @@ from typing import Any, NamedTuple, Optional, Sequence
 import jax
 import jax.numpy as jnp
 
-from taco_optax._src import transform
+from taco_optax._src import routing
 from taco_optax._src.layerwise import program as program_lib
 from taco_optax._src.layerwise import token_table
 
-_internals = transform.jaxpr_internals
+_internals = routing.jaxpr_internals
 _UNARY = ('convert_element_type', 'transpose')
 
 
