@@ -28,6 +28,7 @@ import sys
 import tempfile
 
 from benchmarks import provenance
+from examples.finetune import api
 
 MESHES = (None, 'fsdp=2', 'fsdp=4', 'fsdp=8', 'data=2,fsdp=4',
           'fsdp=4,tensor=2')
@@ -93,9 +94,7 @@ def run_rss(mesh, extra, steps=4):
                             text=True, check=False)
     if result.returncode:
       raise RuntimeError(f'run on {mesh}: {result.stderr[-3000:]}')
-    with open(os.path.join(output_dir, 'results.json')) as f:
-      results = json.load(f)
-  return results['process_peak_rss_bytes']
+    return api.read_results(output_dir).process_peak_rss_bytes
 
 
 def _mib(n):

@@ -131,17 +131,16 @@ def finished_runs(root: Optional[str] = None) -> list[dict]:
   rows = []
   for path in sorted(glob.glob(os.path.join(root or ROOT, '*',
                                             'results.json'))):
-    with open(path) as f:
-      done = json.load(f)
-    config = done['config']
+    done = api.RunResults.read(path)
+    config = done.config
     rows.append({
-        'task': lr_sweep.run_task(config),
-        'optimizer': done['optimizer'],
-        'learning_rate': done['learning_rate'],
+        'task': lr_sweep.run_task(done),
+        'optimizer': done.optimizer,
+        'learning_rate': done.learning_rate,
         'lr_given': config['lr'] is not None, 'steps': config['steps'],
         'seed': config['seed'],
-        'accuracy_after': done['after']['accuracy'],
-        'accuracy_before': done['before']['accuracy']})
+        'accuracy_after': done.after['accuracy'],
+        'accuracy_before': done.before['accuracy']})
     if settings_of(config):
       rows[-1]['settings'] = settings_of(config)
   return rows

@@ -11,6 +11,7 @@ from examples.finetune import corpora
 from examples.finetune import flags
 from examples.finetune import preparation
 from examples.finetune import tasks
+from tests.support.run_results import run_results
 
 
 @pytest.mark.parametrize('raw, clean', [
@@ -88,7 +89,8 @@ def test_the_benchmarks_tasks_are_the_registrys():
     ({'task': 'text', 'train_file': 'data/bbc-train.jsonl'}, 'bbc'),
 ])
 def test_a_runs_task_is_read_from_its_config(config, task):
-  assert lr_sweep.run_task(config) == task
+  assert lr_sweep.run_task(
+      run_results(task=config['task'], config=config)) == task
 
 
 def _result(root, name, optimizer, lr, given, seed, after, task='trec',
@@ -96,13 +98,14 @@ def _result(root, name, optimizer, lr, given, seed, after, task='trec',
   directory = os.path.join(root, name)
   os.makedirs(directory)
   with open(os.path.join(directory, 'results.json'), 'w') as f:
-    json.dump({'optimizer': optimizer, 'learning_rate': lr,
-               'after': {'accuracy': after}, 'before': {'accuracy': 0.2},
-               'config': {'task': 'text', 'lr': lr if given else None,
-                          'steps': steps, 'seed': seed,
-                          'train_file': f'data/{task}-train.jsonl',
-                          'taco_k': 16, 'taco_mu': 0.95,
-                          'warmup_steps': None, **config}}, f)
+    json.dump(run_results(
+        optimizer=optimizer, learning_rate=lr, task='text',
+        after={'accuracy': after}, before={'accuracy': 0.2},
+        config={'task': 'text', 'lr': lr if given else None,
+                'steps': steps, 'seed': seed,
+                'train_file': f'data/{task}-train.jsonl',
+                'taco_k': 16, 'taco_mu': 0.95,
+                'warmup_steps': None, **config}).to_json(), f)
 
 
 def test_table_gives_means_errors_and_paired_differences(tmp_path,

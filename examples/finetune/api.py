@@ -28,6 +28,8 @@ example:
   abstract parameters), :func:`device_bytes`, :func:`plan_memory_on_mesh`
   (one device's predicted peak: a :class:`MemoryPlan`),
   ``COLUMN_BLOCK_ELEMENTS`` (the layer-wise step's column blocks);
+* results: :class:`RunResults` (a run's ``results.json``, typed) and
+  :func:`read_results` (a run directory's, ``None`` before it finished);
 * reports: :class:`StepTimes`, :func:`seed_summary` (mean and standard
   error over seeds), :func:`format_bytes`,
   :func:`write_json_atomic`;
@@ -53,6 +55,7 @@ from examples.finetune import mesh_memory_plan
 from examples.finetune import optimizers as optimizers_lib
 from examples.finetune import preparation
 from examples.finetune import report as report_lib
+from examples.finetune import results as results_lib
 from examples.finetune import seeds as seeds_lib
 from examples.finetune import tasks as tasks_lib
 from examples.finetune import trainers as trainers_lib
@@ -71,7 +74,7 @@ __all__ = [
     'seed_summary', 'with_shardings',
     'completion_loss', 'decoder_hints', 'encode', 'evaluate', 'format_bytes',
     'default_warmup', 'held_out_set', 'layered_model', 'linear_schedule',
-    'load_model', 'task',
+    'load_model', 'task', 'RunResults', 'read_results',
     'model_config', 'new_decoder', 'optimizer', 'peak_memory', 'plan_memory',
     'smollm2_tokenizer', 'tokenize', 'training_batches', 'training_tokens',
     'tree_bytes', 'tweets', 'write_json_atomic',
@@ -267,6 +270,8 @@ def plan_memory_on_mesh(config: ModelConfig, mesh_shape: dict[str, int], *,
 
 StepTimes = report_lib.StepTimes
 seed_summary = seeds_lib.summary
+RunResults = results_lib.RunResults
+read_results = results_lib.find
 format_bytes = report_lib.format_bytes
 write_json_atomic = report_lib.write_json_atomic
 
