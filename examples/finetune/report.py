@@ -41,7 +41,7 @@ class StepTimes:
   carries one-off work (dispatch warm-up, and compilation where the step was
   not compiled ahead), so it is left out; until a second step is timed the
   throughput is 0.0. ``train_seconds`` is the time of every step. The
-  example's loop and the quality benchmark (``benchmarks/_quality_runs.py``)
+  example's loop and the quality benchmark (``benchmarks/quality/runs.py``)
   both time their steps with this class, so their figures mean the same.
 
   Args:
