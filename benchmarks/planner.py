@@ -27,7 +27,6 @@ import sys
 import jax.numpy as jnp
 
 from benchmarks import memory
-from benchmarks import mesh_plan
 from benchmarks import presets
 from benchmarks import provenance
 from examples.finetune import api
@@ -122,7 +121,7 @@ def validate_mesh(batch=8, seq=64, dtype=jnp.float32,
   ratios = []
   for name, layers, mesh in rows:
     hf = dict(presets.PRESETS[name], num_hidden_layers=layers)
-    got = mesh_plan.compiled_in_subprocess(
+    got = memory.compiled_on_mesh_in_subprocess(
         hf, mesh, dtype=dtype, batch=batch, seq=seq, num_layers=None)
     predicted = plan_on_mesh(hf, api.parse_mesh(mesh), batch=batch,
                              seq=seq, dtype=dtype)

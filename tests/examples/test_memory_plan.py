@@ -6,7 +6,6 @@ import optax
 import pytest
 
 from benchmarks import memory
-from benchmarks import mesh_plan
 from benchmarks import presets
 from examples.finetune import api
 from examples.finetune import memory_plan
@@ -164,7 +163,7 @@ def test_mesh_formula_tracks_the_compiled_steps(layers):
   # the formula within 10 % of XLA's per-device peak for both steps, at two
   # depths (a depth error in the plain step's gathers shows at the second).
   hf_config = dict(presets.PRESETS['smollm2-135m'], num_hidden_layers=layers)
-  compiled = mesh_plan.compiled_in_subprocess(
+  compiled = memory.compiled_on_mesh_in_subprocess(
       hf_config, 'fsdp=8', dtype=jnp.float32, batch=8, seq=64,
       num_layers=None)
   predicted = memory_plan.plan_on_mesh(hf_config, {'fsdp': 8}, batch=8,
