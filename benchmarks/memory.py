@@ -67,13 +67,18 @@ import taco_optax
 SMOLLM2_135M = presets.PRESETS['smollm2-135m']
 
 
+def compiled_peak(stats) -> int:
+  """Peak bytes of a compiled program from its ``memory_analysis()``:
+  arguments + outputs - donated aliases + temporaries."""
+  return (stats.argument_size_in_bytes + stats.output_size_in_bytes
+          - stats.alias_size_in_bytes + stats.temp_size_in_bytes)
+
+
 def peak_bytes(fn, args, donate=()):
   """(peak, temp) bytes of ``jit(fn)`` compiled for ``args``."""
   compiled = jax.jit(fn, donate_argnums=donate).lower(*args).compile()
   stats = compiled.memory_analysis()
-  peak = (stats.argument_size_in_bytes + stats.output_size_in_bytes
-          - stats.alias_size_in_bytes + stats.temp_size_in_bytes)
-  return peak, stats.temp_size_in_bytes
+  return compiled_peak(stats), stats.temp_size_in_bytes
 
 
 def plain_step(loss, tx):
@@ -249,8 +254,7 @@ def _analysis(compiled):
   stats = compiled.memory_analysis()
   return {'arguments': stats.argument_size_in_bytes,
           'temporaries': stats.temp_size_in_bytes,
-          'peak': (stats.argument_size_in_bytes + stats.output_size_in_bytes
-                   - stats.alias_size_in_bytes + stats.temp_size_in_bytes)}
+          'peak': compiled_peak(stats)}
 
 
 def compiled_on_mesh(hf_config, mesh_spec, *, dtype, batch, seq, num_layers,

@@ -46,6 +46,7 @@ import subprocess
 import sys
 import tempfile
 
+from benchmarks import memory as memory_lib
 from benchmarks import peak_buffers
 from benchmarks import provenance
 from examples.finetune import api
@@ -82,11 +83,6 @@ def large_buffers(hlo_text: str, at_least: int) -> collections.Counter:
   return found
 
 
-def _peak(memory) -> int:
-  return (memory.argument_size_in_bytes + memory.output_size_in_bytes
-          - memory.alias_size_in_bytes + memory.temp_size_in_bytes)
-
-
 def measure(argv) -> dict:
   """The compiled step's per-device figures for the example's flags
   ``argv`` (and, when XLA dumped it, its peak's buffers)."""
@@ -102,7 +98,8 @@ def measure(argv) -> dict:
       arguments=memory.argument_size_in_bytes,
       outputs=memory.output_size_in_bytes,
       aliased=memory.alias_size_in_bytes,
-      temporaries=memory.temp_size_in_bytes, peak=_peak(memory),
+      temporaries=memory.temp_size_in_bytes,
+      peak=memory_lib.compiled_peak(memory),
       table_bytes=table.nbytes, table=f'{table.dtype}{list(table.shape)}',
       hlo=compiled.as_text())
 
