@@ -7,7 +7,7 @@ the left so that the completion and the text nearest to it survive.
 
 import json
 import os
-from typing import Iterable, Iterator, NamedTuple, Optional, Sequence, Union
+from typing import Iterator, NamedTuple, Optional, Sequence, Union
 
 import jax
 import jax.numpy as jnp
