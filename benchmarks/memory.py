@@ -29,15 +29,32 @@ run with ``--dtype float32`` as well.
 With ``--execute PATH`` (on a GPU; one path per process, since the device's
 ``peak_bytes_in_use`` only grows) it instead runs that path for a few steps
 on random weights and prints the measured peak and tokens/s.
+
+On a device mesh (``data`` x ``fsdp`` x ``tensor``, the example's sharding
+rule: ``examples/finetune/model/sharding.py``), :func:`compiled_on_mesh`
+compiles TACO's layer-wise step and AdamW's plain step for a Hugging Face
+config from abstract shapes, so a reduced-layer Qwen3-32B or Llama-3-70B
+compiles on a CPU with nothing allocated, and reads XLA's per-device
+``memory_analysis()``. It needs as many devices as the mesh
+(``XLA_FLAGS=--xla_force_host_platform_device_count=N``);
+:func:`compiled_on_mesh_in_subprocess` starts a process with them, and
+``python -m benchmarks.planner --validate-mesh`` compares it with the
+example's prediction.
 """
 
 import argparse
+import json
+import math
+import os
+import subprocess
 import sys
 import time
 from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 import optax
 
 from benchmarks import presets
@@ -45,17 +62,23 @@ from benchmarks import provenance
 from examples.finetune import api
 import taco_optax
 
+
 # SmolLM2-135M (Hugging Face config.json, Llama architecture).
 SMOLLM2_135M = presets.PRESETS['smollm2-135m']
+
+
+def compiled_peak(stats) -> int:
+  """Peak bytes of a compiled program from its ``memory_analysis()``:
+  arguments + outputs - donated aliases + temporaries."""
+  return (stats.argument_size_in_bytes + stats.output_size_in_bytes
+          - stats.alias_size_in_bytes + stats.temp_size_in_bytes)
 
 
 def peak_bytes(fn, args, donate=()):
   """(peak, temp) bytes of ``jit(fn)`` compiled for ``args``."""
   compiled = jax.jit(fn, donate_argnums=donate).lower(*args).compile()
   stats = compiled.memory_analysis()
-  peak = (stats.argument_size_in_bytes + stats.output_size_in_bytes
-          - stats.alias_size_in_bytes + stats.temp_size_in_bytes)
-  return peak, stats.temp_size_in_bytes
+  return compiled_peak(stats), stats.temp_size_in_bytes
 
 
 def plain_step(loss, tx):
@@ -207,6 +230,88 @@ def execute(path, *, dtype, scan_layers, batch, seq, num_layers, steps,
           'loss': float(value), 'device': jax.devices()[0].device_kind}
 
 
+# On a device mesh.
+
+def _with_state_shardings(tx, params):
+  state = jax.eval_shape(tx.init, params)
+  shardings = taco_optax.state_shardings(tx, params)
+  return jax.tree.map(
+      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+      state, shardings)
+
+
+def _batch(mesh, batch, seq):
+  shape = dict(zip(mesh.axis_names, mesh.axis_sizes))
+  rows = (P(api.BATCH_AXES) if batch % math.prod(
+      shape[a] for a in api.BATCH_AXES) == 0 else P())
+  struct = lambda dtype: jax.ShapeDtypeStruct(
+      (batch, seq), dtype, sharding=NamedSharding(mesh, rows))
+  return jax.eval_shape(token_batch, struct(jnp.int32),
+                        struct(jnp.bool_))
+
+
+def _analysis(compiled):
+  stats = compiled.memory_analysis()
+  return {'arguments': stats.argument_size_in_bytes,
+          'temporaries': stats.temp_size_in_bytes,
+          'peak': compiled_peak(stats)}
+
+
+def compiled_on_mesh(hf_config, mesh_spec, *, dtype, batch, seq, num_layers,
+             scan_layers=False):
+  """Per-device compiled figures (bytes) of both steps on ``mesh_spec``."""
+  mesh = api.make_mesh(mesh_spec)
+  with jax.set_mesh(mesh):
+    config, decoder = abstract_decoder(
+        hf_config, dtype=dtype, scan_layers=scan_layers,
+        num_layers=num_layers)
+    params = api.with_shardings(decoder.params, mesh)
+    tokens = _batch(mesh, batch, seq)
+    taco = api.optimizer('taco').build(3e-5, api.decoder_hints(config))
+    step = taco_optax.layerwise.train_step(
+        decoder.loss, taco,
+        column_block_elements=api.COLUMN_BLOCK_ELEMENTS)
+    taco_state = _with_state_shardings(taco, params)
+    adamw = optax.adamw(1e-5)
+    adamw_state = _with_state_shardings(adamw, params)
+    lower = lambda fn, state: jax.jit(fn, donate_argnums=(0, 1)).lower(
+        params, state, tokens).compile()
+    figures = {
+        'taco layerwise': _analysis(lower(step, taco_state)),
+        'adamw plain': _analysis(lower(
+            plain_step(decoder.loss, adamw), adamw_state)),
+    }
+  figures['weights'] = api.device_bytes(params)
+  figures['taco_state'] = api.device_bytes(taco_state)
+  figures['adamw_state'] = api.device_bytes(adamw_state)
+  return figures
+
+
+def devices_of(mesh_spec: str) -> int:
+  return math.prod(api.parse_mesh(mesh_spec).values())
+
+
+def compiled_on_mesh_in_subprocess(hf_config, mesh_spec, *, dtype, batch, seq,
+                           num_layers, scan_layers=False):
+  """:func:`compiled_on_mesh` in a fresh process with the mesh's CPU
+  devices."""
+  request = dict(hf_config=hf_config, mesh_spec=mesh_spec,
+                 dtype=jnp.dtype(dtype).name, batch=batch, seq=seq,
+                 num_layers=num_layers, scan_layers=scan_layers)
+  env = dict(os.environ, JAX_PLATFORMS='cpu')
+  env['XLA_FLAGS'] = (env.get('XLA_FLAGS', '') + ' --xla_force_host_'
+                      f'platform_device_count={devices_of(mesh_spec)}').strip()
+  result = subprocess.run(
+      [sys.executable, '-m', 'benchmarks.memory', '--on-mesh',
+       json.dumps(request)],
+      env=env, capture_output=True, text=True, check=False)
+  lines = [l for l in result.stdout.splitlines() if l.startswith('JSON ')]
+  if result.returncode or not lines:
+    raise RuntimeError(f'{mesh_spec}: exit {result.returncode}\n'
+                       + result.stderr[-3000:])
+  return json.loads(lines[-1][5:])
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
   parser.add_argument('--dtype', default='bfloat16')
@@ -223,10 +328,17 @@ def main():
   parser.add_argument('--write', metavar='PATH', default=None,
                       help='also write the output, with its provenance, as '
                       'Markdown')
+  parser.add_argument('--on-mesh', metavar='REQUEST', default=None,
+                      help='compile both steps on a mesh from a JSON request '
+                      '(compiled_on_mesh_in_subprocess\'s child process)')
   args = parser.parse_args()
+  if args.on_mesh:
+    request = json.loads(args.on_mesh)
+    request['dtype'] = jnp.dtype(request['dtype'])
+    print('JSON ' + json.dumps(compiled_on_mesh(**request)))
+    return
   dtype = jnp.dtype(args.dtype)
   if args.execute:
-    import json  # pylint: disable=import-outside-toplevel
     print(json.dumps(execute(args.execute, dtype=dtype,
                              scan_layers=not args.unrolled, batch=args.batch,
                              seq=args.seq, num_layers=args.layers,

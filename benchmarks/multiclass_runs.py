@@ -1,9 +1,9 @@
 """TACO against AdamW on the multi-class tasks, over seeds (issue 33).
 
 Every point is one run of the fine-tuning CLI, as a user runs it, one
-process at a time, on a task of :mod:`benchmarks.multiclass_task` (``bbc``:
-BBC News topics, 5 classes; ``trec``: TREC question types, 6 classes) or the
-embedded ``tweets``, scored on 200 held-out examples. The grid is the product
+process at a time, on a task of the example's registry (``bbc``:
+BBC News topics, 5 classes; ``trec``: TREC question types, 6 classes; the
+embedded ``tweets``), scored on 200 held-out examples. The grid is the product
 of the flags; ``rule`` as a rate is the CLI's own budget rule (the rate it
 picked is read back from results.json).
 
@@ -43,7 +43,6 @@ import time
 from typing import Optional
 
 from benchmarks import lr_sweep
-from benchmarks import multiclass_task
 from benchmarks import provenance
 from examples.finetune import api
 
@@ -71,9 +70,7 @@ class Point:
                         f'{self.steps}-seed{self.seed}{variant}')
 
   def flags(self) -> list[str]:
-    task = ([] if self.task == 'tweets' else
-            multiclass_task.task_flags(self.task, os.path.join(ROOT, 'data')))
-    flags = [*task, '--eval-size', str(EVAL_SIZE), '--no-checkpoint',
+    flags = [*lr_sweep.task_flags(self.task), '--eval-size', str(EVAL_SIZE), '--no-checkpoint',
              '--no-progress', '--optimizer', self.optimizer,
              '--steps', str(self.steps), '--seed', str(self.seed)]
     for setting in self.settings.split():
@@ -134,18 +131,16 @@ def finished_runs(root: Optional[str] = None) -> list[dict]:
   rows = []
   for path in sorted(glob.glob(os.path.join(root or ROOT, '*',
                                             'results.json'))):
-    with open(path) as f:
-      done = json.load(f)
-    config = done['config']
+    done = api.RunResults.read(path)
+    config = done.config
     rows.append({
-        'task': (os.path.basename(config['train_file']).split('-')[0]
-                 if config['task'] == 'text' else config['task']),
-        'optimizer': done['optimizer'],
-        'learning_rate': done['learning_rate'],
+        'task': lr_sweep.run_task(done),
+        'optimizer': done.optimizer,
+        'learning_rate': done.learning_rate,
         'lr_given': config['lr'] is not None, 'steps': config['steps'],
         'seed': config['seed'],
-        'accuracy_after': done['after']['accuracy'],
-        'accuracy_before': done['before']['accuracy']})
+        'accuracy_after': done.after['accuracy'],
+        'accuracy_before': done.before['accuracy']})
     if settings_of(config):
       rows[-1]['settings'] = settings_of(config)
   return rows
@@ -250,7 +245,7 @@ def _rate(lr, optimizer, steps):
 
 
 def _classes(task: str) -> int:
-  return 2 if task == 'tweets' else len(multiclass_task.TASKS[task].labels)
+  return len(api.task(task).labels)
 
 
 def summary(data: dict, steps: int = 40) -> None:

@@ -24,12 +24,9 @@ import argparse
 import json
 import sys
 
-import jax
 import jax.numpy as jnp
-import optax
 
 from benchmarks import memory
-from benchmarks import mesh_plan
 from benchmarks import presets
 from benchmarks import provenance
 from examples.finetune import api
@@ -37,72 +34,10 @@ from examples.finetune import api
 GB = api.GB
 
 
-def plan(hf_config, *, batch, seq, dtype=jnp.bfloat16, scan_layers=True,
-         remat=True):
-  """Predicted peak bytes of TACO and AdamW for a Hugging Face config.
-
-  Args:
-    hf_config: a ``config.json`` as a dict.
-    batch: sequences per step.
-    seq: tokens per sequence.
-    dtype: parameter (and compute) dtype.
-    scan_layers: stacked layers (``lax.scan``) or unrolled ones.
-    remat: recompute each block in the backward pass of the plain step.
-
-  Returns:
-    A dict of the model ``config``, the bytes of ``weights``, ``taco_state``,
-    ``adamw_state``, ``saved_inputs``, ``head_phase``, ``layer_phase``,
-    ``position_grads``, and ``peaks``: predicted peak bytes per method.
-  """
-  config = api.model_config(hf_config)
-  formula = api.plan_memory(config, dtype=dtype, batch=batch, seq=seq,
-                            scan_layers=scan_layers, remat=remat)
-  plan_terms, params = formula.terms, formula.params
-  taco = api.optimizer('taco').build(3e-5, api.decoder_hints(config))
-  taco_state = api.tree_bytes(jax.eval_shape(taco.init, params))
-  adamw_state = api.tree_bytes(
-      jax.eval_shape(optax.adamw(1e-5).init, params))
-  adamw_state_f32 = 8 * plan_terms.weights // jnp.dtype(dtype).itemsize
-  return {
-      'config': config, 'weights': plan_terms.weights,
-      'taco_state': taco_state, 'adamw_state': adamw_state,
-      'saved_inputs': plan_terms.saved_inputs,
-      'head_phase': plan_terms.head_phase,
-      'layer_phase': plan_terms.layer_phase,
-      'position_grads': plan_terms.embed_matrix_grads,
-      'peaks': {
-          'taco layerwise': formula.layerwise_peak(taco_state),
-          'taco plain': formula.plain_peak(taco_state),
-          'adamw plain': formula.plain_peak(adamw_state),
-          'adamw plain, f32 moments': formula.plain_peak(adamw_state_f32),
-      },
-  }
-
-
-def plan_on_mesh(hf_config, mesh_shape, *, batch, seq, dtype=jnp.bfloat16):
-  """Predicted per-device peak bytes of TACO and AdamW on a mesh.
-
-  The CLI's layout (unrolled layers, remat) and sharding rule; each device's
-  weights and optimizer state are exact (shapes on an abstract mesh: no
-  devices needed), the rest is the example's formula
-  (``mesh_memory_plan.mesh_terms``).
-
-  Returns:
-    A dict of ``config``, ``terms`` (one device's ``MeshTerms``),
-    ``taco_state``, ``adamw_state`` (one device's bytes) and ``peaks``.
-  """
-  config = api.model_config(hf_config)
-  formula = api.plan_memory_on_mesh(config, mesh_shape, dtype=dtype,
-                                    batch=batch, seq=seq)
-  taco = api.optimizer('taco').build(3e-5, api.decoder_hints(config))
-  taco_state = formula.state_bytes(taco)
-  adamw_state = formula.state_bytes(optax.adamw(1e-5))
-  return {
-      'config': config, 'terms': formula.terms, 'taco_state': taco_state,
-      'adamw_state': adamw_state,
-      'peaks': {'taco layerwise': formula.layerwise_peak(taco_state),
-                'adamw plain': formula.plain_peak(adamw_state)},
-  }
+# The example's planner (``examples/finetune/memory_plan.py``): a config's
+# predicted peak per method, on one device and on a mesh.
+plan = api.plan_peaks
+plan_on_mesh = api.plan_peaks_on_mesh
 
 
 # The paper's measured peak memory of TACO on SST-2, in GB (OPT-13B: Figure 4;
@@ -186,7 +121,7 @@ def validate_mesh(batch=8, seq=64, dtype=jnp.float32,
   ratios = []
   for name, layers, mesh in rows:
     hf = dict(presets.PRESETS[name], num_hidden_layers=layers)
-    got = mesh_plan.compiled_in_subprocess(
+    got = memory.compiled_on_mesh_in_subprocess(
         hf, mesh, dtype=dtype, batch=batch, seq=seq, num_layers=None)
     predicted = plan_on_mesh(hf, api.parse_mesh(mesh), batch=batch,
                              seq=seq, dtype=dtype)

@@ -18,30 +18,29 @@ run's step.
 """
 
 import argparse
-import json
 import os
 import subprocess
 import sys
 import tempfile
 
 from benchmarks import provenance
+from examples.finetune import api
 
 DEFAULT_EXAMPLE_ARGS = ('--steps', '3', '--eval-size', '8')
 
 
-def run_example(example_args, cache_dir, output_dir):
+def run_example(example_args, cache_dir, output_dir) -> api.RunResults:
   """One example run; its ``results.json``."""
   command = [sys.executable, '-m', 'examples.finetune', *example_args,
              '--compilation-cache-dir', cache_dir, '--output-dir', output_dir]
   subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
-  with open(os.path.join(output_dir, 'results.json')) as f:
-    return json.load(f)
+  return api.read_results(output_dir)
 
 
 def rows(results):
   """``[(run, train step, compile s, wall s)]`` of the runs' results."""
-  return [(name, r['compilation_cache']['train_step'], r['compile_seconds'],
-           r['wall_seconds']) for name, r in results.items()]
+  return [(name, r.compilation_cache['train_step'], r.compile_seconds,
+           r.wall_seconds) for name, r in results.items()]
 
 
 def table(results):
@@ -49,8 +48,7 @@ def table(results):
   lines = [f'{"run":<8}{"train step":>12}{"compile s":>11}{"wall s":>9}']
   lines += [f'{name:<8}{step:>12}{compile_s:>11.1f}{wall_s:>9.1f}'
             for name, step, compile_s, wall_s in rows(results)]
-  cold, warm = results['cold']['compile_seconds'], results['warm'][
-      'compile_seconds']
+  cold, warm = results['cold'].compile_seconds, results['warm'].compile_seconds
   lines.append(f'cold_compile_s={cold:.1f} warm_compile_s={warm:.1f} '
                f'warm_over_cold={warm / cold:.3f}')
   return '\n'.join(lines)

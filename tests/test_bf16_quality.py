@@ -1,16 +1,18 @@
 """The bf16 quality table: its rows and the target's verdict."""
 
 from benchmarks import bf16_quality
+from tests.support.run_results import run_results
 
 
 def _results(before, after, rounding='stochastic', landed=(0.5, 0.25)):
-  return {'metric': 'accuracy', 'before': {'accuracy': before},
-          'after': {'accuracy': after}, 'rounding': rounding,
-          'parameter_bytes': 2**20, 'optimizer_state_bytes': 2**19,
-          'tokens_per_second': 95.4,
-          'landed_updates': {
-              'matrices': {'landed': 1, 'moved': 2, 'share': landed[0]},
-              'vectors': {'landed': 1, 'moved': 4, 'share': landed[1]}}}
+  return run_results(
+      metric='accuracy', before={'accuracy': before},
+      after={'accuracy': after}, rounding=rounding,
+      parameter_bytes=2**20, optimizer_state_bytes=2**19,
+      tokens_per_second=95.4,
+      landed_updates={
+          'matrices': {'landed': 1, 'moved': 2, 'share': landed[0]},
+          'vectors': {'landed': 1, 'moved': 4, 'share': landed[1]}})
 
 
 def test_every_task_runs_both_optimizers_each_rounding_and_float32():

@@ -12,7 +12,7 @@ import types
 from examples.finetune import api
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-BENCHMARKS = sorted((ROOT / 'benchmarks').glob('*.py'))
+BENCHMARKS = sorted((ROOT / 'benchmarks').rglob('*.py'))
 SURFACE = 'examples.finetune.api'
 # Methods every namedtuple has: public, despite their leading underscore.
 NAMEDTUPLE_METHODS = frozenset({'_replace', '_asdict', '_fields', '_make',

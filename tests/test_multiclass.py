@@ -5,8 +5,13 @@ import os
 
 import pytest
 
+from benchmarks import lr_sweep
 from benchmarks import multiclass_runs
-from benchmarks import multiclass_task
+from examples.finetune import corpora
+from examples.finetune import flags
+from examples.finetune import preparation
+from examples.finetune import tasks
+from tests.support.run_results import run_results
 
 
 @pytest.mark.parametrize('raw, clean', [
@@ -17,7 +22,7 @@ from benchmarks import multiclass_task
     ('  How   far  ?  ', 'How far?'),
 ])
 def test_detokenize_undoes_the_files_spacing(raw, clean):
-  assert multiclass_task.detokenize(raw) == clean
+  assert corpora.detokenize(raw) == clean
 
 
 def _trec_package(tmp_path, lines):
@@ -32,7 +37,7 @@ def test_trec_records_are_the_distinct_questions_with_coarse_labels(tmp_path):
       'NUM:date When was it built ?', 'HUM:ind Who built it ?', '',
       'NUM:date When was it built ?',  # the nested sets repeat questions
       'ABBR:exp What does NASA stand for ?'])
-  assert multiclass_task.trec_records(root) == [
+  assert corpora.trec_records(root) == [
       {'text': 'When was it built?', 'label': 5},
       {'text': 'Who built it?', 'label': 3},
       {'text': 'What does NASA stand for?', 'label': 0}]
@@ -41,29 +46,51 @@ def test_trec_records_are_the_distinct_questions_with_coarse_labels(tmp_path):
 def test_a_question_with_two_labels_is_refused(tmp_path):
   root = _trec_package(tmp_path, ['NUM:date When ?', 'LOC:city When ?'])
   with pytest.raises(ValueError, match='two labels'):
-    multiclass_task.trec_records(root)
+    corpora.trec_records(root)
 
 
-def test_files_are_a_balanced_held_out_split_written_once(tmp_path,
-                                                          monkeypatch):
+def test_a_task_with_its_own_records_splits_them_once_balanced(monkeypatch):
   records = [{'text': f'q{i}', 'label': i % 3} for i in range(150)]
-  task = multiclass_task.Task('toy', 'json', '', lambda root: records,
-                              (0, 1, 2), ('a', 'b', 'c'), '{text}\nX:')
-  monkeypatch.setitem(multiclass_task.TASKS, 'toy', task)
-  monkeypatch.setattr(multiclass_task, 'package_dir', lambda task: '')
-  train, test = multiclass_task.write_files('toy', str(tmp_path))
-  read = lambda p: [json.loads(l) for l in open(p)]
-  held = read(test)
-  assert sorted(r['label'] for r in held) == [0] * 40 + [1] * 40 + [2] * 40
-  assert len(read(train)) == 30
-  assert not {r['text'] for r in held} & {r['text'] for r in read(train)}
-  assert sorted(os.listdir(tmp_path)) == ['toy-test.jsonl', 'toy-train.jsonl']
-  records.clear()  # a second call reads nothing: the files are kept
-  assert multiclass_task.write_files('toy', str(tmp_path)) == (train, test)
-  assert len(read(test)) == 120
-  assert multiclass_task.task_flags('toy', str(tmp_path)) == [
-      '--task', 'text', '--train-file', train, '--test-file', test,
-      '--label-words', '0=a,1=b,2=c', '--template', '{text}\nX:']
+  toy = tasks.text_classification({'0': ' a', '1': ' b', '2': ' c'},
+                                  '{text}\nX:', 'toy', lambda: records, 40)
+  train, test = toy.split()
+  assert sorted(r['label'] for r in test) == [0] * 40 + [1] * 40 + [2] * 40
+  assert len(train) == 30
+  assert not {r['text'] for r in test} & {r['text'] for r in train}
+  assert toy.split() == (train, test), 'a fixed split'
+  # The CLI's --task reads the registry: the same split, scored examples.
+  monkeypatch.setitem(tasks.TASKS, 'trec', toy)
+  task, train_examples, held_out = preparation.load_task(
+      flags.RunConfig(task='trec', eval_size=6))
+  assert task is toy
+  assert train_examples == [toy.example(r) for r in train]
+  assert sorted(e.label for e in held_out) == [0, 0, 1, 1, 2, 2]
+  with pytest.raises(flags.FinetuneError, match='its own records'):
+    preparation.load_task(flags.RunConfig(task='trec', train_file='x.jsonl'))
+
+
+def test_the_benchmarks_tasks_are_the_registrys():
+  for name in ('tweets', 'bbc', 'trec'):
+    assert lr_sweep.task_flags(name) == ['--task', name]
+    assert name in tasks.TASK_NAMES and tasks.TASKS[name].records is not None
+  assert len(tasks.TASKS['bbc'].labels) == 5
+  assert len(tasks.TASKS['trec'].labels) == 6
+  trec = tasks.TASKS['trec'].example({'text': 'Who?', 'label': 3})
+  assert (trec.prompt, trec.target) == ('Who?\nAnswer type:', ' human')
+  bbc = tasks.TASKS['bbc'].example({'text': 'A. B.', 'label': 'sport'})
+  assert (bbc.prompt, bbc.target) == ('A. B.\nTopic:', ' sport')
+
+
+@pytest.mark.parametrize('config, task', [
+    ({'task': 'trec'}, 'trec'),
+    ({'task': 'tweets'}, 'tweets'),
+    # An earlier benchmark run: --task text over the files it wrote.
+    ({'task': 'text', 'train_file': 'runs/x/data/trec-train.jsonl'}, 'trec'),
+    ({'task': 'text', 'train_file': 'data/bbc-train.jsonl'}, 'bbc'),
+])
+def test_a_runs_task_is_read_from_its_config(config, task):
+  assert lr_sweep.run_task(
+      run_results(task=config['task'], config=config)) == task
 
 
 def _result(root, name, optimizer, lr, given, seed, after, task='trec',
@@ -71,13 +98,14 @@ def _result(root, name, optimizer, lr, given, seed, after, task='trec',
   directory = os.path.join(root, name)
   os.makedirs(directory)
   with open(os.path.join(directory, 'results.json'), 'w') as f:
-    json.dump({'optimizer': optimizer, 'learning_rate': lr,
-               'after': {'accuracy': after}, 'before': {'accuracy': 0.2},
-               'config': {'task': 'text', 'lr': lr if given else None,
-                          'steps': steps, 'seed': seed,
-                          'train_file': f'data/{task}-train.jsonl',
-                          'taco_k': 16, 'taco_mu': 0.95,
-                          'warmup_steps': None, **config}}, f)
+    json.dump(run_results(
+        optimizer=optimizer, learning_rate=lr, task='text',
+        after={'accuracy': after}, before={'accuracy': 0.2},
+        config={'task': 'text', 'lr': lr if given else None,
+                'steps': steps, 'seed': seed,
+                'train_file': f'data/{task}-train.jsonl',
+                'taco_k': 16, 'taco_mu': 0.95,
+                'warmup_steps': None, **config}).to_json(), f)
 
 
 def test_table_gives_means_errors_and_paired_differences(tmp_path,
@@ -141,7 +169,7 @@ def test_grid_is_the_product_of_the_flags():
   assert points[1].lr == 2e-4
   tweets = multiclass_runs.Point('tweets', 'adamw', 3e-5, 160, 2)
   assert tweets.flags() == [
-      '--eval-size', '200', '--no-checkpoint', '--no-progress',
+      '--task', 'tweets', '--eval-size', '200', '--no-checkpoint', '--no-progress',
       '--optimizer', 'adamw', '--steps', '160', '--seed', '2', '--lr',
       '3e-05']
 

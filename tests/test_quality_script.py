@@ -1,4 +1,4 @@
-"""Smoke test of the quality benchmark's machinery (benchmarks/quality.py).
+"""Smoke test of the quality benchmark's machinery (benchmarks/quality/).
 
 A tiny random Llama stands in for SmolLM2; the tweets and the SmolLM2
 tokenizer are the real ones (skipped when their packages are missing). The
@@ -12,7 +12,7 @@ import json
 
 import pytest
 
-from benchmarks import _quality_report
+from benchmarks.quality import report as quality_report
 from benchmarks import quality
 
 _MATPLOTLIB = importlib.util.find_spec('matplotlib') is not None
@@ -99,7 +99,7 @@ def test_report_says_where_taco_loses(tmp_path):
   data = {'meta': {'budget': budget, 'parameter_bytes': 4000},
           'runs': runs, 'memory': {}, 'stages_done': ['main'], 'errors': [],
           'best_learning_rates': {'taco': 1e-4, 'adamw': 1e-5}}
-  report = _quality_report.render(data, str(tmp_path))
+  report = quality_report.render(data, str(tmp_path))
   assert 'TACO reaches 61.0 +- 1.4%' in report
   assert 'better than TACO by more than the summed stds: adamw' in report
   assert 'here TACO loses to the peers named' in report

@@ -67,15 +67,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return 2
   if not processes_lib.is_leader():
     return 0
-  if results.get('eval_only'):
+  if config.eval_only:
     _print_evaluation(results)
     return 0
   print()
   print(report_lib.results_table(results))
-  output_dir = results['config']['output_dir']
+  output_dir = results.config['output_dir']
   print(f'\nresults: {os.path.join(output_dir, "results.json")}')
-  if results.get('exported_to'):
-    print(f'model: {results["exported_to"]} (transformers: '
+  if results.exported_to:
+    print(f'model: {results.exported_to} (transformers: '
           'AutoModelForCausalLM.from_pretrained of that folder)')
   return 0
 

@@ -12,20 +12,26 @@ example:
   and its learning-rate rule), :class:`TacoSettings`, :func:`decoder_hints`,
   :func:`linear_schedule` (the warm-up/decay schedule) and
   :func:`default_warmup` (its warm-up without ``--warmup-steps``);
-* data and evaluation: :func:`tweets`, ``TWEETS_LABEL_WORDS`` (label ->
-  scored completion of the tweets task), :func:`balanced_split`,
+* tasks, data and evaluation: :func:`task` (a ``--task`` entry of the one
+  registry: its format, metric, labels and own records), :func:`tweets`,
+  ``TWEETS_LABEL_WORDS`` (label -> scored completion of the tweets task),
+  :func:`balanced_split`,
   :class:`TokenizedExample`, :func:`encode`, :func:`tokenize`,
   :func:`training_tokens`, :class:`Batch`, :class:`ChoiceBatch` (prompts
   scored over their candidate tokens), :func:`training_batches`,
   :func:`completion_loss`, :func:`held_out_set`, :func:`evaluate`;
 * memory: :func:`tree_bytes`, ``GB`` (10**9 bytes, the planner's unit),
   :func:`plan_memory` (the predicted peak: a :class:`MemoryPlan`),
+  :func:`plan_peaks` (a Hugging Face config's predicted peak per method),
   :func:`peak_memory` (a compiled step's), :class:`LayerwiseTacoTrainer`;
 * meshes: ``BATCH_AXES``, :func:`make_mesh`, :func:`parse_mesh`,
   :func:`abstract_mesh`, :func:`with_shardings` (the sharding rule on
   abstract parameters), :func:`device_bytes`, :func:`plan_memory_on_mesh`
   (one device's predicted peak: a :class:`MemoryPlan`),
+  :func:`plan_peaks_on_mesh` (per method),
   ``COLUMN_BLOCK_ELEMENTS`` (the layer-wise step's column blocks);
+* results: :class:`RunResults` (a run's ``results.json``, typed) and
+  :func:`read_results` (a run directory's, ``None`` before it finished);
 * reports: :class:`StepTimes`, :func:`seed_summary` (mean and standard
   error over seeds), :func:`format_bytes`,
   :func:`write_json_atomic`;
@@ -38,19 +44,19 @@ from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 from flax import nnx
 import jax
-import jax.numpy as jnp
-import optax
 
+from examples.finetune import corpora
 from examples.finetune import data as data_lib
 from examples.finetune import evaluation as evaluation_lib
 from examples.finetune import flags as flags_lib
 from examples.finetune import losses as losses_lib
 from examples.finetune import memory_plan
-from examples.finetune import mesh_memory_plan
 from examples.finetune import optimizers as optimizers_lib
 from examples.finetune import preparation
 from examples.finetune import report as report_lib
+from examples.finetune import results as results_lib
 from examples.finetune import seeds as seeds_lib
+from examples.finetune import tasks as tasks_lib
 from examples.finetune import trainers as trainers_lib
 from examples.finetune.model import config as config_lib
 from examples.finetune.model import decoder as decoder_lib
@@ -67,7 +73,8 @@ __all__ = [
     'seed_summary', 'with_shardings',
     'completion_loss', 'decoder_hints', 'encode', 'evaluate', 'format_bytes',
     'default_warmup', 'held_out_set', 'layered_model', 'linear_schedule',
-    'load_model',
+    'load_model', 'task', 'RunResults', 'read_results', 'plan_peaks',
+    'plan_peaks_on_mesh',
     'model_config', 'new_decoder', 'optimizer', 'peak_memory', 'plan_memory',
     'smollm2_tokenizer', 'tokenize', 'training_batches', 'training_tokens',
     'tree_bytes', 'tweets', 'write_json_atomic',
@@ -136,11 +143,18 @@ def optimizer(name: str) -> optimizers_lib.OptimizerSpec:
 
 # Data and evaluation.
 
-TWEETS_LABEL_WORDS = data_lib.TWEETS_LABEL_WORDS
+def task(name: str) -> tasks_lib.Task:
+  """The ``--task`` entry ``name`` (not ``text``, which the flags define):
+  ``example(record)``, ``labels``, and for a task with its own records
+  ``records()`` and ``split()``, the fixed train / held-out split."""
+  return tasks_lib.TASKS[name]
+
+
+TWEETS_LABEL_WORDS = tasks_lib.TWEETS_LABEL_WORDS
 TokenizedExample = data_lib.TokenizedExample
 Batch = data_lib.Batch
 ChoiceBatch = data_lib.ChoiceBatch
-balanced_split = data_lib.balanced_split
+balanced_split = corpora.balanced_split
 encode = data_lib.encode
 tokenize = data_lib.tokenize
 training_batches = data_lib.training_batches
@@ -151,8 +165,9 @@ evaluate = evaluation_lib.evaluate
 def tweets(test_per_class: int):
   """``(task, train records, held-out records)`` of the default tweets task,
   ``test_per_class`` held-out tweets of each label (a fixed split)."""
-  train, test = data_lib.split_tweets(data_lib.read_tweets(), test_per_class)
-  return data_lib.tweets_task(), train, test
+  tweets_task = dataclasses.replace(tasks_lib.TASKS['tweets'],
+                                    test_per_class=test_per_class)
+  return (tweets_task, *tweets_task.split())
 
 
 def training_tokens(task, records, tokenizer) -> list[TokenizedExample]:
@@ -175,55 +190,9 @@ peak_memory = trainers_lib.peak_memory
 LayerwiseTacoTrainer = trainers_lib.LayerwiseTacoTrainer
 
 
-class MemoryPlan(NamedTuple):
-  """The example's memory formula (``memory_plan``) for one model, batch and
-  sequence length.
-
-  Attributes:
-    terms: the formula's terms in bytes (``weights``, ``saved_inputs``,
-      ``head_phase``, ``layer_phase``, ``embed_matrix_grads``, ...), or on a
-      mesh one device's (a ``mesh_memory_plan.MeshTerms``).
-    params: the abstract ``(outer, layers)`` parameters it was computed
-      from (on a mesh, with their shardings on an abstract mesh).
-  """
-  terms: memory_plan.Terms
-  params: Any
-
-  def state_bytes(self, tx: optax.GradientTransformation) -> int:
-    """Bytes of ``tx``'s state for :attr:`params`: one device's shards on
-    a mesh. The state is traced under the parameters' abstract mesh: outside
-    it jax >= 0.11 drops an abstract mesh's shardings from ``eval_shape``'s
-    outputs, and every moment would count whole."""
-    shardings = [getattr(x, 'sharding', None)
-                 for x in jax.tree.leaves(self.params)]
-    meshes = {s.mesh for s in shardings if s is not None}
-    context = (jax.sharding.use_abstract_mesh(*meshes) if meshes
-               else contextlib.nullcontext())
-    with context:
-      return device_bytes(jax.eval_shape(tx.init, self.params))
-
-  def layerwise_peak(self, state_bytes: int) -> int:
-    """Predicted peak bytes of the layer-wise TACO step."""
-    return self.terms.layerwise_peak(state_bytes)
-
-  def plain_peak(self, state_bytes: int) -> int:
-    """Predicted peak bytes of the plain ``value_and_grad -> update`` step.
-    """
-    return self.terms.plain_peak(state_bytes)
-
-
-def plan_memory(config: ModelConfig, *, dtype: Any, batch: int, seq: int,
-                scan_layers: bool = True, remat: bool = True) -> MemoryPlan:
-  """The :class:`MemoryPlan` of a ``config`` model with ``dtype`` parameters
-  trained on ``batch`` x ``seq`` tokens; shapes only, nothing is allocated.
-  """
-  # The bytes do not depend on the layout: the parameters are read stacked.
-  params = memory_plan.model_params(
-      new_decoder(config, dtype=dtype, scan_layers=True, abstract=True))
-  terms = memory_plan.terms(config, params, batch=batch, seq=seq,
-                            itemsize=jnp.dtype(dtype).itemsize,
-                            scan_layers=scan_layers, remat=remat)
-  return MemoryPlan(terms, params)
+MemoryPlan = memory_plan.MemoryPlan
+plan_memory = memory_plan.plan_memory
+plan_peaks = memory_plan.plan
 
 
 # Meshes.
@@ -232,29 +201,21 @@ BATCH_AXES = sharding_lib.BATCH_AXES
 COLUMN_BLOCK_ELEMENTS = memory_plan.COLUMN_BLOCK_ELEMENTS
 make_mesh = sharding_lib.make_mesh
 parse_mesh = sharding_lib.parse_mesh
-abstract_mesh = mesh_memory_plan.abstract_mesh
-with_shardings = mesh_memory_plan.with_shardings
-device_bytes = mesh_memory_plan.device_bytes
+abstract_mesh = memory_plan.abstract_mesh
+with_shardings = memory_plan.with_shardings
+device_bytes = memory_plan.device_bytes
 
 
-def plan_memory_on_mesh(config: ModelConfig, mesh_shape: dict[str, int], *,
-                        dtype: Any, batch: int, seq: int) -> MemoryPlan:
-  """The :class:`MemoryPlan` (one device's ``mesh_memory_plan.MeshTerms``, its
-  parameters with their shardings on an :func:`abstract_mesh`) of a ``config`` model on a ``data x fsdp x
-  tensor`` mesh of ``mesh_shape`` (the CLI's unrolled layers, remat); shapes
-  only, no devices needed."""
-  params = with_shardings(
-      layered_model(new_decoder(config, dtype=dtype, abstract=True)).params,
-      abstract_mesh(mesh_shape))
-  return MemoryPlan(mesh_memory_plan.mesh_terms(
-      config, params, mesh_shape=mesh_shape, batch=batch, seq=seq,
-      itemsize=jnp.dtype(dtype).itemsize), params)
+plan_memory_on_mesh = memory_plan.plan_memory_on_mesh
+plan_peaks_on_mesh = memory_plan.plan_on_mesh
 
 
 # Reports.
 
 StepTimes = report_lib.StepTimes
 seed_summary = seeds_lib.summary
+RunResults = results_lib.RunResults
+read_results = results_lib.find
 format_bytes = report_lib.format_bytes
 write_json_atomic = report_lib.write_json_atomic
 

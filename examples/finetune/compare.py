@@ -13,27 +13,29 @@ table is still printed. Paths that hold no ``results.json``
 """
 
 import argparse
-import json
 import os
 import sys
 from typing import Optional, Sequence
 
+from examples.finetune import results as results_lib
 from examples.finetune import seeds
 
 _MIB = 1024 ** 2
 
 
-def read_runs(directories: Sequence[str]) -> tuple[list[tuple[str, dict]],
-                                                   list[str]]:
+Runs = Sequence[tuple[str, results_lib.RunResults]]
+
+
+def read_runs(directories: Sequence[str]
+              ) -> tuple[list[tuple[str, results_lib.RunResults]], list[str]]:
   """``([(directory, results)], [skipped path])`` in the order given."""
   runs, skipped = [], []
   for directory in directories:
-    path = os.path.join(directory, 'results.json')
-    if not os.path.isfile(path):
+    found = results_lib.find(directory)
+    if found is None:
       skipped.append(directory)
-      continue
-    with open(path) as f:
-      runs.append((directory, json.load(f)))
+    else:
+      runs.append((directory, found))
   return runs, skipped
 
 
@@ -41,34 +43,33 @@ def _mib(n: Optional[int]) -> str:
   return 'n/a' if n is None else f'{n / _MIB:.1f}'
 
 
-def table(runs: Sequence[tuple[str, dict]]) -> str:
+def table(runs: Runs) -> str:
   """One row per run, columns aligned; the metric is each run's own."""
   header = ('run', 'optimizer', 'lr', 'steps', 'metric', 'before', 'after',
             'state MiB', 'peak MiB (compiled)', 'process peak RSS MiB',
             'tokens/s', 'wall s', 'params MiB', 'rounding')
   rows = [header]
   for directory, results in runs:
-    metric = results['metric']
     rows.append((
         os.path.basename(os.path.normpath(directory)),
-        results['optimizer'], f"{results['learning_rate']:g}",
-        str(len(results['losses'])), metric,
-        f"{results['before'][metric]:.4f}", f"{results['after'][metric]:.4f}",
-        _mib(results['optimizer_state_bytes']),
-        _mib(results['peak_memory_bytes']),
+        results.optimizer, f'{results.learning_rate:g}',
+        str(len(results.losses)), results.metric,
+        f'{results.headline_before:.4f}', f'{results.headline_after:.4f}',
+        _mib(results.optimizer_state_bytes),
+        _mib(results.peak_memory_bytes),
         # Runs from before the process peak was recorded have none.
-        _mib(results.get('process_peak_rss_bytes')),
-        f"{results['tokens_per_second']:.1f}",
-        f"{results['wall_seconds']:.1f}",
-        _mib(results['parameter_bytes']),
+        _mib(results.process_peak_rss_bytes),
+        f'{results.tokens_per_second:.1f}',
+        f'{results.wall_seconds:.1f}',
+        _mib(results.parameter_bytes),
         # Runs from before --rounding existed name none.
-        results.get('rounding', 'n/a')))
+        results.rounding or 'n/a'))
   widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
   return '\n'.join('  '.join(cell.ljust(width) for cell, width
                              in zip(row, widths)).rstrip() for row in rows)
 
 
-def plot(runs: Sequence[tuple[str, dict]], path: str) -> None:
+def plot(runs: Runs, path: str) -> None:
   """Writes the loss and held-out metric curves of every run to ``path``.
 
   Raises:
@@ -81,13 +82,13 @@ def plot(runs: Sequence[tuple[str, dict]], path: str) -> None:
   metrics = set()
   for directory, results in runs:
     label = (f"{os.path.basename(os.path.normpath(directory))} "
-             f"({results['optimizer']}, lr {results['learning_rate']:g})")
-    losses = results['losses']
+             f'({results.optimizer}, lr {results.learning_rate:g})')
+    losses = results.losses
     loss_axes.plot(range(1, len(losses) + 1), losses, label=label)
-    metric = results['metric']
+    metric = results.metric
     metrics.add(metric)
-    points = [(0, results['before'][metric])] + [
-        (e['step'], e[metric]) for e in results['evals']]
+    points = [(0, results.headline_before)] + [
+        (e['step'], e[metric]) for e in results.evals]
     metric_axes.plot(*zip(*points), marker='o', label=label)
   loss_axes.set(xlabel='step', ylabel='training loss', title='loss')
   metric_axes.set(xlabel='step', ylabel=' / '.join(sorted(metrics)),

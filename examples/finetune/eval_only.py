@@ -8,7 +8,6 @@ run, scored with the run's flags, gives the run's final figure. Nothing is
 written.
 """
 
-import json
 import os
 from typing import Callable, Optional
 
@@ -18,20 +17,20 @@ from examples.finetune import flags as flags_lib
 from examples.finetune import phases
 from examples.finetune import precision as precision_lib
 from examples.finetune import preparation
+from examples.finetune import results as results_lib
 from examples.finetune import tasks as tasks_lib
 from examples.finetune import trained as trained_lib
 
 
-def _run_results(path: Optional[str]) -> Optional[dict]:
+def _run_results(path: Optional[str]) -> Optional[results_lib.RunResults]:
   """The ``results.json`` of the run ``path`` is or is inside, if any."""
   if path is None:
     return None
   for folder in (path, os.path.dirname(path),
                  os.path.dirname(os.path.dirname(os.path.abspath(path)))):
-    candidate = os.path.join(folder, 'results.json')
-    if os.path.isfile(candidate):
-      with open(candidate, encoding='utf-8') as f:
-        return json.load(f)
+    found = results_lib.find(folder)
+    if found is not None:
+      return found
   return None
 
 
@@ -68,4 +67,4 @@ def run(config: flags_lib.RunConfig,
   recorded = _run_results(config.model)
   return {'eval_only': True, 'model': weights, 'task': task.name,
           'metric': metric, 'scores': scores, 'held_out': len(held_out),
-          'run_after': None if recorded is None else recorded.get('after')}
+          'run_after': None if recorded is None else recorded.after}

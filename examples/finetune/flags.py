@@ -82,11 +82,12 @@ class RunConfig:
     remat_policy: What a rematerialised block keeps (a jax.checkpoint_policies
       name).
     scan_layers: Stack the blocks and run them with lax.scan (on/off).
-    task: The embedded tweets, text (any JSONL with "text" and "label"), or a
-      paper task read from JSONL.
-    train_file: Training JSONL (Hugging Face field names) for a task other
-      than tweets.
-    test_file: Held-out JSONL for a task other than tweets.
+    task: A task with its own records (tweets, bbc, trec: a fixed held-out
+      split), text (any JSONL with "text" and "label"), or a paper task read
+      from JSONL.
+    train_file: Training JSONL (Hugging Face field names) for a task without
+      its own records.
+    test_file: Held-out JSONL for a task without its own records.
     label_words: For --task text: LABEL=WORD pairs, e.g. 0=terrible,1=great.
     template: For --task text: the prompt, with a {text} placeholder.
     max_new_tokens: Generation length for squad and drop.
@@ -161,7 +162,7 @@ class RunConfig:
   remat: OnOff = True
   remat_policy: Literal[decoder_lib.REMAT_POLICIES] = 'nothing_saveable'
   scan_layers: OnOff = False
-  task: Literal[('tweets', 'text') + tuple(tasks_lib.TASKS)] = 'tweets'
+  task: Literal[tasks_lib.TASK_NAMES] = 'tweets'
   train_file: Optional[str] = None
   test_file: Optional[str] = None
   label_words: Optional[str] = None

@@ -14,7 +14,7 @@ import dataclasses
 import math
 import os
 import time
-from typing import Callable, NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional, Union
 
 from flax import nnx
 import jax
@@ -30,6 +30,7 @@ from examples.finetune import precision as precision_lib
 from examples.finetune import preparation
 from examples.finetune import processes as processes_lib
 from examples.finetune import report as report_lib
+from examples.finetune import results as results_lib
 from examples.finetune import resume as resume_lib
 from examples.finetune import trainers as trainers_lib
 from examples.finetune.model import saving
@@ -63,8 +64,11 @@ class TrainingRecord(NamedTuple):
 
 
 def run(config: flags_lib.RunConfig,
-        log: Callable[[str], None] = phases.flushed_print) -> dict:
+        log: Callable[[str], None] = phases.flushed_print
+        ) -> Union[results_lib.RunResults, dict]:
   """Fine-tunes and evaluates; returns (and writes) the results.
+
+  With ``--eval-only``: :func:`eval_only.run`'s scores, nothing written.
 
   Raises:
     flags.FinetuneError: an input the run cannot use, refused before
@@ -78,10 +82,11 @@ def run(config: flags_lib.RunConfig,
   prepared = preparation.prepare(config, log)
   record = train(prepared, log)
   exported = export(prepared, log)
-  outcome = {**results(prepared, record, started), 'exported_to': exported}
+  outcome = results(prepared, record, started, exported)
   if processes_lib.is_leader():
     report_lib.write_json_atomic(
-        os.path.join(prepared.config.output_dir, 'results.json'), outcome)
+        os.path.join(prepared.config.output_dir, results_lib.FILE_NAME),
+        outcome.to_json())
   return outcome
 
 
@@ -264,86 +269,64 @@ def _save(prepared: preparation.PreparedRun, step: int,
   return path
 
 
-def _process_memory() -> dict:
-  """:func:`report.process_memory` of this process (process 0's in a
-  multi-process run), with every process's peak RSS by process index."""
-  memory = report_lib.process_memory()
-  return {**memory, 'process_peak_rss_bytes_per_process':
-          processes_lib.per_process(memory['process_peak_rss_bytes'])}
-
-
 def results(prepared: preparation.PreparedRun, record: TrainingRecord,
-            started: float) -> dict:
-  """The run's ``results.json``.
-
-  Among its keys: ``before``/``after``/``evals`` (the task's scores;
-  ``metric`` names the headline one), ``losses`` (every step's),
-  ``optimizer_state_bytes`` and ``parameter_bytes`` (persistent arrays),
-  ``peak_memory_bytes`` (``peak_memory_source`` says whose figure),
-  ``tokens_per_second`` (steady-state: every step but the first one this
-  process ran, :class:`report.StepTimes`), ``train_seconds`` (every step),
-  ``compile_seconds`` and ``wall_seconds`` (this process, start to end);
-  ``compilation_cache`` (the persistent cache's folder, ``None`` when off,
-  and whether the train step came from it: ``train_step`` is ``hit``,
-  ``miss``, ``off`` or ``unused``, with the lookups, hits and writes counted
-  during its compile, :class:`compile_cache.Lookup`);
-  ``rounding`` (how 16-bit updates landed: ``stochastic``, ``nearest``,
-  ``master`` or ``none`` for float32), ``compute_dtype``,
-  ``parameter_dtype``, ``master_weight_bytes`` (what float32 master weights
-  add to the parameters and the state, measured from their shapes) and
-  ``updates_16bit`` (all that in words); ``landed_updates`` (with
-  ``--measure-landed``: per group, the updates that changed a weight, the
-  updates made and the share, :mod:`landed`; else ``None``); ``run``
-  adds ``exported_to`` (the model's Hugging Face directory, ``None`` with
-  ``--no-export``).
+            started: float,
+            exported_to: Optional[str] = None) -> results_lib.RunResults:
+  """The run's ``results.json``: a :class:`results.RunResults`.
 
   Args:
     prepared: the run.
     record: what training produced.
     started: ``time.perf_counter()`` when the run began.
+    exported_to: where the model was exported (``None``: not exported).
   """
   config, model_config = prepared.config, prepared.model_config
   peak, peak_source = record.peak_memory
   measurement = prepared.trainer.measurement
-  return {
-      'optimizer': config.optimizer,
-      'learning_rate': prepared.learning_rate,
-      'learning_rate_source': prepared.learning_rate_source,
-      'warmup_steps': prepared.warmup_steps,
-      'model': prepared.model_path,
-      'family': model_config.family,
-      'task': prepared.task.name,
-      'metric': prepared.task.headline_metric,
-      'before': record.before,
-      'after': record.after,
-      'evals': record.evals,
-      'losses': record.losses,
-      'optimizer_state_bytes': prepared.trainer.optimizer_state_bytes(),
-      'parameter_bytes': memory_plan.tree_bytes(
+  memory = report_lib.process_memory()
+  return results_lib.RunResults(
+      optimizer=config.optimizer,
+      learning_rate=prepared.learning_rate,
+      learning_rate_source=prepared.learning_rate_source,
+      warmup_steps=prepared.warmup_steps,
+      model=prepared.model_path,
+      family=model_config.family,
+      task=prepared.task.name,
+      metric=prepared.task.headline_metric,
+      before=record.before,
+      after=record.after,
+      evals=record.evals,
+      losses=record.losses,
+      optimizer_state_bytes=prepared.trainer.optimizer_state_bytes(),
+      parameter_bytes=memory_plan.tree_bytes(
           nnx.state(prepared.model, nnx.Param)),
-      'rounding': prepared.precision.rounding,
-      'compute_dtype': prepared.precision.compute_dtype.name,
-      'parameter_dtype': prepared.precision.param_dtype.name,
-      'master_weight_bytes': dict(zip(('parameters', 'state'),
-                                      prepared.master_cost)),
-      'updates_16bit': precision_lib.describe(prepared.precision,
-                                              *prepared.master_cost),
-      'landed_updates': (None if measurement is None
-                         else measurement.counts.shares()),
-      'peak_memory_bytes': peak,
-      'peak_memory_source': peak_source,
-      # The whole process (loading, compiling, running), as `top` sees it.
-      **_process_memory(),
-      'tokens_per_second': record.times.tokens_per_second,
-      'train_seconds': record.times.train_seconds,
-      'compile_seconds': record.compile_seconds,
-      'compilation_cache': record.compile_cache.as_json(),
-      'wall_seconds': time.perf_counter() - started,
-      'step_path': prepared.trainer.path,
-      'mesh': dict(record.mesh.shape) if record.mesh else None,
-      'process_count': jax.process_count(),
-      'objective': prepared.objective,
-      'resumed_from_step': prepared.start_step,
-      'backend': jax.default_backend(),
-      'config': dataclasses.asdict(config),
-  }
+      rounding=prepared.precision.rounding,
+      compute_dtype=prepared.precision.compute_dtype.name,
+      parameter_dtype=prepared.precision.param_dtype.name,
+      master_weight_bytes=results_lib.MasterWeightBytes(
+          *prepared.master_cost),
+      updates_16bit=precision_lib.describe(prepared.precision,
+                                           *prepared.master_cost),
+      landed_updates=(None if measurement is None
+                      else measurement.counts.shares()),
+      peak_memory_bytes=peak,
+      peak_memory_source=peak_source,
+      # The whole process (loading, compiling, running), as `top` sees it;
+      # process 0's in a multi-process run, with every process's peak.
+      process_peak_rss_bytes=memory['process_peak_rss_bytes'],
+      device_peak_bytes_in_use=memory['device_peak_bytes_in_use'],
+      process_peak_rss_bytes_per_process=processes_lib.per_process(
+          memory['process_peak_rss_bytes']),
+      tokens_per_second=record.times.tokens_per_second,
+      train_seconds=record.times.train_seconds,
+      compile_seconds=record.compile_seconds,
+      compilation_cache=record.compile_cache.as_json(),
+      wall_seconds=time.perf_counter() - started,
+      step_path=prepared.trainer.path,
+      mesh=dict(record.mesh.shape) if record.mesh else None,
+      process_count=jax.process_count(),
+      objective=prepared.objective,
+      resumed_from_step=prepared.start_step,
+      backend=jax.default_backend(),
+      config=dataclasses.asdict(config),
+      exported_to=exported_to)

@@ -265,22 +265,11 @@ def _galore(schedule, hints, taco):
                                             hints))
 
 
-# The 40-step references are the rates fitted over seeds on three tasks
-# (tweets, BBC topics, TREC question types; three or more seeds, 200 held
-# out: docs/measured/multiclass.md, ``benchmarks.multiclass_runs``): the rate run on
-# all three whose mean accuracy falls least short of each task's best (TACO
-# 5.6e-4, the best of 1e-4, 3.2e-4 and 5.6e-4 on every task; AdamW 3.2e-5,
-# the better of 1e-5 and 3.2e-5 on every task). The steps exponents carry
-# them to the robust rate of the single-seed sweep at 10 steps
-# (docs/measured/learning_rate.md, ``benchmarks.lr_sweep``: TACO 3.2e-4, AdamW 1e-5),
-# so both rates are lower for a shorter run (AdamW's first steps move every
-# weight by about the rate; TACO's 1e-3 fell to chance on the tweets at 10
-# steps). Neither moved with the batch: the rule has no batch term. At 160
-# steps TACO's fitted rate over the same three tasks and seeds is still
-# 5.6e-4 (of 2e-4 and 5.6e-4: the lower one, where the old path to the
-# paper's 3e-5 at 2000 steps went, trailed AdamW by 6.3 points on TREC), so
-# the rule holds 5.6e-4 to 160 steps and only then moves to 3e-5 at 2000.
-# tests/test_lr_sweep.py ties these constants to the recorded runs.
+# The budget rules: a 40-step rate fitted over seeds on three tasks, a steps
+# exponent to the sweep's 10-step rate, no batch term, and past 40 steps the
+# rates measured there, then the paper's 3e-5 at 2000 steps. Where each
+# constant comes from: docs/measured/multiclass_findings.md ("The budget
+# rule's constants"); tests/test_lr_sweep.py ties them to the recorded runs.
 _SOURCE = ('docs/measured/multiclass.md (40 and 160 steps), docs/measured/learning_rate.md (10 '
            'steps)')
 TACO_RULE = BudgetRule(5.6e-4, -0.41, _SOURCE,

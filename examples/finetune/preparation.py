@@ -78,36 +78,30 @@ def export_dir(config: flags_lib.RunConfig) -> Optional[str]:
 
 
 def load_task(config: flags_lib.RunConfig):
-  """``(task, train examples, held-out examples)`` for the configured task."""
-  if config.task == 'tweets':
+  """``(task, train examples, held-out examples)`` for the configured task.
+
+  A task with its own records (the tweets, ``bbc``, ``trec``) splits them
+  itself; every other task reads ``--train-file`` and ``--test-file``.
+  """
+  try:
+    task = tasks_lib.get(config.task, config.label_words, config.template)
+  except ValueError as e:
+    raise flags_lib.FinetuneError(str(e)) from e
+  if task.records is not None:
     if config.train_file or config.test_file:
       raise flags_lib.FinetuneError(
-          '--train-file/--test-file need --task (e.g. text, sst2); the '
-          'default task uses the embedded tweets')
-    task = data_lib.tweets_task()
-    train, test = data_lib.split_tweets(data_lib.read_tweets(),
-                                        data_lib.TWEETS_TEST_PER_CLASS)
-    return (task, [task.example(r) for r in train],
-            data_lib.balanced_subset([task.example(r) for r in test],
-                                     config.eval_size))
-  if config.task == 'text':
-    if not config.label_words:
-      raise flags_lib.FinetuneError(
-          '--task text needs --label-words, e.g. '
-          '"negative=terrible,positive=great"')
-    try:
-      task = tasks_lib.text_classification(
-          tasks_lib.parse_label_words(config.label_words), config.template)
-    except ValueError as e:
-      raise flags_lib.FinetuneError(str(e)) from e
-  else:
-    task = tasks_lib.TASKS[config.task]
-  if not config.train_file or not config.test_file:
+          f'--train-file/--test-file need --task (e.g. text, sst2); '
+          f'--task {task.name} reads its own records')
+    train, test = task.split()
+  elif not config.train_file or not config.test_file:
     raise flags_lib.FinetuneError(
         f'--task {config.task} needs --train-file and --test-file (JSONL in '
         'the Hugging Face field layout)')
-  train = data_lib.load_examples(task, config.train_file)
-  test = data_lib.load_examples(task, config.test_file)
+  else:
+    train = data_lib.read_jsonl(config.train_file)
+    test = data_lib.read_jsonl(config.test_file)
+  train, test = (data_lib.examples(task, records, path) for records, path in
+                 ((train, config.train_file), (test, config.test_file)))
   return task, train, data_lib.balanced_subset(test, config.eval_size)
 
 

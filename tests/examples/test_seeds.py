@@ -1,20 +1,24 @@
 """compare's view over seeds: groups, means, standard errors, A/B rows."""
 
+import dataclasses
 import math
 
 import pytest
 
 from examples.finetune import compare
+from examples.finetune import results as results_lib
 from examples.finetune import seeds
 
 
 def _run(optimizer, seed, accuracy, lr=1e-3, steps=40, **config):
   config = dict(optimizer=optimizer, seed=seed, lr=None, steps=steps,
                 task='text', output_dir=f'runs/{optimizer}-{seed}', **config)
-  return (f'runs/{optimizer}-{seed}', {
-      'optimizer': optimizer, 'learning_rate': lr, 'losses': [1.0] * steps,
-      'task': 'text', 'metric': 'accuracy', 'config': config,
-      'after': {'accuracy': accuracy}})
+  return (f'runs/{optimizer}-{seed}', results_lib.RunResults(
+      optimizer=optimizer, learning_rate=lr, learning_rate_source='--lr',
+      warmup_steps=0, model='m', family='llama', task='text',
+      metric='accuracy', before={'accuracy': 0.5},
+      after={'accuracy': accuracy}, evals=[], losses=[1.0] * steps,
+      optimizer_state_bytes=0, parameter_bytes=0, config=config))
 
 
 def test_summary_is_the_mean_and_its_standard_error():
@@ -66,12 +70,12 @@ def test_compare_prints_the_view_over_seeds(tmp_path, capsys, monkeypatch):
   directories = []
   for directory, results in [_run('taco', s, 0.8 + s / 100) for s in
                              range(2)]:
-    results.update(before={'accuracy': 0.5}, optimizer_state_bytes=1,
-                   peak_memory_bytes=1, tokens_per_second=1.0,
-                   wall_seconds=1.0, parameter_bytes=1)
+    results = dataclasses.replace(
+        results, optimizer_state_bytes=1, peak_memory_bytes=1,
+        tokens_per_second=1.0, wall_seconds=1.0, parameter_bytes=1)
     path = tmp_path / directory
     path.mkdir(parents=True)
-    (path / 'results.json').write_text(json.dumps(results))
+    (path / 'results.json').write_text(json.dumps(results.to_json()))
     directories.append(str(path))
   assert compare.main(directories) == 0
   out = capsys.readouterr().out

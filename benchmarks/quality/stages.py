@@ -1,8 +1,8 @@
 """The quality benchmark's stages: learning-rate sweep and seeds, TACO
 ablations, a longer budget, compiled memory, and learning-rate transfer.
 
-Each ``stage_*`` takes the :class:`_quality_results.Results`, a
-``_quality_runs.Runner`` and the ``quality.Budget``; runs already in the
+Each ``stage_*`` takes the :class:`quality_results.Results`, a
+``quality_runs.Runner`` and the ``benchmark.Budget``; runs already in the
 results are reused, not rerun.
 """
 
@@ -11,13 +11,12 @@ import time
 import jax
 import numpy as np
 
-from benchmarks import _quality_results
-from benchmarks import _quality_runs
-from benchmarks import _quality_small
+from benchmarks.quality import results as quality_results
+from benchmarks.quality import runs as quality_runs
 from examples.finetune import api
 
-Variant = _quality_runs.Variant
-Results = _quality_results.Results
+Variant = quality_runs.Variant
+Results = quality_results.Results
 
 
 def log(message: str) -> None:
@@ -149,7 +148,7 @@ def stage_memory(results: Results, runner, setup,
     model = runner.model_of(runner.initial_params)
     batch = runner.first_batch()
     start = time.perf_counter()
-    peak, source = _quality_runs.layerwise_taco_peak(model, batch,
+    peak, source = quality_runs.layerwise_taco_peak(model, batch,
                                                      runner.hints)
     memory['taco (layer-wise step)'] = {
         'peak_memory_bytes': peak, 'peak_memory_source': source,
@@ -169,7 +168,7 @@ def transfer_vocabulary(task, train_records, tokenizer, budget):
   always.update(api.encode(tokenizer, '', special=True))
   size = tokenizer.get_vocab_size() if hasattr(
       tokenizer, 'get_vocab_size') else 49152
-  return _quality_small.compact_vocabulary(tokens, size, budget.transfer_vocab,
+  return quality_runs.compact_vocabulary(tokens, size, budget.transfer_vocab,
                                            sorted(always))
 
 
@@ -180,11 +179,11 @@ def stage_transfer(results: Results, budget, tokenizer) -> None:
     train = train[:64]
   vocabulary = transfer_vocabulary(task, train, tokenizer, budget)
   texts = [r['text'] for r in train]
-  lm_tokens = _quality_small.language_modelling_examples(texts, tokenizer,
+  lm_tokens = quality_runs.language_modelling_examples(texts, tokenizer,
                                                          vocabulary)
   tokens = [vocabulary.example(t)
             for t in api.training_tokens(task, train, tokenizer)]
-  eval_set = _quality_small.compact_eval_set(
+  eval_set = quality_runs.compact_eval_set(
       api.held_out_set(task, test, tokenizer), vocabulary)
   results.data['meta']['transfer'] = {
       'vocabulary': vocabulary.size,
@@ -194,7 +193,7 @@ def stage_transfer(results: Results, budget, tokenizer) -> None:
       'pretrain_texts': len(texts), 'eval_examples': len(test)}
   seq_len = budget.seq_len
   for width in budget.transfer_widths:
-    config = _quality_small.small_config(
+    config = quality_runs.small_config(
         width, vocabulary.size, num_layers=budget.transfer_layers,
         head_dim=budget.transfer_head_dim, max_positions=seq_len,
         bos_token_id=None, eos_token_id=None)
@@ -205,9 +204,9 @@ def stage_transfer(results: Results, budget, tokenizer) -> None:
                         learning_rate=lr, seed=0, steps=steps, width=width)
            for name, lr in planned):
       continue  # Finished in an earlier session.
-    model = _quality_small.new_model(config, seed=width)
+    model = quality_runs.new_model(config, seed=width)
     hints = api.decoder_hints(config)
-    pretrainer = _quality_runs.Runner(
+    pretrainer = quality_runs.Runner(
         model, lm_tokens, eval_set, None,
         batch_size=budget.transfer_batch_size, seq_len=seq_len,
         eval_batch_size=64, pad_id=0, hints=hints)
@@ -224,7 +223,7 @@ def stage_transfer(results: Results, budget, tokenizer) -> None:
     if not results.find(stage='transfer-pretrain', width=width):
       results.add_run(record)
     pretrained = pretrainer.model_of(pretrainer.last_params)
-    runner = _quality_runs.Runner(
+    runner = quality_runs.Runner(
         pretrained, tokens, eval_set, None,
         batch_size=budget.transfer_batch_size, seq_len=seq_len,
         eval_batch_size=64, pad_id=0, hints=hints)

@@ -1,0 +1,5 @@
+"""``python -m benchmarks.quality``: see :mod:`benchmarks.quality`."""
+
+from benchmarks.quality import benchmark
+
+benchmark.main()
