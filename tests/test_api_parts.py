@@ -4,6 +4,7 @@ import ast
 import importlib
 import pathlib
 import sys
+import warnings
 
 import chex
 import jax
@@ -370,11 +371,25 @@ def test_modules_have_no_import_cycle():
   _assert_acyclic(_graph(module_of_path, module_of_import))
 
 
-def test_no_module_is_over_400_lines():
-  long = [f'{path.relative_to(ROOT)} ({n} lines)'
-          for folder in ('taco_optax', 'examples', 'benchmarks')
-          for path in (ROOT / folder).rglob('*.py')
-          if (n := len(path.read_text().splitlines())) > 400]
+def _module_lengths(folders):
+  return {f'{path.relative_to(ROOT)}': len(path.read_text().splitlines())
+          for folder in folders for path in (ROOT / folder).rglob('*.py')}
+
+
+def test_no_library_module_is_over_400_lines():
+  long = [f'{p} ({n} lines)' for p, n in _module_lengths(['taco_optax']).items()
+          if n > 400]
+  assert not long, long
+
+
+def test_example_and_benchmark_modules_stay_one_concept():
+  # Concepts decide their files; 400 lines is a hint to look (warned), twice
+  # that is two concepts in one file (an error).
+  lengths = _module_lengths(['examples', 'benchmarks'])
+  hinted = [f'{p} ({n} lines)' for p, n in lengths.items() if 400 < n <= 800]
+  if hinted:
+    warnings.warn(f'modules over the 400-line hint: {hinted}')
+  long = [f'{p} ({n} lines)' for p, n in lengths.items() if n > 800]
   assert not long, long
 
 
