@@ -8,7 +8,8 @@ subtree of an optax state (moments, TACO histories, ``MaskedNode`` trees of
 ``optax.partition``), from one layout to the other by a permutation of
 leaves: no leaf is copied or changed, so a state restored from a checkpoint
 of one layout runs in the other. :func:`pair_parts` moves an optimizer's
-per-leaf routing the same way, and :func:`traced_step` runs the layer-wise
+per-leaf routing the same way (and the leaf index stochastic rounding keys
+a leaf's bits by), and :func:`traced_step` runs the layer-wise
 step of a plain loss (its blocks read by ``traced_loss``) on the user's tree.
 """
 
@@ -16,6 +17,7 @@ import dataclasses
 from typing import Any, Callable, Optional
 
 import jax
+import optax
 
 from taco_optax._src import transform
 from taco_optax._src.layerwise import traced_loss
@@ -102,7 +104,27 @@ def pair_parts(parts: transform.TacoParts, params: Any,
   pair_scales = relayout.target.unflatten(
       [scales[i] for i in relayout.order])
   return parts._replace(dimension_numbers=lambda _: pair_dims,
-                        update_scale=pair_scales)
+                        update_scale=pair_scales,
+                        adam=_on_source(parts.adam, relayout),
+                        leaf_order=relayout.order)
+
+
+def _on_source(tx: optax.GradientTransformation,
+               relayout: Relayout) -> optax.GradientTransformation:
+  """``tx`` (built for the source layout) taking and giving target-layout
+  trees: run on the source layout, so its per-leaf randomness (stochastic
+  rounding's bits, keyed by a leaf's index) is the optax path's."""
+
+  def init_fn(params):
+    return relayout.forward_state(tx.init(relayout.backward(params)))
+
+  def update_fn(updates, state, params=None):
+    updates, state = tx.update(
+        relayout.backward(updates), relayout.backward_state(state),
+        None if params is None else relayout.backward(params))
+    return relayout.forward(updates), relayout.forward_state(state)
+
+  return optax.GradientTransformation(init_fn, update_fn)
 
 
 def traced_step(loss_fn: Callable[[Any, Any], jax.Array],
