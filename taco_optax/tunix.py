@@ -50,9 +50,10 @@ class LayerwisePeftTrainer(peft_trainer.PeftTrainer):
   Each layer's weight gradient is consumed by its column step as the
   backward pass makes it, the token tables never get a dense gradient, and
   the result equals ``PeftTrainer`` with the same optimizer up to the
-  floating-point order of the recomputed gradients (tested in float32; with
-  16-bit parameters the stochastic rounding draws its bits per leaf of the
-  re-laid tree, so they differ from ``PeftTrainer``'s: both are unbiased).
+  floating-point order of the recomputed gradients (tested in float32, and
+  bit for bit in bfloat16 with stochastic rounding: each leaf's bits are
+  keyed by its index in the model's parameter ``State``, as
+  ``PeftTrainer``'s optimizer keys them).
   The model is a tunix decoder (``embedder``, a list of ``layers``,
   ``final_norm``, tied or ``lm_head``: ``Qwen3``, ``Llama3``, ``Gemma3``...)
   trained with tunix's default loss on full parameters. Supported: tunix

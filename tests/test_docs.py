@@ -50,6 +50,34 @@ def test_plain_loss_example_runs_and_matches_the_optax_path():
     assert int((after['w'] != before['w']).sum(axis=-1).max()) == 1
 
 
+def test_live_nnx_model_example_equals_nnx_optimizer_update():
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+  block = docs_pages.block('docs/layerwise.md', 'nnx.Optimizer(')
+  namespace = {}
+  exec(block, namespace)  # pylint: disable=exec-used
+  model = namespace['Model'](nnx.Rngs(0))
+  optimizer = nnx.Optimizer(model, namespace['tx'], wrt=nnx.Param)
+  start = jax.tree.leaves(nnx.state(model, nnx.Param))
+
+  @nnx.jit
+  def reference(model, optimizer, x):
+    loss, grads = nnx.value_and_grad(namespace['model_loss'])(model, x)
+    optimizer.update(model, grads)
+    return loss
+
+  assert float(reference(model, optimizer, jnp.ones((8, 16)))) == float(
+      namespace['loss'])
+  got = jax.tree.leaves((nnx.state(namespace['model']),
+                         nnx.state(namespace['optimizer'])))
+  expected = jax.tree.leaves((nnx.state(model), nnx.state(optimizer)))
+  assert len(got) == len(expected)
+  for a, b in zip(got, expected):
+    assert a.dtype == b.dtype and bool((a == b).all())
+  assert int(namespace['optimizer'].step[...]) == 1
+  moved = jax.tree.leaves(nnx.state(namespace['model'], nnx.Param))
+  assert all(bool((a != b).any()) for a, b in zip(moved, start))
+
+
 def test_layerwise_example_runs_and_matches_the_optax_path():
   block = docs_pages.block('docs/layerwise.md', 'LayeredLoss(',
                            excluding='TableLookup')

@@ -518,3 +518,51 @@ def test_clipping_and_accumulation_take_the_plain_loss():
     *got, _ = lean(*got, micro)
   _assert_within_float_order(got[0], expected[0])
   assert any((a != b).any() for a, b in zip(_leaves(got[0]), _leaves(params)))
+
+
+def _bf16(tree):
+  return jax.tree.map(lambda x: x.astype(jnp.bfloat16), tree)
+
+
+# XLA may keep a 16-bit intermediate in float32 where a fusion allows
+# (xla_allow_excess_precision, on by default), and which ones it keeps
+# depends on the program: on the default, jax-dict-list's plain path kept
+# bf16(2/3) * bf16(0.01) unrounded at one winner, whose stochastic rounding
+# then landed one bf16 ulp from the layer-wise step's (1 of 21 leaves, one
+# element). Both steps are compiled to round every bf16 value they compute.
+_EXACT_BF16 = {'xla_allow_excess_precision': False}
+
+
+@pytest.mark.parametrize('case', tiers.first_fast(
+    ['jax-dict-list', 'jax-dict-scan', 'nnx-list-untied', 'nnx-scan-tied'],
+    fast=['jax-dict-list', 'nnx-scan-tied']))
+def test_equals_the_plain_optax_path_bf16_stochastic_rounding(case, request):
+  # 16-bit weights: every update (TACO's winners and Adam's norm scales) is
+  # rounded stochastically, its bits keyed by the leaf's index in the user's
+  # tree, so the step, which runs on the leaves re-laid as (outer, layers),
+  # must draw each leaf's bits by its index in the user's tree.
+  if case == 'jax-dict-scan' and jax.__version_info__ >= (0, 11):
+    request.applymarker(pytest.mark.xfail(strict=True, reason=(
+        'measured on jax 0.12 (XLA:CPU): the bf16 gradients of the (out, in)-'
+        'stored stacked kernels (out_t, down_t) differ in float order between '
+        'the two programs; their float8 histories differ from step 0 and '
+        'one winner of out_t lands elsewhere at step 2 (2 of 768 entries). '
+        'The hand-split step on the same (outer, layers) pair differs from '
+        'the optax path the same way. Equal on jax 0.10.2; the (in, out) '
+        'kernels and nnx-scan are equal on both.')))
+  loss_fn, params, tx = CASES[case]()
+  params = _bf16(params)
+  plain = jax.jit(toy_lm.plain_step(loss_fn, tx), compiler_options=_EXACT_BF16)
+  lean = jax.jit(layerwise.train_step(loss_fn, tx),
+                 compiler_options=_EXACT_BF16)
+  expected = got = (params, tx.init(params))
+  for step in range(3):
+    *expected, expected_loss = plain(*expected, _tokens(step))
+    *got, loss = lean(*got, _tokens(step))
+    assert float(loss) == float(expected_loss)
+  assert jax.tree.structure(got) == jax.tree.structure(expected)
+  for a, b in zip(_leaves(got), _leaves(expected)):
+    np.testing.assert_array_equal(a, b)
+  assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(got[0]))
+  moved = [(a != b).sum() for a, b in zip(_leaves(got[0]), _leaves(params))]
+  assert all(m > 0 for m in moved), moved

@@ -483,3 +483,27 @@ def test_segment_ids_reach_the_layers_as_in_the_model_call():
   expected = _tunix_model.next_token_loss(
       logits[:, :-1].reshape(-1, logits.shape[-1]), inputs)
   np.testing.assert_allclose(ours, expected, rtol=2e-6)
+
+
+def test_layerwise_trainer_equals_peft_trainer_in_bf16():
+  # 16-bit weights, rounded stochastically: the layer-wise step keys each
+  # leaf's bits by its index in the model's parameter State, as
+  # PeftTrainer's optimizer does, so the two runs are bit for bit alike.
+  def model():
+    model = tunix_models.qwen3()
+    params = nnx.state(model, nnx.Param)
+    noise = lambda x: x + 0.05 * jax.random.normal(jax.random.key(3), x.shape)
+    nnx.update(model, jax.tree.map(lambda x: noise(x).astype(jnp.bfloat16),
+                                   params))
+    return model
+
+  data = tunix_models.batches(2)
+  peft = _train(peft_trainer.PeftTrainer, model(), 2, data)
+  layerwise = _train(taco_tunix.LayerwisePeftTrainer, model(), 2, data)
+  start = jax.tree.leaves(nnx.state(model(), nnx.Param))
+  got = jax.tree.leaves(nnx.state(layerwise.model, nnx.Param))
+  assert all(x.dtype == jnp.bfloat16 for x in got)
+  assert all((np.asarray(a) != np.asarray(b)).any() for a, b in zip(got, start)
+             if a.ndim >= 2)
+  for a, b in zip(_leaves(layerwise), _leaves(peft)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -14,6 +14,7 @@ import dataclasses
 from typing import Any, Callable, Iterator, NamedTuple, Optional
 
 import jax
+import numpy as np
 
 from taco_optax._src import kernels
 from taco_optax._src import routing
@@ -161,14 +162,18 @@ def _rounding_keys(parts: transform.TacoParts, states: transform.TacoStates,
   """Every leaf's stochastic-rounding key (``(leaves, 2)``), or None.
 
   The keys the optax path's ``stochastic_rounding`` folds for the same
-  leaves, drawn only when some leaf is 16-bit and ``taco`` rounds
+  leaves (by their index in the optimizer's tree, ``parts.leaf_order`` on a
+  re-laid one), drawn only when some leaf is 16-bit and ``taco`` rounds
   stochastically.
   """
   if getattr(states.rounding, 'count', None) is None or not any(
       transform.is_low_precision(x.dtype) for x in params):
     return None
-  return transform.leaf_keys(parts.rounding_seed, states.rounding.count,
+  keys = transform.leaf_keys(parts.rounding_seed, states.rounding.count,
                              len(params))
+  if parts.leaf_order is not None:
+    keys = keys[np.asarray(parts.leaf_order)]
+  return keys
 
 
 def merged(*results: dict[Key, Any]) -> dict[Key, Any]:

@@ -8,7 +8,8 @@ subtree of an optax state (moments, TACO histories, ``MaskedNode`` trees of
 ``optax.partition``), from one layout to the other by a permutation of
 leaves: no leaf is copied or changed, so a state restored from a checkpoint
 of one layout runs in the other. :func:`pair_parts` moves an optimizer's
-per-leaf routing the same way, and :func:`traced_step` runs the layer-wise
+per-leaf routing the same way (and the leaf index stochastic rounding keys
+a leaf's bits by), and :func:`traced_step` runs the layer-wise
 step of a plain loss (its blocks read by ``traced_loss``) on the user's tree.
 """
 
@@ -16,13 +17,15 @@ import dataclasses
 from typing import Any, Callable, Optional
 
 import jax
+import optax
 
+from taco_optax._src import routing
 from taco_optax._src import transform
 from taco_optax._src.layerwise import traced_loss
 
 
 def _structure(tree: Any) -> Any:
-  return jax.tree.structure(tree, is_leaf=transform.is_masked)
+  return jax.tree.structure(tree, is_leaf=routing.is_masked)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,12 +58,12 @@ class Relayout:
 
   def forward(self, tree: Any) -> Any:
     """``tree`` (source layout) in the target layout."""
-    leaves = jax.tree.leaves(tree, is_leaf=transform.is_masked)
+    leaves = jax.tree.leaves(tree, is_leaf=routing.is_masked)
     return self.target.unflatten([leaves[i] for i in self.order])
 
   def backward(self, tree: Any) -> Any:
     """``tree`` (target layout) back in the source layout."""
-    leaves = jax.tree.leaves(tree, is_leaf=transform.is_masked)
+    leaves = jax.tree.leaves(tree, is_leaf=routing.is_masked)
     out = [None] * len(leaves)
     for j, i in enumerate(self.order):
       out[i] = leaves[j]
@@ -77,10 +80,10 @@ class Relayout:
   @staticmethod
   def _move(state, structure, move):
     def shaped(x):
-      return transform.is_masked(x) or (
+      return routing.is_masked(x) or (
           not _is_leaf_value(x) and _structure(x) == structure)
     return jax.tree.map(
-        lambda x: x if transform.is_masked(x) or _is_leaf_value(x) else move(x),
+        lambda x: x if routing.is_masked(x) or _is_leaf_value(x) else move(x),
         state, is_leaf=shaped)
 
 
@@ -96,13 +99,33 @@ def pair_parts(parts: transform.TacoParts, params: Any,
   The dimension numbers and update scales are read per leaf of ``params``
   (the tree the optimizer was built for) and moved with the leaves.
   """
-  dims = transform.leaf_dimension_numbers(parts.dimension_numbers, params)
+  dims = routing.leaf_dimension_numbers(parts.dimension_numbers, params)
   scales = transform.leaf_scales(parts.update_scale, params)
   pair_dims = relayout.target.unflatten([dims[i] for i in relayout.order])
   pair_scales = relayout.target.unflatten(
       [scales[i] for i in relayout.order])
   return parts._replace(dimension_numbers=lambda _: pair_dims,
-                        update_scale=pair_scales)
+                        update_scale=pair_scales,
+                        adam=_on_source(parts.adam, relayout),
+                        leaf_order=relayout.order)
+
+
+def _on_source(tx: optax.GradientTransformation,
+               relayout: Relayout) -> optax.GradientTransformation:
+  """``tx`` (built for the source layout) taking and giving target-layout
+  trees: run on the source layout, so its per-leaf randomness (stochastic
+  rounding's bits, keyed by a leaf's index) is the optax path's."""
+
+  def init_fn(params):
+    return relayout.forward_state(tx.init(relayout.backward(params)))
+
+  def update_fn(updates, state, params=None):
+    updates, state = tx.update(
+        relayout.backward(updates), relayout.backward_state(state),
+        None if params is None else relayout.backward(params))
+    return relayout.forward(updates), relayout.forward_state(state)
+
+  return optax.GradientTransformation(init_fn, update_fn)
 
 
 def traced_step(loss_fn: Callable[[Any, Any], jax.Array],
@@ -118,11 +141,11 @@ def traced_step(loss_fn: Callable[[Any, Any], jax.Array],
     one_batch = (batch if accumulation_steps is None else jax.tree.map(
         lambda x: x[0], batch))
     # Boxed parameters (Flax NNX Variables) are stepped as their values: a
-    # state's masked leaves are unboxed (transform.without_masked_boxes), so
+    # state's masked leaves are unboxed (routing.without_masked_boxes), so
     # only the values give the params' and the state's subtrees one
     # structure. Boxes hold one array each: the leaves keep their order.
-    pure_params = transform.unboxed(params)
-    pure_state = transform.unboxed(opt_state)
+    pure_params = routing.unboxed(params)
+    pure_state = routing.unboxed(opt_state)
     traced = traced_loss.layered_loss_of(loss_fn, params, one_batch)
     relayout = Relayout.of(pure_params, traced.split)
     pair_step = make_step(traced.loss, pair_parts(parts, params, relayout))
@@ -136,6 +159,6 @@ def traced_step(loss_fn: Callable[[Any, Any], jax.Array],
 
 
 def _reboxed(like: Any, values: Any) -> Any:
-  """``values`` (``transform.unboxed`` of a tree like ``like``) in ``like``'s
+  """``values`` (``routing.unboxed`` of a tree like ``like``) in ``like``'s
   boxes."""
   return jax.tree.structure(like).unflatten(jax.tree.leaves(values))

@@ -189,7 +189,7 @@ def _carried(program: program_lib.Program, blocks: list[int]) -> list[int]:
 
 def _hidden_dtypes_float(avals: Sequence[Any]) -> None:
   for aval in avals:
-    if not np.issubdtype(aval.dtype, np.inexact):
+    if not jax.dtypes.issubdtype(aval.dtype, np.inexact):  # bfloat16 too
       raise ValueError(
           'A value the blocks of loss_fn hand each other is of dtype '
           f'{aval.dtype}: the layer-wise step carries floating-point hidden '

@@ -14,11 +14,6 @@ stays here because it reports what a built ``taco(...)`` does with the leaves
 (its parts and its state).
 """
 
-# Routing's, re-exported here only until relayout.py and traced_loss.py
-# (edited on other branches) name them as routing's.
-from taco_optax._src.routing import is_masked
-from taco_optax._src.routing import leaf_dimension_numbers
-from taco_optax._src.routing import unboxed
 from taco_optax._src.transform.alias import taco
 from taco_optax._src.transform.parts import TacoParts
 from taco_optax._src.transform.parts import TacoStates
@@ -53,8 +48,6 @@ __all__ = (
     'element_bits',
     'flat_index',
     'is_low_precision',
-    'is_masked',
-    'leaf_dimension_numbers',
     'leaf_histories',
     'leaf_key',
     'leaf_keys',
@@ -68,6 +61,5 @@ __all__ = (
     'taco',
     'taco_state',
     'taco_states',
-    'unboxed',
     'with_taco_states',
 )

@@ -66,6 +66,11 @@ class TacoParts(NamedTuple):
       branch, where the Adam leaves are ``optax.MaskedNode``.
     default_routing: ``weight_dimension_numbers`` was not given: every
       rank-2 leaf is a matrix, nothing else.
+    leaf_order: where the parts step a re-laid tree (the layer-wise step's
+      ``(outer, layers)`` pair of the user's parameters), ``leaf_order[j]``
+      is the index of leaf ``j`` in the tree the optimizer was built for:
+      stochastic rounding keys a leaf's bits by that index. ``None``: each
+      leaf's own.
   """
   param_labels: Callable[[Any], Any]
   dimension_numbers: Callable[[Any], Any]
@@ -81,6 +86,7 @@ class TacoParts(NamedTuple):
   k: Optional[int]
   direction_plans: Callable[[Any], list[Optional[plan_lib.LeafPlan]]]
   default_routing: bool = False
+  leaf_order: Optional[tuple[int, ...]] = None
 
   def plans(self, params: Any) -> list[Optional[plan_lib.LeafPlan]]:
     """One :class:`LeafPlan` per leaf of ``params`` (``None``: Adam)."""
