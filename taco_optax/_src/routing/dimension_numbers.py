@@ -73,7 +73,8 @@ SCHEDULED_MODULES = (
 class ToAdam:
   """A dimension-numbers entry that sends its leaf to Adam, saying why.
 
-  Means what ``None`` means (and equals ``None``), with the reason a routing
+  Means what ``None`` means (it is falsy, and every reader of an entry takes
+  it as ``None``; it is not equal to ``None``), with the reason a routing
   helper found (``'eqx.nn.Conv2d: no TACO rule'``) for
   :func:`taco_optax.routing_report`. A tree leaf, not a node.
   """
@@ -83,10 +84,10 @@ class ToAdam:
     self.reason = str(reason)
 
   def __eq__(self, other: Any) -> bool:
-    return other is None or isinstance(other, ToAdam)
+    return isinstance(other, ToAdam) and other.reason == self.reason
 
   def __hash__(self) -> int:
-    return hash(None)
+    return hash((ToAdam, self.reason))
 
   def __bool__(self) -> bool:
     return False
