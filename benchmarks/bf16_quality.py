@@ -14,8 +14,9 @@ bfloat16 points are TACO with stochastic rounding (its ``auto``) and round to
 nearest, AdamW with float32 master weights (its ``auto``), stochastic rounding
 and round to nearest; each task also runs both optimizers in float32.
 Results are kept per point (``runs/bf16_quality/POINT/results.json``) and
-the script resumes where it stopped; ``--write docs/measured/bf16.md`` writes the
-table of finished points with the commands, the commit and the machine.
+the script resumes where it stopped; ``--write docs/measured/bf16.md``
+writes the table of finished points with the commands, the commit and the
+machine.
 
     python -m benchmarks.bf16_quality                 # run (or finish) them
     python -m benchmarks.bf16_quality --write docs/measured/bf16.md

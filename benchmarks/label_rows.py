@@ -1,4 +1,4 @@
-"""How much of the head's gradient one TACO step can follow, per task (issue 33).
+"""How much of the head's gradient one TACO step follows, per task (issue 33).
 
 TACO moves one row of the token table ``(vocab, hidden)`` per hidden
 coordinate. The candidate cross-entropy's gradient on the table's head side

@@ -14,8 +14,8 @@ For each (task, optimizer, budget) the grid starts at three rates half a
 decade apart and grows at an edge while the best rate sits on it, so every
 recorded optimum is bracketed. Results are kept per point
 (``runs/lr_sweep/POINT/results.json``) and the sweep resumes where it
-stopped. ``--write docs/measured/learning_rate.md`` writes the table and the rates the
-example's rule picks, with the commit they came from.
+stopped. ``--write docs/measured/learning_rate.md`` writes the table and the
+rates the example's rule picks, with the commit they came from.
 
     python -m benchmarks.lr_sweep                 # run (or finish) the grid
     python -m benchmarks.lr_sweep --write docs/measured/learning_rate.md

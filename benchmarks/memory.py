@@ -62,7 +62,6 @@ from benchmarks import provenance
 from examples.finetune import api
 import taco_optax
 
-
 # SmolLM2-135M (Hugging Face config.json, Llama architecture).
 SMOLLM2_135M = presets.PRESETS['smollm2-135m']
 

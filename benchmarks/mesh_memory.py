@@ -51,7 +51,6 @@ from benchmarks import peak_buffers
 from benchmarks import provenance
 from examples.finetune import api
 
-
 _ITEMSIZE = {'f32': 4, 's32': 4, 'u32': 4, 'pred': 1, 's8': 1, 'u8': 1,
              'f8e4m3fn': 1, 'bf16': 2, 'f16': 2, 's64': 8}
 # Views and inputs of a computation, not buffers of their own.

@@ -1,4 +1,4 @@
-"""What is alive at a compiled program's peak, buffer by buffer, from XLA's dump.
+"""What is alive at a compiled program's peak, buffer by buffer (XLA's dump).
 
 With ``XLA_FLAGS=--xla_dump_to=DIR`` XLA writes, for each compiled module, a
 ``*-live-range.txt`` file whose last section, *Stack trace breakdown for peak

@@ -1,7 +1,8 @@
 """Hugging Face ``config.json`` values of the models the benchmarks size.
 
-Only the keys that :meth:`examples.finetune.model.config.ModelConfig.from_hf_config`
-reads, copied from each model's public ``config.json``.
+Only the keys that
+:meth:`examples.finetune.model.config.ModelConfig.from_hf_config` reads,
+copied from each model's public ``config.json``.
 """
 
 

@@ -206,7 +206,8 @@ def write_markdown(path, args, rows, read, summary):
       '', '| update | ms | × one read of the gradients | state MiB |',
       '| --- | ---: | ---: | ---: |']
   lines += [f'| {name} | {1e3 * seconds:.1f} | {seconds / read:.2f} | '
-            f'{state_bytes / 2**20:.1f} |' for name, seconds, state_bytes in rows]
+            f'{state_bytes / 2**20:.1f} |'
+            for name, seconds, state_bytes in rows]
   lines += ['', f'`{summary}`', '']
   with open(path, 'w') as f:
     f.write('\n'.join(lines))

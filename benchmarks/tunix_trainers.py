@@ -1,4 +1,4 @@
-"""tunix's trainers side by side: memory of PeftTrainer and LayerwisePeftTrainer.
+"""tunix's trainers side by side: memory of PeftTrainer, LayerwisePeftTrainer.
 
 On a tunix ``Qwen3`` of ~55M parameters (float32, untied head; CPU), for
 
@@ -47,6 +47,7 @@ BATCH, SEQ, STEPS, RSS_STEP = 4, 128, 5, 3
 def trainer(mode: str, steps: int = STEPS):
   """The mode's trainer on a fresh ~55M Qwen3 (``*_accum``: accumulating)."""
   from tunix.sft import peft_trainer  # pylint: disable=import-outside-toplevel
+
   from taco_optax import tunix as taco_tunix  # pylint: disable=import-outside-toplevel
   model = tunix_models.qwen3(**SIZE)
   optimizer = (optax.adamw(1e-4) if mode == 'peft_adamw'
@@ -108,7 +109,7 @@ def compiled(mode: str) -> dict[str, Any]:
 
 
 def measured(mode: str) -> dict[str, Any]:
-  """Losses of the first steps and peak RSS after ``RSS_STEP`` (this process)."""
+  """Losses of the first steps, and peak RSS after ``RSS_STEP`` (this run)."""
   from tunix.sft import hooks  # pylint: disable=import-outside-toplevel
 
   rss = {}

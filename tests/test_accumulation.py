@@ -1,4 +1,4 @@
-"""Gradient accumulation in the layer-wise step equals optax.MultiSteps(taco)."""
+"""Accumulation in the layer-wise step equals optax.MultiSteps(taco)."""
 
 import jax
 import jax.numpy as jnp
@@ -9,9 +9,9 @@ import pytest
 import taco_optax
 from taco_optax._src.transform import parts as _alias
 from tests.support import reference
-from tests.support.bitwise import assert_bitwise_equal
 from tests.support import tiers
 from tests.support import toy_lm
+from tests.support.bitwise import assert_bitwise_equal
 
 LayeredLoss = taco_optax.layerwise.LayeredLoss
 

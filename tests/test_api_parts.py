@@ -1,4 +1,4 @@
-"""taco()'s public pieces, its state structure, and the package's layout rules."""
+"""taco()'s public pieces, its state, and the package's layout rules."""
 
 import ast
 import importlib
@@ -172,7 +172,8 @@ def test_tunix_module_exports_the_trainer():
 
 PACKAGE = ROOT / 'taco_optax'
 SRC = PACKAGE / '_src'
-SUBPACKAGES = sorted(p.name for p in SRC.iterdir() if (p / '__init__.py').exists())
+SUBPACKAGES = sorted(p.name for p in SRC.iterdir()
+                     if (p / '__init__.py').exists())
 
 
 def _imports(path):

@@ -9,21 +9,21 @@ block. The tests run in a subprocess with 8 simulated devices (see
 import re
 
 import jax
+from jax._src import compilation_cache as jax_compilation_cache  # pylint: disable=g-bad-import-order
 import jax.numpy as jnp
-import numpy as np
-import optax
-import pytest
 from jax.sharding import AxisType
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+import numpy as np
+import optax
+import pytest
 
 import taco_optax
-from jax._src import compilation_cache as jax_compilation_cache  # pylint: disable=g-bad-import-order
-from taco_optax._src.sharding import auto_partition as _auto_partition
 from taco_optax import TacoDimensionNumbers as Dims
+from taco_optax._src.sharding import auto_partition as _auto_partition
+from tests.support import mesh_layered
 from tests.support import multidevice
 from tests.support.bitwise import assert_bitwise_equal
-from tests.support import mesh_layered
 from tests.test_sharding import collectives
 from tests.test_sharding import gathered_bytes
 
@@ -255,8 +255,8 @@ def test_layerwise_step_on_auto_mesh_equals_single_device(scan_layers,
   """``layerwise.train_step`` with Auto axes: XLA partitions the step, the
   column step's rule keeps each device on its block."""
   # pylint: disable-next=g-import-not-at-top
-  from tests.support import layerwise_case
   from tests import test_sharding as cases  # pylint: disable=g-import-not-at-top
+  from tests.support import layerwise_case
   train = layerwise_case.train(
       mesh_layered.layered_loss(scan_layers), learning_rate=1e-2, k=4, mu=0.9,
       weight_dimension_numbers=mesh_layered.layered_dims,

@@ -1,8 +1,9 @@
 """Checkpoints: bit-exact save/restore, resume equivalence, refusal of bad ones.
 
 The sharded round trip needs 8 host devices; as in ``test_sharding.py`` it
-runs in this process under ``XLA_FLAGS=--xla_force_host_platform_device_count=8``
-and otherwise ``tests/test_multidevice.py`` reruns it in a fresh process.
+runs in this process under
+``XLA_FLAGS=--xla_force_host_platform_device_count=8`` and otherwise
+``tests/test_multidevice.py`` reruns it in a fresh process.
 """
 
 import json
@@ -10,14 +11,14 @@ import os
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 import numpy as np
 import optax
 import pytest
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
-import taco_optax
 from examples.finetune import checkpoint
+import taco_optax
 from tests.support import multidevice
 from tests.support.bitwise import assert_bitwise_equal
 

@@ -11,9 +11,9 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from taco_optax._src.kernels import reference as _column_step
 from taco_optax._src.kernels import cpu_kernel as _cpu_kernel
 from taco_optax._src.kernels import dispatch as _kernels
+from taco_optax._src.kernels import reference as _column_step
 from tests.support import kernel_cases
 from tests.support.bitwise import assert_bitwise_equal
 
@@ -42,8 +42,8 @@ def test_kernel_builds_and_runs():
     pytest.skip('no g++ on this machine: the reference runs instead')
   assert _AVAILABLE, _REASON
   grads = jnp.ones((4, 32), jnp.float32)
-  values, indices, exponents = kernel_cases.history(np.random.default_rng(0), 4, 32, 16,
-                                        np.int32)
+  values, indices, exponents = kernel_cases.history(
+      np.random.default_rng(0), 4, 32, 16, np.int32)
   compiled = jax.jit(_cpu_kernel.cpu_column_step, static_argnums=5).lower(
       grads, values, indices, exponents, 0.95, 1).compile()
   assert _cpu_kernel.TARGET_NAME in compiled.as_text()
@@ -79,7 +79,8 @@ def test_matches_reference(seed, kind, n, m, k_choice, update_topk, grad_dtype,
   check = (_check_dispatched if _column_step.decay_folds_away(mu)
            else _check)
   for _ in range(steps):
-    grads = jnp.asarray(kernel_cases.gradient(rng, (n, m), kind)).astype(grad_dtype)
+    grads = jnp.asarray(kernel_cases.gradient(rng, (n, m), kind)).astype(
+        grad_dtype)
     step = check(grads, values, indices, exponents, mu, update_topk)
     values, indices, exponents = step.values, step.indices, step.exponents
 
@@ -126,7 +127,8 @@ def test_floor_rises_through_the_row(k, grad_dtype):
   rows = np.stack([ramp, -ramp[::-1], rng.permutation(ramp),
                    np.where(rng.random(m) < 0.5, -1, 1) * ramp,
                    np.repeat(ramp[::10], 10)])  # ties: equal runs of 10
-  values, indices, exponents = kernel_cases.history(rng, len(rows), m, k, np.int32)
+  values, indices, exponents = kernel_cases.history(rng, len(rows), m, k,
+                                                    np.int32)
   small = jnp.full_like(exponents, -120)  # history values near 2**-120
   grads = jnp.asarray(rows).astype(grad_dtype)
   _check(grads, values, indices, small, 0.95, 1)

@@ -11,11 +11,11 @@ update scale, a gradient of another shape than its parameter.
 import logging
 
 import equinox as eqx
+from flax import nnx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 import taco_optax
 from taco_optax._src import routing

@@ -1,6 +1,7 @@
 """The FP8 history keeps the right winners at real gradient magnitudes."""
 
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 import jax
 import jax.numpy as jnp
 import numpy as np

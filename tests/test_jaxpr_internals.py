@@ -9,10 +9,10 @@ this file on jax 0.10 and on the newest jax).
 """
 
 import jax
-import jax.numpy as jnp
-import pytest
 from jax.extend import core as jex_core
+import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
+import pytest
 
 from taco_optax._src.routing import jaxpr_internals as jx
 from tests.support import jaxpr_cases

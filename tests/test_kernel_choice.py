@@ -11,8 +11,8 @@ import taco_optax
 from taco_optax._src.kernels import cpu_kernel as _cpu_kernel
 from taco_optax._src.kernels import dispatch as _kernels
 from tests.support import layerwise_case
-from tests.support.bitwise import assert_bitwise_equal
 from tests.support import toy_lm
+from tests.support.bitwise import assert_bitwise_equal
 
 needs_kernel = pytest.mark.skipif(not _cpu_kernel.availability().ok,
                                   reason=_cpu_kernel.availability().reason)

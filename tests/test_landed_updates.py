@@ -1,4 +1,4 @@
-"""The landed-updates benchmark on a tiny Llama: the effect it reports is real."""
+"""The landed-updates benchmark on a tiny Llama: its effect is real."""
 
 import jax.numpy as jnp
 import pytest

@@ -6,12 +6,12 @@ head) gets one error naming the argument, or just works where the intent is
 clear (a ``[d, vocab]`` head with ``table_axis=0``).
 """
 
+from flax import nnx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from flax import nnx
 
 import taco_optax
 from taco_optax import layerwise

@@ -288,7 +288,8 @@ def _equinox_modules_case():
 
   return loss_fn, params, taco_optax.taco(
       1e-2, weight_dimension_numbers=taco_optax.equinox.dimension_numbers(
-          params, overrides={'blocks/*/[!s]*': taco_optax.TacoDimensionNumbers()}),
+          params,
+          overrides={'blocks/*/[!s]*': taco_optax.TacoDimensionNumbers()}),
       update_scale=taco_optax.equinox.update_scales(params))
 
 CASES = {

@@ -15,10 +15,9 @@ rerun of ``tests/test_multidevice.py`` unless this process has them).
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+import numpy as np
 
 import taco_optax
 from taco_optax._src.layerwise import token_table

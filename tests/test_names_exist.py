@@ -233,7 +233,8 @@ def _problem(token, *, page_dir=None, module_path=None):
   if '/' in bare and first in TOP_DIRS:
     return None if (ROOT / bare).exists() else f'no file {bare}'
   if '/' not in bare and bare.endswith('.md') and page_dir is not None:
-    if any((where / bare).exists() for where in (page_dir, ROOT / 'docs', ROOT)):
+    if any((where / bare).exists()
+           for where in (page_dir, ROOT / 'docs', ROOT)):
       return None
     return f'no file {bare} (beside the page, in docs/ or at the root)'
   if not _DOTTED.fullmatch(token) or token in _NOT_NAMES:

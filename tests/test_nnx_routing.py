@@ -9,19 +9,19 @@ import contextlib
 import fnmatch
 
 import flax
+from flax import nnx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from flax import nnx
 
+from examples.finetune.model import config as config_lib
+from examples.finetune.model import decoder as decoder_lib
 import taco_optax
 from taco_optax._src.routing import dimension_numbers as _dimension_numbers
 from taco_optax.nnx import dimension_numbers
 from taco_optax.nnx import update_scales
-from examples.finetune.model import config as config_lib
-from examples.finetune.model import decoder as decoder_lib
 from tests.support import tiers
 
 DN = taco_optax.TacoDimensionNumbers

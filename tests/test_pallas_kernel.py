@@ -14,12 +14,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from taco_optax._src.kernels import reference as _column_step
 from taco_optax._src.kernels import dispatch as _kernels
 from taco_optax._src.kernels import pallas_kernel as _pallas_kernel
+from taco_optax._src.kernels import reference as _column_step
 from tests.support import kernel_cases
-from tests.support.bitwise import assert_bitwise_equal
 from tests.support import tiers
+from tests.support.bitwise import assert_bitwise_equal
 
 
 def _for_an_h100():
@@ -69,7 +69,8 @@ def test_matches_reference(n, m, k, update_topk, grad_dtype):
     values, indices, exponents = kernel_cases.history(rng, n, m, k)
     # Chained steps: the second starts from a history the step wrote.
     for _ in range(2):
-      grads = jnp.asarray(kernel_cases.gradient(rng, (n, m), kind)).astype(grad_dtype)
+      grads = jnp.asarray(kernel_cases.gradient(rng, (n, m), kind)).astype(
+          grad_dtype)
       step = _check(grads, values, indices, exponents, mu, update_topk)
       values, indices, exponents = step.values, step.indices, step.exponents
 
@@ -111,7 +112,8 @@ def test_kernel_runs_and_long_rows_fall_back():
 
 
 def test_rejects_unsupported_inputs():
-  values, indices, exponents = kernel_cases.history(np.random.default_rng(5), 2, 8, 2)
+  values, indices, exponents = kernel_cases.history(
+      np.random.default_rng(5), 2, 8, 2)
   with pytest.raises(ValueError, match='Pallas kernel takes'):
     _interpreted(jnp.zeros((2, 8), jnp.float16), values, indices, exponents,
                  0.9, 1)
@@ -167,8 +169,9 @@ def test_selected_by_environment(monkeypatch):
   args = (grads, values, indices, exponents)
   assert _contains_pallas_call(step, *args)
   assert_bitwise_equal(jax.jit(step)(*args),
-                       kernel_cases.jitted(_column_step.reference_column_step, 2,
-                               0.95)(*args))
+                       kernel_cases.jitted(
+                           _column_step.reference_column_step, 2,
+                           0.95)(*args))
 
 
 def test_vmap_batch_entries_are_leaves():

@@ -12,8 +12,8 @@ import json
 
 import pytest
 
-from benchmarks.quality import report as quality_report
 from benchmarks import quality
+from benchmarks.quality import report as quality_report
 
 _MATPLOTLIB = importlib.util.find_spec('matplotlib') is not None
 _DATA = _MATPLOTLIB and all(importlib.util.find_spec(name) is not None

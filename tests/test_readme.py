@@ -127,7 +127,8 @@ def _tables(text):
 
 def test_quality_table_is_the_one_the_runs_script_wrote():
   # The README's TACO-against-AdamW table is the summary that
-  # `python -m benchmarks.multiclass_runs --write docs/measured/multiclass.md` wrote,
+  # `python -m benchmarks.multiclass_runs --write
+  # docs/measured/multiclass.md` wrote,
   # so it cannot drift from the recorded runs.
   text = README.read_text()
   section = text.split('## How well it trains')[1].split('\n## ')[0]

@@ -10,9 +10,9 @@ import taco_optax
 from taco_optax._src.transform import parts as _alias
 from taco_optax._src.transform import rounding as _rounding
 from tests.support import layerwise_case
-from tests.support.bitwise import assert_bitwise_equal
 from tests.support import tiers
 from tests.support import toy_lm
+from tests.support.bitwise import assert_bitwise_equal
 
 DTYPES = [jnp.bfloat16, jnp.float16]
 

@@ -2,11 +2,11 @@
 
 import logging
 
+from flax import nnx
 import jax
 import jax.numpy as jnp
 import optax
 import pytest
-from flax import nnx
 
 import taco_optax
 from taco_optax.nnx import for_nnx_optimizer

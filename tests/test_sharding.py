@@ -10,26 +10,26 @@ import re
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-import optax
-import pytest
 from jax.sharding import AxisType
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+import numpy as np
+import optax
+import pytest
 
 import taco_optax
-from taco_optax._src.transform import parts as _alias
-from taco_optax._src.transform import plan as _leaf
-from taco_optax._src.sharding import mesh as _mesh
+from taco_optax import TacoDimensionNumbers as Dims
 from taco_optax._src import kernels
 from taco_optax._src.layerwise import weight_update as _leaf_update
 from taco_optax._src.layerwise import winners as _winners
-from taco_optax import TacoDimensionNumbers as Dims
 from taco_optax._src.routing.dimension_numbers import normalize_axes
-from tests.support import multidevice
-from tests.support.bitwise import assert_bitwise_equal
+from taco_optax._src.sharding import mesh as _mesh
+from taco_optax._src.transform import parts as _alias
+from taco_optax._src.transform import plan as _leaf
 from tests.support import layerwise_case
 from tests.support import mesh_layered
+from tests.support import multidevice
+from tests.support.bitwise import assert_bitwise_equal
 
 NUM_DEVICES = 8
 needs_mesh = multidevice.needs_devices(NUM_DEVICES)

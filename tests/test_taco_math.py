@@ -1,7 +1,8 @@
-"""The mathematics of TACO: exact minimiser, ternary one-sparse updates, the rule."""
+"""TACO's mathematics: exact minimiser, ternary one-sparse updates, the rule."""
 
 import chex
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -67,7 +68,8 @@ def test_updates_are_ternary_and_r_sparse(g, r, mu):
   """Exactly min(r, nonzeros) signs per column, at the largest entries."""
   n, m = g.shape
   tx = taco_optax.scale_by_taco(k=4, mu=mu, update_topk=r)
-  outs, _ = _run(tx, [{'w': jnp.asarray(g)}, {'w': jnp.asarray(g[::-1].copy())}])
+  outs, _ = _run(tx, [{'w': jnp.asarray(g)},
+                      {'w': jnp.asarray(g[::-1].copy())}])
   for updates in outs:
     u = np.asarray(updates['w'])
     assert set(np.unique(np.abs(u))) <= {0.0, np.float32(m / n)}
@@ -91,8 +93,8 @@ def test_updates_are_ternary_and_r_sparse(g, r, mu):
 def test_matches_numpy_reference_over_steps(k, mu, r):
   rng = np.random.default_rng(k * 100 + r)
   n, m, steps = 7, 12, 8
-  grads = [rng.standard_normal((n, m)).astype(np.float32) * 10.0 ** rng.uniform(-8, 2)
-           for _ in range(steps)]
+  grads = [rng.standard_normal((n, m)).astype(np.float32)
+           * 10.0 ** rng.uniform(-8, 2) for _ in range(steps)]
   grads[3][2] = 0.0  # an all-zero column
   grads[5][1, :4] = 1.5  # ties
   grads[6][4, 7] = np.nan  # a skipped step: NaN update, history kept
@@ -123,7 +125,8 @@ def test_dense_history_equals_dense_ema():
     ema = np.float32(mu) * ema + np.float32(1 - mu) * g
     winners = np.abs(ema).argmax(axis=1)
     expected = np.zeros_like(ema)
-    expected[np.arange(n), winners] = (m / n) * np.sign(ema[np.arange(n), winners])
+    rows = np.arange(n)
+    expected[rows, winners] = (m / n) * np.sign(ema[rows, winners])
     np.testing.assert_array_equal(np.asarray(updates['w']), expected)
     assert state.values['w'].shape == (m, n)
     dense = np.zeros((n, m), np.float32)

@@ -1,4 +1,4 @@
-"""Token tables given as TableLookup / TableProjection: same step, no dense gradient.
+"""Token tables as TableLookup / TableProjection: same step, no dense gradient.
 
 The layer-wise step forms a table's gradient from each use's factors, a block
 of columns at a time inside the column-block update. It must equal the plain
@@ -16,18 +16,18 @@ import numpy as np
 import pytest
 
 import taco_optax
-from taco_optax._src.transform import parts as _alias
-from taco_optax._src.kernels import reference as _column_step
-from taco_optax._src.transform import plan as _leaf
 from taco_optax._src import kernels
-from taco_optax._src.layerwise import weight_update as _leaf_update
-from taco_optax._src.layerwise import winners as _winners
+from taco_optax._src.kernels import reference as _column_step
 from taco_optax._src.layerwise import tied_table as _table_update
 from taco_optax._src.layerwise import token_table as _token_table
-from tests.support.bitwise import assert_bitwise_equal
+from taco_optax._src.layerwise import weight_update as _leaf_update
+from taco_optax._src.layerwise import winners as _winners
+from taco_optax._src.transform import parts as _alias
+from taco_optax._src.transform import plan as _leaf
 from tests.support import layerwise_case
 from tests.support import tiers
 from tests.support import toy_lm
+from tests.support.bitwise import assert_bitwise_equal
 
 VOCAB, WIDTH = toy_lm.VOCAB, toy_lm.WIDTH
 

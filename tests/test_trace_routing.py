@@ -1,20 +1,20 @@
 """trace_dimension_numbers: TACO's axes read from the jaxpr of any JAX model.
 
 Three parts: the einsum behaviour the trace reads (the jaxpr internals
-themselves are pinned in ``tests/test_jaxpr_internals.py``); hand-written expectations on small
-plain-jax models, a few checked on one ``taco`` update itself; and the same
-tree as the module-reading helpers (NNX on every tunix model and the
-example's five families, Linen, Equinox). Nothing here compiles but the few
-update checks: ``make_jaxpr`` only.
+themselves are pinned in ``tests/test_jaxpr_internals.py``); hand-written
+expectations on small plain-jax models, a few checked on one ``taco`` update
+itself; and the same tree as the module-reading helpers (NNX on every tunix
+model and the example's five families, Linen, Equinox). Nothing here compiles
+but the few update checks: ``make_jaxpr`` only.
 """
 
 import contextlib
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 import numpy as np
 import pytest
-from jax.sharding import PartitionSpec as P
 
 import taco_optax
 from taco_optax._src.routing import ToAdam

@@ -1,4 +1,4 @@
-"""The layerwise TACO train step equals the plain optax path and saves memory."""
+"""The layer-wise TACO step equals the plain optax path and saves memory."""
 
 import jax
 import jax.numpy as jnp
@@ -7,17 +7,17 @@ import optax
 import pytest
 
 import taco_optax
-from taco_optax._src.layerwise import winners as _winners
 from taco_optax._src.layerwise import backward as _backward
 from taco_optax._src.layerwise import outer as _outer_step
+from taco_optax._src.layerwise import winners as _winners
 from taco_optax._src.layerwise.leaves import name_of
+from taco_optax._src.routing.dimension_numbers import TacoDimensionNumbers
 from taco_optax._src.routing.dimension_numbers import leaf_dimension_numbers
 from taco_optax._src.routing.dimension_numbers import matrix_layout
-from taco_optax._src.routing.dimension_numbers import TacoDimensionNumbers
-from tests.support.bitwise import assert_bitwise_equal
 from tests.support import layerwise_case
 from tests.support import tiers
 from tests.support import toy_lm
+from tests.support.bitwise import assert_bitwise_equal
 
 LayeredLoss = taco_optax.layerwise.LayeredLoss
 layerwise_train_step = layerwise_case.train

@@ -19,12 +19,11 @@ from tunix.sft import peft_trainer  # pylint: disable=g-import-not-at-top
 
 from benchmarks import tunix_models  # pylint: disable=g-import-not-at-top
 import taco_optax  # pylint: disable=g-import-not-at-top
+from taco_optax import tunix as taco_tunix  # pylint: disable=g-import-not-at-top
 from taco_optax._src.integrations import tunix_api as _tunix_api  # pylint: disable=g-import-not-at-top
 from taco_optax._src.integrations import tunix_model as _tunix_model  # pylint: disable=g-import-not-at-top
-from taco_optax import tunix as taco_tunix  # pylint: disable=g-import-not-at-top
 from tests import docs_pages  # pylint: disable=g-import-not-at-top
 from tests.support import tiers  # pylint: disable=g-import-not-at-top
-
 
 
 @pytest.fixture(autouse=True)

@@ -27,10 +27,10 @@ PNG plots are rendered from whatever has finished, after every stage.
 # The package, by concept: ``benchmark`` (budgets, setups, the driver),
 # ``runs`` (one run with compiled steps reused; the small models), ``stages``,
 # ``results`` (the JSON kept across sessions) and ``report`` (the page).
+from benchmarks.quality.benchmark import SMOKE
+from benchmarks.quality.benchmark import STAGES
 from benchmarks.quality.benchmark import Budget
 from benchmarks.quality.benchmark import main
 from benchmarks.quality.benchmark import run
-from benchmarks.quality.benchmark import SMOKE
-from benchmarks.quality.benchmark import STAGES
 
 __all__ = ['Budget', 'SMOKE', 'STAGES', 'main', 'run']

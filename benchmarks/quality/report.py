@@ -14,7 +14,6 @@ from typing import Optional
 
 import numpy as np
 
-
 # Formatting: numbers, run lookups, plots.
 
 MIB = 2.0 ** 20
@@ -595,7 +594,7 @@ def render(data, out_dir: str) -> str:
       'pessimistic and only comparable within this run).',
       f'- Measured wall time: {elapsed / 60:.1f} min over {len(sessions)} '
       'session(s)'
-      + (f' (stages: ' + ', '.join(
+      + (' (stages: ' + ', '.join(
           f'{k} {v / 60:.1f} min' for k, v in meta.get('stage_seconds',
                                                          {}).items()) + ')'
          if meta.get('stage_seconds') else '') + '.',

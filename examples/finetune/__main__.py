@@ -5,8 +5,9 @@ the embedded positive/negative tweets, TACO with the paper's settings, a
 held-out accuracy before and after, and ``results.json`` in a new directory
 ``runs/finetune/OPTIMIZER-TASK-DATE-TIME``, with the fine-tuned model in its
 ``model/`` folder (a Hugging Face directory; ``--eval-only`` scores it again,
-``python -m examples.finetune.export`` and ``.generate`` take it too). A/B against another optimizer with
-one flag, ``--optimizer adamw``, and compare the runs with
+``python -m examples.finetune.export`` and ``.generate`` take it too). A/B
+against another optimizer with one flag, ``--optimizer adamw``, and compare
+the runs with
 ``python -m examples.finetune.compare runs/finetune/*``. The flags
 are :class:`flags.RunConfig`'s fields (``--help`` lists them).
 """

@@ -65,7 +65,8 @@ from examples.finetune.model import layered as layered_lib
 from examples.finetune.model import sharding as sharding_lib
 
 __all__ = [
-    'Batch', 'ChoiceBatch', 'CompiledRun', 'GB', 'LayerwiseTacoTrainer', 'MemoryPlan',
+    'Batch', 'ChoiceBatch', 'CompiledRun', 'GB', 'LayerwiseTacoTrainer',
+    'MemoryPlan',
     'ModelConfig', 'StepTimes', 'TWEETS_LABEL_WORDS', 'TacoSettings',
     'TokenizedExample', 'balanced_split', 'compile_first_step',
     'BATCH_AXES', 'COLUMN_BLOCK_ELEMENTS', 'abstract_mesh',

@@ -47,7 +47,8 @@ _STATE, _INFO, _MANIFEST = 'state', 'checkpoint.json', files_lib.MANIFEST
 
 
 CheckpointError = files_lib.CheckpointError
-_file_digests = files_lib.file_digests  # the manifest's digests (tests replace it)
+# The manifest's digests (tests replace it).
+_file_digests = files_lib.file_digests
 
 
 class Checkpoint(NamedTuple):

@@ -31,7 +31,8 @@ def read_jsonl(path: str) -> list[dict]:
       try:
         record = json.loads(line)
       except json.JSONDecodeError as e:
-        raise DataError(f'{path}:{line_number}: not valid JSON ({e.msg})') from e
+        raise DataError(
+            f'{path}:{line_number}: not valid JSON ({e.msg})') from e
       if not isinstance(record, dict):
         raise DataError(f'{path}:{line_number}: expected a JSON object')
       records.append(record)

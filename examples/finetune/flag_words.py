@@ -10,7 +10,15 @@ against a field's annotation.
 import dataclasses
 import math
 import typing
-from typing import Annotated, Any, Callable, Literal, NamedTuple, Optional, Union
+from typing import (
+  Annotated,
+  Any,
+  Callable,
+  Literal,
+  NamedTuple,
+  Optional,
+  Union,
+)
 
 import tyro
 

@@ -20,11 +20,11 @@ from typing import Annotated, Literal, Optional
 import tyro
 
 from examples.finetune import flag_words
-from examples.finetune.flag_words import OnOff
-from examples.finetune.flag_words import Range
 from examples.finetune import optimizers as optimizers_lib
 from examples.finetune import precision as precision_lib
 from examples.finetune import tasks as tasks_lib
+from examples.finetune.flag_words import OnOff
+from examples.finetune.flag_words import Range
 from examples.finetune.model import decoder as decoder_lib
 
 

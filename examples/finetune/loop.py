@@ -36,6 +36,7 @@ from examples.finetune import trainers as trainers_lib
 from examples.finetune.model import saving
 from examples.finetune.model import sharding as sharding_lib
 
+
 class TrainingRecord(NamedTuple):
   """What training produced.
 

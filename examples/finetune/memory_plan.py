@@ -495,8 +495,9 @@ def abstract_decoder(config: config_lib.ModelConfig, *, dtype: Any,
       scan_layers=scan_layers, rngs=nnx.Rngs(0)))
 
 
-def plan_memory(config: config_lib.ModelConfig, *, dtype: Any, batch: int, seq: int,
-                scan_layers: bool = True, remat: bool = True) -> MemoryPlan:
+def plan_memory(config: config_lib.ModelConfig, *, dtype: Any, batch: int,
+                seq: int, scan_layers: bool = True,
+                remat: bool = True) -> MemoryPlan:
   """The :class:`MemoryPlan` of a ``config`` model with ``dtype`` parameters
   trained on ``batch`` x ``seq`` tokens; shapes only, nothing is allocated.
   """
@@ -508,12 +509,13 @@ def plan_memory(config: config_lib.ModelConfig, *, dtype: Any, batch: int, seq: 
                           scan_layers=scan_layers, remat=remat), params)
 
 
-def plan_memory_on_mesh(config: config_lib.ModelConfig, mesh_shape: dict[str, int], *,
-                        dtype: Any, batch: int, seq: int) -> MemoryPlan:
+def plan_memory_on_mesh(config: config_lib.ModelConfig,
+                        mesh_shape: dict[str, int], *, dtype: Any,
+                        batch: int, seq: int) -> MemoryPlan:
   """The :class:`MemoryPlan` (one device's :class:`MeshTerms`, its
-  parameters with their shardings on an :func:`abstract_mesh`) of a ``config`` model on a ``data x fsdp x
-  tensor`` mesh of ``mesh_shape`` (the CLI's unrolled layers, remat); shapes
-  only, no devices needed."""
+  parameters with their shardings on an :func:`abstract_mesh`) of a
+  ``config`` model on a ``data x fsdp x tensor`` mesh of ``mesh_shape``
+  (the CLI's unrolled layers, remat); shapes only, no devices needed."""
   params = with_shardings(
       layered_lib.layered_model(abstract_decoder(config, dtype=dtype)).params,
       abstract_mesh(mesh_shape))

@@ -10,11 +10,11 @@ Default learning rates depend on the number of steps: ``rate = reference *
 linear-decay schedule. TACO's and AdamW's 40-step references are fitted over
 seeds on three tasks (``docs/measured/multiclass.md``, ``python -m
 benchmarks.multiclass_runs``); their exponents carry them to the 10-step rates
-of the sweep in ``docs/measured/learning_rate.md`` (two real tasks, three budgets,
-``python -m benchmarks.lr_sweep``), which found no effect of the batch size
-(the same best rate at 10 x 4 and 10 x 16), so the batch does not enter the
-rule; the other optimizers keep their papers' rate relative to AdamW and
-scale with AdamW's exponent (not swept).
+of the sweep in ``docs/measured/learning_rate.md`` (two real tasks, three
+budgets, ``python -m benchmarks.lr_sweep``), which found no effect of the
+batch size (the same best rate at 10 x 4 and 10 x 16), so the batch does not
+enter the rule; the other optimizers keep their papers' rate relative to
+AdamW and scale with AdamW's exponent (not swept).
 """
 
 import dataclasses
@@ -27,7 +27,6 @@ from optax import contrib
 
 from examples.finetune.model import decoder as decoder_lib
 import taco_optax
-
 
 # The steps every reference rate is given at: the CLI's default run.
 REFERENCE_STEPS = 40
@@ -270,8 +269,8 @@ def _galore(schedule, hints, taco):
 # rates measured there, then the paper's 3e-5 at 2000 steps. Where each
 # constant comes from: docs/measured/multiclass_findings.md ("The budget
 # rule's constants"); tests/test_lr_sweep.py ties them to the recorded runs.
-_SOURCE = ('docs/measured/multiclass.md (40 and 160 steps), docs/measured/learning_rate.md (10 '
-           'steps)')
+_SOURCE = ('docs/measured/multiclass.md (40 and 160 steps), '
+           'docs/measured/learning_rate.md (10 steps)')
 TACO_RULE = BudgetRule(5.6e-4, -0.41, _SOURCE,
                        long_run=(2000, 3e-5),  # the paper's rate at 2000 steps
                        measured=((160, 5.6e-4),))

@@ -1,4 +1,4 @@
-"""Says what a run is doing: a line when a phase starts, its duration at the end.
+"""What a run is doing: a line when a phase starts, its duration at the end.
 
 Loading a model, tokenising, compiling and evaluating each take seconds to
 minutes; without these lines a piped run (logs, CI) would look hung. Lines are
@@ -45,7 +45,8 @@ def tracker(description: str, enabled: bool
     return lambda items, total: items
 
   def track(items: Iterable[Item], total: int) -> Iterator[Item]:
-    from rich import console, progress  # pylint: disable=g-import-not-at-top
+    from rich import console  # pylint: disable=g-import-not-at-top
+    from rich import progress  # pylint: disable=g-import-not-at-top
     with progress.Progress(
         progress.TextColumn(f'[bold]{description}'), progress.BarColumn(),
         progress.MofNCompleteColumn(), progress.TimeElapsedColumn(),

@@ -16,8 +16,6 @@ import jax.numpy as jnp
 import optax
 import tokenizers
 
-import taco_optax
-
 from examples.finetune import checkpoint as checkpoint_lib
 from examples.finetune import data as data_lib
 from examples.finetune import evaluation as evaluation_lib
@@ -37,6 +35,7 @@ from examples.finetune.model import gguf as gguf_lib
 from examples.finetune.model import loading
 from examples.finetune.model import saving
 from examples.finetune.model import weights as weights_lib
+import taco_optax
 
 # The objective of a classification task whose candidates are single tokens:
 # its loss projects one position per sequence onto the vocabulary.

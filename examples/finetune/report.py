@@ -169,7 +169,8 @@ class Progress:
     self._total, self._done = total, done
     self._log_every = max(1, total // 10) if enabled else 0
     if enabled and sys.stderr.isatty():
-      from rich import console, progress  # pylint: disable=g-import-not-at-top
+      from rich import console  # pylint: disable=g-import-not-at-top
+      from rich import progress  # pylint: disable=g-import-not-at-top
       self._bar = progress.Progress(
           progress.TextColumn('[bold]train'), progress.BarColumn(),
           progress.MofNCompleteColumn(), progress.TimeElapsedColumn(),

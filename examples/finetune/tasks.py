@@ -19,7 +19,6 @@ from typing import Callable, Mapping, NamedTuple, Optional, Sequence
 
 from examples.finetune import corpora
 
-
 # The task for any JSONL of ``{"text", "label"}`` records, described by flags.
 TEXT = 'text'
 

@@ -108,7 +108,8 @@ def test_runs_get_their_own_directories_and_compare(workspace, monkeypatch,
     assert cells[12:] == [f"{results['parameter_bytes'] / 2**20:.1f}",
                           results['rounding']]
   png = tmp_path / 'runs' / 'finetune' / 'compare.png'
-  assert lines[-1] == f'curves: {os.path.join("runs", "finetune", "compare.png")}'
+  curves = os.path.join('runs', 'finetune', 'compare.png')
+  assert lines[-1] == f'curves: {curves}'
   with open(png, 'rb') as f:
     assert f.read(8) == b'\x89PNG\r\n\x1a\n'
   # Without matplotlib: the table, and a line saying what the PNG needs.

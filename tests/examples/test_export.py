@@ -14,11 +14,11 @@ import subprocess
 import sys
 
 from flax import nnx
+import hf_checkpoints
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import hf_checkpoints
 from examples.finetune import __main__ as cli
 from examples.finetune import checkpoint as checkpoint_lib
 from examples.finetune import checkpoint_files
@@ -32,8 +32,8 @@ from examples.finetune.model import gguf as gguf_lib
 from examples.finetune.model import gguf_export
 from examples.finetune.model import loading
 from examples.finetune.model import saving
-from tests.support import tiny_llama
 from tests.support import tiers
+from tests.support import tiny_llama
 
 _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__))))

@@ -116,6 +116,7 @@ def _smollm2_peaks(layerwise, optimizer, batch=32, steps=4):
   batch, as ``steps`` micro-batches, and one micro-batch alone."""
   from flax import nnx  # pylint: disable=g-import-not-at-top
   import optax  # pylint: disable=g-import-not-at-top
+
   from benchmarks import presets  # pylint: disable=g-import-not-at-top
   from examples.finetune import memory_plan  # pylint: disable=g-import-not-at-top
   from examples.finetune import optimizers  # pylint: disable=g-import-not-at-top

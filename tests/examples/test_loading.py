@@ -4,13 +4,13 @@ import importlib.util
 import os
 import shutil
 
+from flax import nnx
+import hf_checkpoints
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
-import hf_checkpoints
 from examples.finetune.model import config as config_lib
 from examples.finetune.model import gguf as gguf_lib
 from examples.finetune.model import loading

@@ -11,8 +11,8 @@ import pytest
 
 from examples.finetune import api
 from examples.finetune import memory_plan
-from taco_optax._src.layerwise import token_table
 from examples.finetune.model import sharding
+from taco_optax._src.layerwise import token_table
 from tests.support import multidevice
 from tests.support import tiny_llama
 

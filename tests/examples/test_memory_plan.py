@@ -67,6 +67,7 @@ def test_formula_tracks_the_compiled_accumulated_layerwise_step(objective,
   # factors (a float32 accumulator would add 108 MiB), every token's keeps
   # the accumulator (its factors would be larger).
   from flax import nnx  # pylint: disable=g-import-not-at-top
+
   from benchmarks import accumulation  # pylint: disable=g-import-not-at-top
   from examples.finetune.model import decoder  # pylint: disable=g-import-not-at-top
   _, _, rows = accumulation.measure(

@@ -9,9 +9,9 @@ import json
 from flax import nnx
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 import numpy as np
 import pytest
-from jax.sharding import PartitionSpec as P
 
 from examples.finetune import __main__ as cli
 from examples.finetune import checkpoint

@@ -1,16 +1,16 @@
 """DecoderLM behaviour: shapes, causality, padding, remat/scan, TACO wiring."""
 
+from flax import nnx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from flax import nnx
 
-import taco_optax
-from taco_optax._src.routing import dimension_numbers as _dimension_numbers
 from examples.finetune.model import config as config_lib
 from examples.finetune.model import decoder as model_lib
+import taco_optax
+from taco_optax._src.routing import dimension_numbers as _dimension_numbers
 from tests.support import tiers
 
 FAMILIES = config_lib.FAMILIES

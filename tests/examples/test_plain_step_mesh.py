@@ -11,11 +11,11 @@ import contextlib
 from flax import nnx
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 import numpy as np
 import optax
 import pytest
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from examples.finetune import api
 from examples.finetune import data as data_lib
@@ -24,10 +24,10 @@ from examples.finetune import trainers
 from examples.finetune.model import decoder
 from examples.finetune.model import loading
 from examples.finetune.model import sharding
-from tests.support import multidevice
-from tests.support.bitwise import assert_bitwise_equal
 import taco_optax
+from tests.support import multidevice
 from tests.support import tiny_llama
+from tests.support.bitwise import assert_bitwise_equal
 
 needs_mesh = multidevice.needs_devices()
 

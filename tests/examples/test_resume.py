@@ -21,8 +21,8 @@ import pytest
 from examples.finetune import __main__ as cli
 from examples.finetune import checkpoint
 from examples.finetune import resume
-from tests.support.bitwise import assert_bitwise_equal
 from tests.support import tiny_llama
+from tests.support.bitwise import assert_bitwise_equal
 
 STEPS, STOP, EVERY = 6, 3, 2
 _CHECKPOINTS = resume.CHECKPOINT_DIR
@@ -240,8 +240,9 @@ _OTHER_VALUES = {
 
 
 def test_every_setting_that_must_match_is_listed():
-  from examples.finetune import flags  # pylint: disable=g-import-not-at-top
   import dataclasses  # pylint: disable=g-import-not-at-top
+
+  from examples.finetune import flags  # pylint: disable=g-import-not-at-top
   fields = {f.name for f in dataclasses.fields(flags.RunConfig)}
   checked = fields - resume._FREE_FIELDS  # pylint: disable=protected-access
   assert checked == set(_OTHER_VALUES), (

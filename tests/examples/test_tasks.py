@@ -11,7 +11,6 @@ from examples.finetune import corpora
 from examples.finetune import data
 from examples.finetune import tasks
 
-
 # Prompt formats on hand-made records in the Hugging Face field layout.
 
 

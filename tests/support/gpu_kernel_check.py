@@ -14,8 +14,8 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from taco_optax._src.kernels import reference as _column_step
 from taco_optax._src.kernels import pallas_kernel as _pallas_kernel
+from taco_optax._src.kernels import reference as _column_step
 
 SMOKE = sys.argv[1] == '1'
 INTERPRET = SMOKE
@@ -144,7 +144,8 @@ for name, (n, m) in shapes.items():
   args = args_for(n, m, 16, jnp.bfloat16, np.random.default_rng(1))
   topk_ms = timed(topk, args[:1])
   reference_ms = timed(reference_step(1), args)
-  line = f'{name} n={n} m={m}: top_k {topk_ms:.3f} ms, reference {reference_ms:.3f} ms'
+  line = (f'{name} n={n} m={m}: top_k {topk_ms:.3f} ms, '
+          f'reference {reference_ms:.3f} ms')
   totals['top_k'] = totals.get('top_k', 0.0) + topk_ms
   totals['reference'] = totals.get('reference', 0.0) + reference_ms
   for tile in (2048, 4096, 8192, 16384):

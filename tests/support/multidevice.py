@@ -47,7 +47,8 @@ def rerun_with_devices(test_files: list[str], timeout: int = 1500) -> str:
   assert result.returncode == 0, report
   counts = summary_counts(result.stdout)
   assert not counts.get('failed') and not counts.get('error'), report
-  passed = {line.split()[1].split('::')[0] for line in result.stdout.splitlines()
+  passed = {line.split()[1].split('::')[0]
+            for line in result.stdout.splitlines()
             if line.startswith('PASSED ')}
   assert passed == set(test_files), (sorted(set(test_files) - passed), report)
   starved = [line for line in result.stdout.splitlines()

@@ -46,6 +46,7 @@ def _optax_case():
   """``scale_by_taco`` (explicit meshes) and ``taco`` with AdamW, 3 steps."""
   import jax  # pylint: disable=g-import-not-at-top
   import optax  # pylint: disable=g-import-not-at-top
+
   import taco_optax  # pylint: disable=g-import-not-at-top
   from tests import test_sharding as cases  # pylint: disable=g-import-not-at-top
 
@@ -130,9 +131,12 @@ LAYERWISE_RUNS = ((False, 'fsdp_across', True), (False, 'tensor_across', False),
 def _layerwise_case():
   """``layerwise.train_step``: stacked and unrolled, explicit and Auto."""
   import contextlib  # pylint: disable=g-import-not-at-top
+
   import jax  # pylint: disable=g-import-not-at-top
+
   # pylint: disable-next=g-import-not-at-top
   from tests.support import layerwise_case
+
   # pylint: disable-next=g-import-not-at-top
   from tests.support import mesh_layered
 

@@ -1,4 +1,4 @@
-"""A plain-numpy TACO, written from the paper's rule, to test the JAX code against.
+"""A plain-numpy TACO, from the paper's rule, to test the JAX code against.
 
 Layout: one matrix at a time in the paper's orientation, ``G`` of shape
 ``(m, n)`` (rows x columns). The sparse history of column ``j`` is a list of

@@ -23,7 +23,8 @@ _SPREAD = st.builds(
     st.sampled_from([0.0, 1.0, 1.125, 1.25, 1.5, 1.875]),
     st.integers(-20, 10))
 _ANY = st.floats(-1e3, 1e3, width=32, allow_nan=False, allow_infinity=False,
-                 allow_subnormal=False).filter(lambda x: x == 0 or abs(x) > 1e-6)
+                 allow_subnormal=False).filter(
+                     lambda x: x == 0 or abs(x) > 1e-6)
 _NORMAL_MIN = float(np.finfo(np.float32).smallest_normal)
 SUBNORMAL = st.floats(-_NORMAL_MIN, _NORMAL_MIN, width=32, exclude_min=True,
                       exclude_max=True, allow_subnormal=True)

@@ -12,7 +12,8 @@ Stacked axes each keep their first value fast, so the fast tier runs the case
 of every axis's first value.
 """
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
+from collections.abc import Sequence
 from typing import Any
 
 import pytest

@@ -17,8 +17,9 @@ import pytest
 safetensors_numpy = pytest.importorskip('safetensors.numpy')
 tokenizers = pytest.importorskip('tokenizers')
 
-from examples.finetune import flags  # pylint: disable=g-import-not-at-top
-from examples.finetune import loop  # pylint: disable=g-import-not-at-top
+# After the skips: the example's modules need both packages.
+from examples.finetune import flags  # noqa: E402
+from examples.finetune import loop  # noqa: E402
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__))))

@@ -11,14 +11,14 @@ block whose parameters carry a leading layer axis.
 
 from typing import Any, Optional
 
+from flax import nnx
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
-import taco_optax
 from examples.finetune.model import config as config_lib
 from examples.finetune.model import layers
 from examples.finetune.model import vocab_parallel
+import taco_optax
 
 REMAT_POLICIES = ('nothing_saveable', 'dots_saveable',
                   'dots_with_no_batch_dims_saveable', 'everything_saveable')

@@ -9,11 +9,11 @@ import functools
 import math
 from typing import Any, Callable
 
+from flax import nnx
 import jax
 import jax.numpy as jnp
-import numpy as np
-from flax import nnx
 from jax.sharding import PartitionSpec as P
+import numpy as np
 
 from examples.finetune.model import config as config_lib
 from examples.finetune.model import vocab_parallel
@@ -157,7 +157,8 @@ class Embed(nnx.Embed):
 
   A table split over the vocabulary (``sharding.param_spec``) is looked up
   where its rows live (``vocab_parallel.lookup``), never gathered; any other
-  (a learned position table, split over both axes) is gathered whole. The looked-up rows come out split like the token ids.
+  (a learned position table, split over both axes) is gathered whole. The
+  looked-up rows come out split like the token ids.
   """
 
   def __call__(self, inputs: jax.Array, out_sharding=None) -> jax.Array:

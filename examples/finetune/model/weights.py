@@ -12,10 +12,9 @@ import dataclasses
 import json
 from typing import Any, Iterator, Optional, Protocol
 
-import jax
-import ml_dtypes  # pylint: disable=unused-import  (numpy learns 'bfloat16')
-import numpy as np
 from flax import nnx
+import jax
+import numpy as np
 
 from examples.finetune.model import config as config_lib
 from examples.finetune.model import decoder as decoder_lib
