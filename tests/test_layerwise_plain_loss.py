@@ -315,16 +315,10 @@ def _leaves(tree):
                          'nnx-list-tied']))
 def test_equals_the_plain_optax_path_f32(case):
   loss_fn, params, tx = CASES[case]()
-  plain = jax.jit(toy_lm.plain_step(loss_fn, tx))
-  lean = jax.jit(layerwise.train_step(loss_fn, tx))
-  expected = got = (params, tx.init(params))
-  for step in range(3):
-    *expected, expected_loss = plain(*expected, _tokens(step))
-    *got, loss = lean(*got, _tokens(step))
-    assert float(loss) == float(expected_loss)
-  assert jax.tree.structure(got) == jax.tree.structure(expected)
-  for a, b in zip(_leaves(got), _leaves(expected)):
-    np.testing.assert_array_equal(a, b)
+  got = toy_lm.assert_same_runs(
+      jax.jit(toy_lm.plain_step(loss_fn, tx)),
+      jax.jit(layerwise.train_step(loss_fn, tx)), params, tx,
+      [_tokens(step) for step in range(3)])
   # The step moved every TACO matrix: one entry per column at a time.
   moved = [(a != b).sum() for a, b in zip(_leaves(got[0]), _leaves(params))]
   assert all(m > 0 for m in moved), moved
@@ -553,17 +547,11 @@ def test_equals_the_plain_optax_path_bf16_stochastic_rounding(case, request):
         'kernels and nnx-scan are equal on both.')))
   loss_fn, params, tx = CASES[case]()
   params = _bf16(params)
-  plain = jax.jit(toy_lm.plain_step(loss_fn, tx), compiler_options=_EXACT_BF16)
-  lean = jax.jit(layerwise.train_step(loss_fn, tx),
-                 compiler_options=_EXACT_BF16)
-  expected = got = (params, tx.init(params))
-  for step in range(3):
-    *expected, expected_loss = plain(*expected, _tokens(step))
-    *got, loss = lean(*got, _tokens(step))
-    assert float(loss) == float(expected_loss)
-  assert jax.tree.structure(got) == jax.tree.structure(expected)
-  for a, b in zip(_leaves(got), _leaves(expected)):
-    np.testing.assert_array_equal(a, b)
+  got = toy_lm.assert_same_runs(
+      jax.jit(toy_lm.plain_step(loss_fn, tx), compiler_options=_EXACT_BF16),
+      jax.jit(layerwise.train_step(loss_fn, tx),
+              compiler_options=_EXACT_BF16), params, tx,
+      [_tokens(step) for step in range(3)])
   assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(got[0]))
   moved = [(a != b).sum() for a, b in zip(_leaves(got[0]), _leaves(params))]
   assert all(m > 0 for m in moved), moved

@@ -138,6 +138,21 @@ def plain_step(loss, tx):
   return step
 
 
+def assert_same_runs(plain, lean, params_, tx, batches):
+  """Runs both jitted steps from ``(params_, tx.init(params_))`` over
+  ``batches``; asserts equal losses at each step and bit-equal params and
+  state at the end, and returns the lean step's ``(params, state)``."""
+  expected = got = (params_, tx.init(params_))
+  for batch in batches:
+    *expected, expected_loss = plain(*expected, batch)
+    *got, loss = lean(*got, batch)
+    assert float(loss) == float(expected_loss)
+  assert jax.tree.structure(got) == jax.tree.structure(expected)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  return got
+
+
 def multisteps_run(loss, tx, params_, steps, count=MICRO):
   """``MultiSteps(tx, count)`` fed each micro-batch: params and inner state.
   """
