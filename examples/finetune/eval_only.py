@@ -67,4 +67,5 @@ def run(config: flags_lib.RunConfig,
   recorded = _run_results(config.model)
   return {'eval_only': True, 'model': weights, 'task': task.name,
           'metric': metric, 'scores': scores, 'held_out': len(held_out),
+          'eval_split': config.eval_split,
           'run_after': None if recorded is None else recorded.after}

@@ -328,5 +328,6 @@ def results(prepared: preparation.PreparedRun, record: TrainingRecord,
       objective=prepared.objective,
       resumed_from_step=prepared.start_step,
       backend=jax.default_backend(),
+      eval_split=config.eval_split,
       config=dataclasses.asdict(config),
       exported_to=exported_to)

@@ -81,7 +81,8 @@ def load_task(config: flags_lib.RunConfig):
   """``(task, train examples, held-out examples)`` for the configured task.
 
   A task with its own records (the tweets, ``bbc``, ``trec``) splits them
-  itself; every other task reads ``--train-file`` and ``--test-file``.
+  itself (``--eval-split`` picks its held-out or its validation set); every
+  other task reads ``--train-file`` and ``--test-file``.
   """
   try:
     task = tasks_lib.get(config.task, config.label_words, config.template)
@@ -92,7 +93,12 @@ def load_task(config: flags_lib.RunConfig):
       raise flags_lib.FinetuneError(
           f'--train-file/--test-file need --task (e.g. text, sst2); '
           f'--task {task.name} reads its own records')
-    train, test = task.split()
+    train, test = task.split(config.eval_split)
+  elif config.eval_split != 'test':
+    raise flags_lib.FinetuneError(
+        f'--eval-split {config.eval_split} needs a task with its own records '
+        f'(tweets, bbc, trec, tweets-to-movies); --task {task.name} is scored '
+        'on --test-file')
   elif not config.train_file or not config.test_file:
     raise flags_lib.FinetuneError(
         f'--task {config.task} needs --train-file and --test-file (JSONL in '
