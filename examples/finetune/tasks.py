@@ -18,7 +18,6 @@ from typing import Callable, Mapping, NamedTuple, Optional
 from examples.finetune import corpora
 
 
-
 # The task for any JSONL of ``{"text", "label"}`` records, described by flags.
 TEXT = 'text'
 
