@@ -187,7 +187,7 @@ def evaluate(model, eval_set: EvalSet, tokenizer, *, seq_len: int,
       progress bar (:func:`phases.tracker`).
 
   Returns:
-    ``{metric name: value}`` as :func:`tasks.score` gives it.
+    ``{metric name: value}`` as :func:`metrics.score` gives it.
   """
   model.eval()
   try:
