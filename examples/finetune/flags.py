@@ -198,6 +198,11 @@ class RunConfig:
                                    tyro.conf.arg(metavar='PATH')] = None
 
   @property
+  def scored_set(self) -> str:
+    """The set the run scores, as its log names it (``--eval-split``)."""
+    return 'validation' if self.eval_split == 'validation' else 'held-out'
+
+  @property
   def taco(self) -> optimizers_lib.TacoSettings:
     """TACO's settings from ``--taco-k`` and ``--taco-mu``."""
     return optimizers_lib.TacoSettings(k=self.taco_k, mu=self.taco_mu)

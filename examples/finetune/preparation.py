@@ -311,7 +311,7 @@ def prepare(config: flags_lib.RunConfig,
         remat_policy=config.remat_policy, scan_layers=config.scan_layers)
   _check_lengths(config, task, model_config)
   with phases.phase(f'tokenising {len(train_examples)} training and '
-                    f'{len(held_out)} held-out examples', log):
+                    f'{len(held_out)} {config.scored_set} examples', log):
     train_tokens, collate_fn, objective = _training_tokens(
         config.objective, task, train_examples, tokenizer)
     eval_set = evaluation_lib.make_eval_set(task, held_out, tokenizer)
@@ -341,7 +341,8 @@ def prepare(config: flags_lib.RunConfig,
     start_step = resume_lib.restore(checkpoints, trainer, batches, log)
   log(f'run directory {config.output_dir}')
   log(f'model {model_path} ({model_config.family}, '
-      f'{len(train_tokens)} train / {len(held_out)} held-out examples)')
+      f'{len(train_tokens)} train / {len(held_out)} {config.scored_set} '
+      'examples)')
   log(f'optimizer {config.optimizer}: lr {lr:g} ({lr_source}), '
       f'warm-up {warmup}, '
       f'{config.steps} steps x batch {config.batch_size} x {config.seq_len} '

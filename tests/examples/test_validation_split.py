@@ -146,7 +146,7 @@ def test_eval_split_validation_needs_a_task_with_its_own_records():
     preparation.load_task(config)
 
 
-def test_eval_split_reaches_results_json(workspace, monkeypatch):
+def test_eval_split_reaches_results_json(workspace, monkeypatch, capsys):
   records = [{'text': f'good text {i}' if i % 2 else f'bad text {i}',
               'label': ('neg', 'pos')[i % 2]} for i in range(24)]
   monkeypatch.setitem(tasks.TASKS, 'tweets', tasks.text_classification(
@@ -162,3 +162,5 @@ def test_eval_split_reaches_results_json(workspace, monkeypatch):
     results = json.load(f)
   assert results['eval_split'] == 'validation'
   assert results['config']['eval_split'] == 'validation'
+  out = capsys.readouterr().out
+  assert 'validation accuracy before' in out and 'held-out' not in out
