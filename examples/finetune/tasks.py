@@ -126,8 +126,9 @@ class Task:
     it was before validation sets existed, so that held-out figures stay
     comparable; the validation set is cut with seed 1 from what that leaves
     for training (for an out-of-domain task, from what it leaves of
-    :attr:`held_out_records`). Every run (any ``--seed``, any optimizer) sees
-    the same three sets.
+    :attr:`held_out_records`), one record per text. Every run (any
+    ``--seed``, any optimizer) sees the same three sets, and no text of the
+    held-out or validation set trains.
     """
     if self.records is None:
       raise ValueError(f'task {self.name!r} reads its records from files')
@@ -139,12 +140,21 @@ class Task:
       train = self.records()
       pool, test = corpora.balanced_split(self.held_out_records(),
                                           self.test_per_class, self.labels)
-    if not self.validation_per_class:
-      return train, [], test
-    rest, validation = corpora.balanced_split(
-        pool, self.validation_per_class, self.labels, split_seed=1)
-    if self.held_out_records is None:
-      train = rest
+    # A text repeated in the source (BBC's corpus repeats 122 articles) is
+    # scored once: none of a held-out text's copies is a validation record
+    # or trains, and none of a validation text's trains.
+    held = {record['text'] for record in test}
+    validation = []
+    if self.validation_per_class:
+      seen, distinct = set(held), []
+      for record in pool:
+        if record['text'] not in seen:
+          seen.add(record['text'])
+          distinct.append(record)
+      _, validation = corpora.balanced_split(
+          distinct, self.validation_per_class, self.labels, split_seed=1)
+      held |= {record['text'] for record in validation}
+    train = [record for record in train if record['text'] not in held]
     return train, validation, test
 
 
