@@ -3,9 +3,12 @@
 Every point is one run of the fine-tuning CLI, as a user runs it, one
 process at a time, on a task of the example's registry (``bbc``:
 BBC News topics, 5 classes; ``trec``: TREC question types, 6 classes; the
-embedded ``tweets``), scored on 200 held-out examples. The grid is the product
-of the flags; ``rule`` as a rate is the CLI's own budget rule (the rate it
-picked is read back from results.json).
+embedded ``tweets``; the out-of-domain ``tweets-to-movies``), scored on 200
+held-out examples, or with ``--eval-split validation`` on the task's
+validation set (issue 53: rates are chosen there, never on the held-out set
+that is reported). The grid is the product of the flags; ``rule`` as a rate
+is the CLI's own budget rule (the rate it picked is read back from
+results.json).
 
 ``--settings`` adds variants of TACO's or the schedule's settings (``k``,
 ``mu``, ``warmup``: ``--taco-k``, ``--taco-mu``, ``--warmup-steps``); their
@@ -13,7 +16,7 @@ runs are shown apart and left out of the rule's fit.
 
 Each point goes to ``runs/multiclass/TASK-OPT-lrLR-stepsS-seedN`` (``LR``
 is ``ruleRATE`` for the rule's current rate; a variant appends
-``-NAME=VALUE``) and is skipped when its
+``-NAME=VALUE``, a validation run ``-validation``) and is skipped when its
 results.json exists, so a grid resumes where it stopped. ``--record`` keeps
 every run's figures in ``benchmarks/data/multiclass_runs.json``, which the
 budget rule's test reads (runs/ is not committed). The tables read the
@@ -21,12 +24,15 @@ recorded runs and every finished run under ``runs/multiclass/``: per (task,
 optimizer, rate, steps) the accuracy per seed, the mean and its standard
 error; TACO minus AdamW (at the rule's rate, same task, steps and seed),
 paired over seeds; and per optimizer the rate that falls least short of each
-task's best mean over seeds (:func:`fitted_rate`).
+task's best mean over seeds on the validation sets (:func:`fitted_rate`;
+validation runs are listed with ``eval=validation`` in the settings column).
 
     python -m benchmarks.multiclass_runs --tasks trec,bbc \\
         --optimizers taco,adamw --lrs rule --steps 40 --seeds 0,1,2
     python -m benchmarks.multiclass_runs --tasks trec --optimizers taco \
         --steps 160 --settings 'mu=0.9,warmup=0'
+    python -m benchmarks.multiclass_runs --tasks tweets,bbc,trec \
+        --optimizers taco --lrs 1e-4,3e-4,1e-3 --eval-split validation
     python -m benchmarks.multiclass_runs --table
     python -m benchmarks.multiclass_runs --write docs/measured/multiclass.md
     python -m benchmarks.multiclass_runs --record \\
@@ -43,6 +49,9 @@ import time
 from typing import Optional
 
 from benchmarks import lr_sweep
+from benchmarks.multiclass_fit import NoValidationRuns, TEST, VALIDATION
+from benchmarks.multiclass_fit import fitted_rate, round_rate, seed_means
+from benchmarks.multiclass_fit import split_of
 from benchmarks import provenance
 from examples.finetune import api
 
@@ -58,6 +67,7 @@ class Point:
   steps: int
   seed: int
   settings: str = ''  # e.g. 'k=32 mu=0.9' (see SETTINGS); '': the CLI's
+  split: str = TEST  # the set scored: TEST (held out) or VALIDATION
 
   @property
   def directory(self) -> str:
@@ -66,6 +76,8 @@ class Point:
     lr = (f'rule{rule_rate(self.optimizer, self.steps):g}' if self.lr is None
           else f'{self.lr:g}')
     variant = ''.join(f'-{setting}' for setting in self.settings.split())
+    if self.split != TEST:
+      variant += f'-{self.split}'
     return os.path.join(ROOT, f'{self.task}-{self.optimizer}-lr{lr}-steps'
                         f'{self.steps}-seed{self.seed}{variant}')
 
@@ -73,6 +85,8 @@ class Point:
     flags = [*lr_sweep.task_flags(self.task), '--eval-size', str(EVAL_SIZE), '--no-checkpoint',
              '--no-progress', '--optimizer', self.optimizer,
              '--steps', str(self.steps), '--seed', str(self.seed)]
+    if self.split != TEST:
+      flags += ['--eval-split', self.split]
     for setting in self.settings.split():
       name, value = setting.split('=')
       flags += [SETTINGS[name][0], value]
@@ -108,7 +122,8 @@ def grid(args) -> list[Point]:
       if name not in SETTINGS or not value:
         raise SystemExit(f'--settings: {setting!r} is not NAME=VALUE with '
                          f'NAME one of {", ".join(SETTINGS)}')
-  return [Point(task, optimizer, lr, int(steps), int(seed), variant)
+  return [Point(task, optimizer, lr, int(steps), int(seed), variant,
+                args.eval_split)
           for task, steps, seed, optimizer, lr, variant in itertools.product(
               args.tasks.split(','), args.steps.split(','),
               args.seeds.split(','), args.optimizers.split(','), rates,
@@ -120,14 +135,15 @@ DATA = os.path.join(os.path.dirname(__file__), 'data', 'multiclass_runs.json')
 
 def _key(row: dict) -> tuple:
   return (row['task'], row['optimizer'], row['learning_rate'],
-          row['lr_given'], row['steps'], row['seed'], row.get('settings', ''))
+          row['lr_given'], row['steps'], row['seed'], row.get('settings', ''),
+          split_of(row))
 
 
 def finished_runs(root: Optional[str] = None) -> list[dict]:
   """One row per results.json under ``root`` (default ROOT): the task, the
   optimizer, its rate (and whether ``--lr`` gave it), steps, seed, the
-  settings changed (only where some were) and the held-out accuracy after
-  and before training (fractions)."""
+  settings changed (only where some were), the set scored (``split``) and
+  its accuracy after and before training (fractions)."""
   rows = []
   for path in sorted(glob.glob(os.path.join(root or ROOT, '*',
                                             'results.json'))):
@@ -140,7 +156,8 @@ def finished_runs(root: Optional[str] = None) -> list[dict]:
         'lr_given': config['lr'] is not None, 'steps': config['steps'],
         'seed': config['seed'],
         'accuracy_after': done.after['accuracy'],
-        'accuracy_before': done.before['accuracy']})
+        'accuracy_before': done.before['accuracy'],
+        'split': done.split})
     if settings_of(config):
       rows[-1]['settings'] = settings_of(config)
   return rows
@@ -174,57 +191,16 @@ def record(path: str, note: str) -> None:
 def finished(table_rows: Optional[list[dict]] = None) -> dict:
   """``{(task, optimizer, lr, steps, settings): {seed: (after, before)}}``
   in percent, from ``table_rows`` (default :func:`rows`); a rate the rule
-  gave and the same rate given with ``--lr`` are one rate."""
+  gave and the same rate given with ``--lr`` are one rate; a validation
+  run's settings end with ``eval=validation``."""
   table = {}
   for row in rows() if table_rows is None else table_rows:
-    task, optimizer, lr, _, steps, seed, settings = _key(row)
-    table.setdefault((task, optimizer, _round(lr), steps, settings), {})[
+    task, optimizer, lr, _, steps, seed, settings, split = _key(row)
+    if split != TEST:
+      settings = f'{settings} eval={split}'.strip()
+    table.setdefault((task, optimizer, round_rate(lr), steps, settings), {})[
         seed] = (100 * row['accuracy_after'], 100 * row['accuracy_before'])
   return table
-
-
-def seed_means(table_rows: list[dict], optimizer: str, steps: int = 40,
-               min_seeds: int = 3) -> dict:
-  """``{task: {lr: (mean accuracy, zero-shot)}}`` over seeds, for the rates
-  run with at least ``min_seeds`` seeds (the rule's rate and the same rate
-  given with ``--lr`` are one rate). A task's rates are averaged over the
-  seeds they all ran, so that no rate gains from easier seeds; where fewer
-  than ``min_seeds`` are common, each over its own. Runs that changed a
-  setting are left out: the rule is for the CLI's settings."""
-  by_rate = {}
-  for row in table_rows:
-    if (row['optimizer'] == optimizer and row['steps'] == steps
-        and not row.get('settings')):
-      lr = _round(row['learning_rate'])
-      by_rate.setdefault(row['task'], {}).setdefault(lr, {})[row['seed']] = (
-          row['accuracy_after'], row['accuracy_before'])
-  means = {}
-  for task, rates in by_rate.items():
-    rates = {lr: seeds for lr, seeds in rates.items()
-             if len(seeds) >= min_seeds}
-    if not rates:
-      continue
-    common = set.intersection(*(set(seeds) for seeds in rates.values()))
-    for lr, seeds in rates.items():
-      used = sorted(common) if len(common) >= min_seeds else sorted(seeds)
-      after = [seeds[s][0] for s in used]
-      means.setdefault(task, {})[lr] = (sum(after) / len(after),
-                                        seeds[used[0]][1])
-  return means
-
-
-def fitted_rate(table_rows: list[dict], optimizer: str,
-                steps: int = 40) -> Optional[float]:
-  """The rate, among those run on every task over seeds, whose mean accuracy
-  falls least short of each task's best (:func:`lr_sweep.robust_rate`)."""
-  return lr_sweep.robust_rate(
-      list(seed_means(table_rows, optimizer, steps).values()))
-
-
-def _round(lr: float) -> float:
-  """A rate to the two digits it is named by (a rate the rule gave and the
-  same rate given with ``--lr`` are one rate)."""
-  return float(f'{lr:.2g}')
 
 
 def _pm(mean: float, se: float, sign: str = '') -> str:
@@ -240,7 +216,7 @@ def mean_se(values) -> tuple[float, float]:
 
 
 def _rate(lr, optimizer, steps):
-  rule = lr == _round(rule_rate(optimizer, steps))
+  rule = lr == round_rate(rule_rate(optimizer, steps))
   return f'{lr:.2g}' + (' (rule)' if rule else '')
 
 
@@ -254,7 +230,7 @@ def summary(data: dict, steps: int = 40) -> None:
   print('| task | classes | seeds | TACO | AdamW | TACO − AdamW, paired |')
   print('| --- | ---: | ---: | ---: | ---: | ---: |')
   for task in sorted({key[0] for key in data}):
-    taco, adamw = (data.get((task, name, _round(rule_rate(name, steps)),
+    taco, adamw = (data.get((task, name, round_rate(rule_rate(name, steps)),
                              steps, ''), {}) for name in ('taco', 'adamw'))
     common = sorted(set(taco) & set(adamw))
     if len(common) < 2:
@@ -301,7 +277,7 @@ def report() -> None:
   print('| --- | ---: | ---: | --- | --- | --- | ---: |')
   for (task, opt, lr, steps, settings), seeds in sorted(data.items()):
     base = data.get((task, 'adamw',
-                     _round(rule_rate('adamw', steps)), steps, ''))
+                     round_rate(rule_rate('adamw', steps)), steps, ''))
     common = sorted(set(seeds) & set(base or {}))
     if opt != 'taco' or not common:
       continue
@@ -315,27 +291,43 @@ def report() -> None:
 
 
 def fit_report(table_rows: list[dict], steps: int = 40) -> None:
-  """Per optimizer and task, the mean accuracy over seeds at each rate run
-  with three or more seeds, and the rate fitted over the tasks."""
-  print(f'\nMean accuracy (%) over three or more seeds at {steps} steps (per '
-        'task over the seeds all its rates ran), and the rate that falls '
-        'least short of each task\'s best on average, among the rates run '
-        'on every task (`fitted_rate`):\n')
-  print('| optimizer | task | mean at each rate | best |')
-  print('| --- | --- | --- | ---: |')
-  for optimizer in ('taco', 'adamw'):
-    means = seed_means(table_rows, optimizer, steps)
-    for task, scores in sorted(means.items()):
-      cells = ', '.join(f'{lr:.2g}: {100 * a:.1f}'
-                        for lr, (a, _) in sorted(scores.items()))
-      best = max(scores, key=lambda lr: scores[lr][0])
-      print(f'| {optimizer} | {task} | {cells} | {best:.2g} |')
-  for optimizer in ('taco', 'adamw'):
-    tasks = ', '.join(sorted(seed_means(table_rows, optimizer, steps)))
-    rate = fitted_rate(table_rows, optimizer, steps)
-    print(f'\n{optimizer}: fitted over {tasks or "no task"}: '
-          f'{"none" if rate is None else f"{rate:.2g}"}; the rule gives '
-          f'{rule_rate(optimizer, steps):.2g}.')
+  """Per set scored, optimizer and task, the mean accuracy over seeds at
+  each rate run with three or more seeds, and the rate fitted over the
+  tasks: on the validation sets, and the legacy fit on the held-out sets."""
+  for split, name in ((VALIDATION, 'the validation sets (what a rate is '
+                       'chosen on)'),
+                      (TEST, 'the held-out sets that are reported (the '
+                       'legacy fit: a rate chosen on the data it is scored '
+                       'on)')):
+    if not any(seed_means(table_rows, optimizer, steps, split=split)
+               for optimizer in ('taco', 'adamw')):
+      print(f'\nOn {name}: no runs over three or more seeds at {steps} '
+            'steps yet (`--eval-split validation`), so no fitted rate.')
+      continue
+    print(f'\nOn {name}: mean accuracy (%) over three or more seeds at '
+          f'{steps} steps (per task over the seeds all its rates ran), and '
+          'the rate that falls least short of each task\'s best on average, '
+          'among the rates run on every task (`fitted_rate`):\n')
+    print('| optimizer | task | mean at each rate | best |')
+    print('| --- | --- | --- | ---: |')
+    for optimizer in ('taco', 'adamw'):
+      means = seed_means(table_rows, optimizer, steps, split=split)
+      for task, scores in sorted(means.items()):
+        cells = ', '.join(f'{lr:.2g}: {100 * a:.1f}'
+                          for lr, (a, _) in sorted(scores.items()))
+        best = max(scores, key=lambda lr: scores[lr][0])
+        print(f'| {optimizer} | {task} | {cells} | {best:.2g} |')
+    for optimizer in ('taco', 'adamw'):
+      tasks = ', '.join(sorted(seed_means(table_rows, optimizer, steps,
+                                          split=split)))
+      try:
+        rate = fitted_rate(table_rows, optimizer, steps, split=split)
+      except NoValidationRuns:
+        print(f'\n{optimizer}: no validation runs at {steps} steps.')
+        continue
+      print(f'\n{optimizer}: fitted over {tasks or "no task"}: '
+            f'{"none" if rate is None else f"{rate:.2g}"}; the rule gives '
+            f'{rule_rate(optimizer, steps):.2g}.')
 
 
 def main(argv=None) -> None:
@@ -350,6 +342,11 @@ def main(argv=None) -> None:
                       help='comma-separated variants, each space-separated '
                       'NAME=VALUE settings (k, mu, warmup: --taco-k, '
                       '--taco-mu, --warmup-steps); "default": the CLI\'s')
+  parser.add_argument('--eval-split', choices=(TEST, VALIDATION),
+                      default=TEST,
+                      help='the set each run is scored on: the held-out set '
+                      '(test) or the validation set that rates are chosen '
+                      'on')
   parser.add_argument('--with-default', action='store_true',
                       help='with --settings: run the CLI\'s settings too')
   parser.add_argument('--deadline', type=float, default=None,

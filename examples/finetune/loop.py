@@ -125,8 +125,8 @@ def _evaluate(prepared: preparation.PreparedRun,
       display at a time, and the training bar is one).
   """
   config = prepared.config
-  with phases.phase(f'evaluating {len(prepared.held_out)} held-out examples',
-                    log):
+  with phases.phase(f'evaluating {len(prepared.held_out)} '
+                    f'{config.scored_set} examples', log):
     return evaluation_lib.evaluate(
         prepared.model, prepared.eval_set, prepared.tokenizer,
         seq_len=config.seq_len, batch_size=config.eval_batch_size,
@@ -152,7 +152,7 @@ def train(prepared: preparation.PreparedRun,
   before = history['before'] if 'before' in history else _evaluate(prepared,
                                                                     log)
   host_memory.release_free_memory()
-  log(f'held-out {metric} before: {before[metric]:.4f}'
+  log(f'{prepared.config.scored_set} {metric} before: {before[metric]:.4f}'
       + (' (from the checkpoint)' if 'before' in history else ''))
   mesh = sharding_lib.current_mesh()
   if mesh:
@@ -224,7 +224,8 @@ def _steps(prepared: preparation.PreparedRun, before: dict[str, float],
           scores = _evaluate(prepared, progress.print, bar=False)
           evals.append({'step': step, **scores})
           progress.print(
-              f'step {step}: held-out {metric} {scores[metric]:.4f}')
+              f'step {step}: {config.scored_set} {metric} '
+              f'{scores[metric]:.4f}')
         stop.pause_for_test(step)
         stop.agree()
         if stop.signal_number or step == config.steps or checkpoints.due(
@@ -329,5 +330,6 @@ def results(prepared: preparation.PreparedRun, record: TrainingRecord,
       objective=prepared.objective,
       resumed_from_step=prepared.start_step,
       backend=jax.default_backend(),
+      eval_split=config.eval_split,
       config=dataclasses.asdict(config),
       exported_to=exported_to)

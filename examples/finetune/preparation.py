@@ -80,7 +80,8 @@ def load_task(config: flags_lib.RunConfig):
   """``(task, train examples, held-out examples)`` for the configured task.
 
   A task with its own records (the tweets, ``bbc``, ``trec``) splits them
-  itself; every other task reads ``--train-file`` and ``--test-file``.
+  itself (``--eval-split`` picks its held-out or its validation set); every
+  other task reads ``--train-file`` and ``--test-file``.
   """
   try:
     task = tasks_lib.get(config.task, config.label_words, config.template)
@@ -91,7 +92,12 @@ def load_task(config: flags_lib.RunConfig):
       raise flags_lib.FinetuneError(
           f'--train-file/--test-file need --task (e.g. text, sst2); '
           f'--task {task.name} reads its own records')
-    train, test = task.split()
+    train, test = task.split(config.eval_split)
+  elif config.eval_split != 'test':
+    raise flags_lib.FinetuneError(
+        f'--eval-split {config.eval_split} needs a task with its own records '
+        f'(tweets, bbc, trec, tweets-to-movies); --task {task.name} is scored '
+        'on --test-file')
   elif not config.train_file or not config.test_file:
     raise flags_lib.FinetuneError(
         f'--task {config.task} needs --train-file and --test-file (JSONL in '
@@ -304,7 +310,7 @@ def prepare(config: flags_lib.RunConfig,
         remat_policy=config.remat_policy, scan_layers=config.scan_layers)
   _check_lengths(config, task, model_config)
   with phases.phase(f'tokenising {len(train_examples)} training and '
-                    f'{len(held_out)} held-out examples', log):
+                    f'{len(held_out)} {config.scored_set} examples', log):
     train_tokens, collate_fn, objective = _training_tokens(
         config.objective, task, train_examples, tokenizer)
     eval_set = evaluation_lib.make_eval_set(task, held_out, tokenizer)
@@ -334,7 +340,8 @@ def prepare(config: flags_lib.RunConfig,
     start_step = resume_lib.restore(checkpoints, trainer, batches, log)
   log(f'run directory {config.output_dir}')
   log(f'model {model_path} ({model_config.family}, '
-      f'{len(train_tokens)} train / {len(held_out)} held-out examples)')
+      f'{len(train_tokens)} train / {len(held_out)} {config.scored_set} '
+      'examples)')
   log(f'optimizer {config.optimizer}: lr {lr:g} ({lr_source}), '
       f'warm-up {warmup}, '
       f'{config.steps} steps x batch {config.batch_size} x {config.seq_len} '

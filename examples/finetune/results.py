@@ -73,6 +73,10 @@ class RunResults:
     backend: jax's default backend.
     config: the flags (:class:`flags.RunConfig` as a dictionary).
     exported_to: the exported model's directory (``None``: ``--no-export``).
+    eval_split: the set :attr:`before`, :attr:`after` and :attr:`evals` are
+      scored on (``--eval-split``): ``'test'``, the held-out set, or
+      ``'validation'``; ``None`` in a file written before the flag existed,
+      which scored the held-out set (:attr:`split`).
   """
   optimizer: str
   learning_rate: float
@@ -112,6 +116,13 @@ class RunResults:
   backend: Optional[str] = None
   config: Mapping[str, Any] = dataclasses.field(default_factory=dict)
   exported_to: Optional[str] = None
+  eval_split: Optional[str] = None
+
+  @property
+  def split(self) -> str:
+    """The set the scores are on; ``'test'`` for a file from before
+    ``--eval-split``, when every run scored the held-out set."""
+    return self.eval_split or 'test'
 
   @property
   def headline_before(self) -> float:

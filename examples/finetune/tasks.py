@@ -1,4 +1,4 @@
-"""The task registry: prompt formats, metrics and where each task's data are.
+"""The task registry: prompt formats, metric names and where the data are.
 
 Each task turns one record into an :class:`Example`: a prompt plus either the
 candidate completions scored by log-likelihood (classification and multiple
@@ -6,16 +6,14 @@ choice, as in MeZO) or the gold answers of a greedy generation (SQuAD, DROP).
 Training always maximises the log-likelihood of :attr:`Example.target` after
 the prompt. :data:`TASKS` is the one registry the CLI (``--task``) and the
 benchmarks read: the paper's tasks read Hugging Face records (same field
-names) from local JSONL files; ``tweets``, ``bbc`` and ``trec`` bring their own
-records (:mod:`corpora`) and a fixed, class-balanced held-out split. ``text``
+names) from local JSONL files; ``tweets``, ``bbc``, ``trec`` and
+``tweets-to-movies`` bring their own records (:mod:`corpora`) and fixed,
+class-balanced validation and held-out splits (:meth:`Task.splits`). ``text``
 is the one task the flags describe (:func:`get`).
 """
 
-import collections
 import dataclasses
-import re
-import string
-from typing import Callable, Mapping, NamedTuple, Optional, Sequence
+from typing import Callable, Mapping, NamedTuple, Optional
 
 from examples.finetune import corpora
 
@@ -67,6 +65,11 @@ class Task:
       ``--test-file``).
     test_per_class: the held-out records of each label that :meth:`split`
       sets apart from :attr:`records`.
+    validation_per_class: the validation records of each label, cut from
+      what the held-out split leaves for training (0: no validation split).
+    held_out_records: an out-of-domain task's held-out source: the held-out
+      and validation records are cut from it and :attr:`records` all train
+      (``None``: both come from :attr:`records`).
   """
   name: str
   fields: tuple[str, ...]
@@ -75,6 +78,8 @@ class Task:
   labels: tuple[str, ...] = ()
   records: Optional[Callable[[], list[dict]]] = None
   test_per_class: int = 0
+  validation_per_class: int = 0
+  held_out_records: Optional[Callable[[], list[dict]]] = None
 
   @property
   def generative(self) -> bool:
@@ -94,16 +99,62 @@ class Task:
           f'{sorted(record)}')
     return self.format(record)
 
-  def split(self) -> tuple[list[dict], list[dict]]:
-    """``(train, held-out)`` of the task's own records: a fixed split.
+  def split(self, eval_split: str = 'test'
+            ) -> tuple[list[dict], list[dict]]:
+    """``(train, evaluated)`` of the task's own records: a fixed split.
 
-    The split's seed is fixed so every run (any ``--seed``, any optimizer) is
-    scored on the same held-out records; see :func:`corpora.balanced_split`.
+    Args:
+      eval_split: ``'test'``: the held-out set; ``'validation'``: the
+        validation set (what rates are chosen on). The training set is the
+        same for both: the records in neither.
+    """
+    train, validation, test = self.splits()
+    if eval_split == 'test':
+      return train, test
+    if eval_split != 'validation':
+      raise ValueError(f"eval_split must be 'test' or 'validation', got "
+                       f'{eval_split!r}')
+    if not validation:
+      raise ValueError(f'task {self.name!r} has no validation split')
+    return train, validation
+
+  def splits(self) -> tuple[list[dict], list[dict], list[dict]]:
+    """``(train, validation, held-out)``: disjoint, fixed, class-balanced.
+
+    The held-out set is :func:`corpora.balanced_split`'s cut with seed 0, as
+    it was before validation sets existed, so that held-out figures stay
+    comparable; the validation set is cut with seed 1 from what that leaves
+    for training (for an out-of-domain task, from what it leaves of
+    :attr:`held_out_records`), one record per text. Every run (any
+    ``--seed``, any optimizer) sees the same three sets, and no text of the
+    held-out or validation set trains.
     """
     if self.records is None:
       raise ValueError(f'task {self.name!r} reads its records from files')
-    return corpora.balanced_split(self.records(), self.test_per_class,
-                                  self.labels)
+    if self.held_out_records is None:
+      train, test = corpora.balanced_split(self.records(),
+                                           self.test_per_class, self.labels)
+      pool = train
+    else:
+      train = self.records()
+      pool, test = corpora.balanced_split(self.held_out_records(),
+                                          self.test_per_class, self.labels)
+    # A text repeated in the source (BBC's corpus repeats 122 articles) is
+    # scored once: none of a held-out text's copies is a validation record
+    # or trains, and none of a validation text's trains.
+    held = {record['text'] for record in test}
+    validation = []
+    if self.validation_per_class:
+      seen, distinct = set(held), []
+      for record in pool:
+        if record['text'] not in seen:
+          seen.add(record['text'])
+          distinct.append(record)
+      _, validation = corpora.balanced_split(
+          distinct, self.validation_per_class, self.labels, split_seed=1)
+      held |= {record['text'] for record in validation}
+    train = [record for record in train if record['text'] not in held]
+    return train, validation, test
 
 
 def _label_index(record: Mapping, num_labels: int, task: str) -> int:
@@ -214,7 +265,10 @@ def text_classification(label_words: Mapping[str, str],
                         template: str = '{text} It was',
                         name: str = TEXT,
                         records: Optional[Callable[[], list[dict]]] = None,
-                        test_per_class: int = 0) -> Task:
+                        test_per_class: int = 0,
+                        validation_per_class: int = 0,
+                        held_out_records: Optional[
+                            Callable[[], list[dict]]] = None) -> Task:
   """A task for JSONL ``{"text": ..., "label": ...}`` records.
 
   Args:
@@ -224,6 +278,9 @@ def text_classification(label_words: Mapping[str, str],
     name: task name used in messages.
     records: the task's own records (``None``: read from files).
     test_per_class: held-out records of each label split from ``records``.
+    validation_per_class: validation records of each label (see
+      :meth:`Task.splits`).
+    held_out_records: an out-of-domain task's held-out source.
 
   Returns:
     A :class:`Task` scored by accuracy.
@@ -243,7 +300,7 @@ def text_classification(label_words: Mapping[str, str],
     return Example(prompt, candidates, labels.index(label))
 
   return Task(name, ('text', 'label'), format_record, 'accuracy', labels,
-              records, test_per_class)
+              records, test_per_class, validation_per_class, held_out_records)
 
 
 _PAPER_TASKS = (
@@ -262,17 +319,24 @@ _PAPER_TASKS = (
 
 # The tasks with their own records; the tweets are the CLI's default. Their
 # held-out sets: 100 tweets of each label (whatever --eval-size scores of them,
-# so the training set never changes with it), 40 of each class otherwise.
+# so the training set never changes with it), 40 of each class otherwise. Their
+# validation sets (rates are chosen on these): as large, but 20 of each TREC
+# class (it has 86 distinct abbreviation questions: 40 + 40 would leave 6 to
+# train on). ``tweets-to-movies`` trains on every tweet and is scored on
+# movie-review snippets (:func:`corpora.movie_records`): out of domain.
 TWEETS_LABEL_WORDS = {'negative': ' terrible', 'positive': ' great'}
 _OWN_DATA = (
     text_classification(TWEETS_LABEL_WORDS, '{text} It was', 'tweets',
-                        corpora.read_tweets, 100),
+                        corpora.read_tweets, 100, 100),
     text_classification({label: ' ' + label for label in corpora.BBC_LABELS},
-                        '{text}\nTopic:', 'bbc', corpora.bbc_records, 40),
+                        '{text}\nTopic:', 'bbc', corpora.bbc_records, 40, 40),
     text_classification({str(i): ' ' + word for i, (_, word)
                          in enumerate(corpora.TREC_CLASSES)},
                         '{text}\nAnswer type:', 'trec', corpora.trec_records,
-                        40),
+                        40, 20),
+    text_classification(TWEETS_LABEL_WORDS, '{text} It was',
+                        'tweets-to-movies', corpora.read_tweets, 100, 100,
+                        corpora.movie_records),
 )
 
 TASKS: dict[str, Task] = {task.name: task for task in _OWN_DATA + _PAPER_TASKS}
@@ -302,91 +366,3 @@ def get(name: str, label_words: Optional[str] = None,
     raise ValueError('--task text needs --label-words, e.g. '
                      '"negative=terrible,positive=great"')
   return text_classification(parse_label_words(label_words), template)
-
-
-# Metrics.
-
-
-def accuracy(predictions: Sequence[int], labels: Sequence[int]) -> float:
-  """Fraction of predictions equal to the label."""
-  if not labels:
-    return float('nan')
-  return sum(int(p == y) for p, y in zip(predictions, labels)) / len(labels)
-
-
-def f1a(predictions: Sequence[int], labels: Sequence[int]) -> float:
-  """MultiRC's F1a: binary F1 of the 'correct answer' class over all options.
-  """
-  true_pos = sum(1 for p, y in zip(predictions, labels) if p == 1 and y == 1)
-  predicted = sum(1 for p in predictions if p == 1)
-  actual = sum(1 for y in labels if y == 1)
-  if true_pos == 0:
-    return 0.0
-  precision, recall = true_pos / predicted, true_pos / actual
-  return 2 * precision * recall / (precision + recall)
-
-
-def normalize_answer(text: str) -> str:
-  """SQuAD's normalisation: lower case, no punctuation, articles or extra space.
-  """
-  text = text.lower()
-  text = ''.join(ch for ch in text if ch not in set(string.punctuation))
-  text = re.sub(r'\b(a|an|the)\b', ' ', text)
-  return ' '.join(text.split())
-
-
-def exact_match(prediction: str, answers: Sequence[str]) -> float:
-  """1.0 when the normalised prediction equals any normalised answer."""
-  return float(any(normalize_answer(prediction) == normalize_answer(a)
-                   for a in answers))
-
-
-def token_f1(prediction: str, answers: Sequence[str]) -> float:
-  """Best bag-of-tokens F1 of the prediction against any answer (SQuAD)."""
-
-  def f1(answer):
-    predicted, gold = normalize_answer(prediction).split(), normalize_answer(
-        answer).split()
-    if not predicted or not gold:
-      return float(predicted == gold)
-    common = collections.Counter(predicted) & collections.Counter(gold)
-    overlap = sum(common.values())
-    if overlap == 0:
-      return 0.0
-    precision, recall = overlap / len(predicted), overlap / len(gold)
-    return 2 * precision * recall / (precision + recall)
-
-  return max(f1(a) for a in answers)
-
-
-def score(task: Task, examples: Sequence[Example],
-          predictions: Sequence) -> dict[str, float]:
-  """The task's metric(s) for predictions of ``examples``.
-
-  Args:
-    task: the task.
-    examples: the formatted examples.
-    predictions: candidate indices, or generated strings for generation tasks.
-
-  Returns:
-    ``{'accuracy': ...}``, ``{'f1a': ..., 'accuracy': ...}`` or
-    ``{'em': ..., 'f1': ...}``; the first key is the headline metric.
-  """
-  if task.generative:
-    n = max(len(examples), 1)
-    return {
-        'f1': sum(token_f1(p, e.answers)
-                  for p, e in zip(predictions, examples)) / n,
-        'em': sum(exact_match(p, e.answers)
-                  for p, e in zip(predictions, examples)) / n,
-    }
-  labels = [e.label for e in examples]
-  if task.metric == 'f1a':
-    return {'f1a': f1a(predictions, labels),
-            'accuracy': accuracy(predictions, labels)}
-  return {'accuracy': accuracy(predictions, labels)}
-
-
-def first_line(generated: str) -> str:
-  """A generated answer ends at the first newline, as in MeZO."""
-  return generated.split('\n', 1)[0].strip()

@@ -26,6 +26,7 @@ def test_smoke_run_writes_results(workspace, optimizer, capsys):
   # The file reads back as RunResults, key for key.
   assert run_results.RunResults.read(str(output_dir)).to_json() == results
   assert results['optimizer'] == optimizer
+  assert results['eval_split'] == 'test'
   assert len(results['losses']) == 3
   assert all(np.isfinite(results['losses']))
   assert 0.0 <= results['before']['accuracy'] <= 1.0

@@ -15,9 +15,15 @@ from tests.support.run_results import run_results
 RECORDED = os.path.join(os.path.dirname(__file__), 'data', 'results.json')
 
 
+# Keys added since RECORDED was written: it reads with them None.
+NEWER = ('eval_split',)
+
+
 def _recorded() -> dict:
   with open(RECORDED, encoding='utf-8') as f:
-    return json.load(f)
+    payload = json.load(f)
+  assert not set(NEWER) & set(payload)
+  return {**payload, **dict.fromkeys(NEWER)}
 
 
 def test_a_recorded_results_file_round_trips_key_for_key():

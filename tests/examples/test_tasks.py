@@ -9,6 +9,7 @@ import pytest
 
 from examples.finetune import corpora
 from examples.finetune import data
+from examples.finetune import metrics
 from examples.finetune import tasks
 
 # Prompt formats on hand-made records in the Hugging Face field layout.
@@ -123,38 +124,38 @@ def test_template_needs_placeholder():
 
 
 def test_accuracy_and_f1a():
-  assert tasks.accuracy([1, 0, 1, 1], [1, 1, 1, 0]) == 0.5
+  assert metrics.accuracy([1, 0, 1, 1], [1, 1, 1, 0]) == 0.5
   # tp=2, predicted=3, actual=3 -> precision = recall = 2/3.
-  assert tasks.f1a([1, 1, 1, 0, 0], [1, 1, 0, 1, 0]) == pytest.approx(2 / 3)
-  assert tasks.f1a([0, 0], [1, 0]) == 0.0
+  assert metrics.f1a([1, 1, 1, 0, 0], [1, 1, 0, 1, 0]) == pytest.approx(2 / 3)
+  assert metrics.f1a([0, 0], [1, 0]) == 0.0
 
 
 def test_squad_normalisation_em_and_f1():
-  assert tasks.normalize_answer('The  Eiffel-Tower!') == 'eiffeltower'
-  assert tasks.exact_match('the Paris.', ['Paris']) == 1.0
-  assert tasks.exact_match('Paris, France', ['Paris']) == 0.0
+  assert metrics.normalize_answer('The  Eiffel-Tower!') == 'eiffeltower'
+  assert metrics.exact_match('the Paris.', ['Paris']) == 1.0
+  assert metrics.exact_match('Paris, France', ['Paris']) == 0.0
   # prediction {paris, france} vs gold {paris}: P=1/2, R=1 -> F1 = 2/3.
-  assert tasks.token_f1('Paris, France', ['London', 'Paris']) == pytest.approx(
+  assert metrics.token_f1('Paris, France', ['London', 'Paris']) == pytest.approx(
       2 / 3)
-  assert tasks.token_f1('', ['x']) == 0.0
+  assert metrics.token_f1('', ['x']) == 0.0
 
 
 def test_score_picks_the_headline_metric():
   sst2 = tasks.TASKS['sst2']
   examples = [sst2.example({'sentence': 's', 'label': y}) for y in (0, 1, 1)]
-  assert tasks.score(sst2, examples, [0, 1, 0]) == {
+  assert metrics.score(sst2, examples, [0, 1, 0]) == {
       'accuracy': pytest.approx(2 / 3)}
   squad = tasks.TASKS['squad']
   gen = [squad.example({'title': 't', 'context': 'c', 'question': 'q',
                         'answers': {'text': ['blue sky']}})]
-  assert tasks.score(squad, gen, ['the blue sky']) == {'f1': 1.0, 'em': 1.0}
-  assert tasks.first_line(' 42\nQuestion: next') == '42'
+  assert metrics.score(squad, gen, ['the blue sky']) == {'f1': 1.0, 'em': 1.0}
+  assert metrics.first_line(' 42\nQuestion: next') == '42'
 
 
 @pytest.mark.parametrize('name', sorted(tasks.TASKS))
 def test_headline_metric_is_the_first_score(name):
   task = tasks.TASKS[name]
-  assert task.headline_metric == next(iter(tasks.score(task, [], [])))
+  assert task.headline_metric == next(iter(metrics.score(task, [], [])))
 
 
 # Data files.
@@ -211,14 +212,29 @@ def test_the_tweets_split_is_balanced_deterministic_and_disjoint():
   records = [{'text': f't{i}', 'label': 'positive' if i % 3 else 'negative'}
              for i in range(60)]
   tweets = dataclasses.replace(tasks.TASKS['tweets'], records=lambda: records,
-                               test_per_class=5)
+                               test_per_class=5, validation_per_class=4)
   train, test = tweets.split()
   assert sorted(r['label'] for r in test) == ['negative'] * 5 + ['positive'] * 5
-  assert len(train) + len(test) == 60
-  assert not {r['text'] for r in train} & {r['text'] for r in test}
+  train_v, validation = tweets.split('validation')
+  assert train_v == train, 'one training set whichever set is scored'
+  assert sorted(r['label'] for r in validation) == (['negative'] * 4
+                                                    + ['positive'] * 4)
+  assert len(train) + len(validation) + len(test) == 60
+  texts = [{r['text'] for r in part} for part in (train, validation, test)]
+  assert not texts[0] & texts[1] and not texts[0] & texts[2]
+  assert not texts[1] & texts[2]
   assert tweets.split() == (train, test)
+  assert tweets.split('validation') == (train, validation)
+  # The held-out set is the one cut before validation sets existed.
+  assert test == corpora.balanced_split(records, 5, tweets.labels)[1]
   with pytest.raises(data.DataError, match='balanced'):
     dataclasses.replace(tweets, test_per_class=25).split()
+  with pytest.raises(data.DataError, match='balanced'):
+    dataclasses.replace(tweets, validation_per_class=16).split()
+  with pytest.raises(ValueError, match='no validation split'):
+    dataclasses.replace(tweets, validation_per_class=0).split('validation')
+  with pytest.raises(ValueError, match="'test' or 'validation'"):
+    tweets.split('train')
 
 
 def test_embedded_tweets_when_installed():
