@@ -49,10 +49,14 @@ import time
 from typing import Optional
 
 from benchmarks import lr_sweep
-from benchmarks.multiclass_fit import NoValidationRuns, TEST, VALIDATION
-from benchmarks.multiclass_fit import fitted_rate, round_rate, seed_means
-from benchmarks.multiclass_fit import split_of
 from benchmarks import provenance
+from benchmarks.multiclass_fit import TEST
+from benchmarks.multiclass_fit import VALIDATION
+from benchmarks.multiclass_fit import NoValidationRuns
+from benchmarks.multiclass_fit import fitted_rate
+from benchmarks.multiclass_fit import round_rate
+from benchmarks.multiclass_fit import seed_means
+from benchmarks.multiclass_fit import split_of
 from examples.finetune import api
 
 ROOT = os.path.join('runs', 'multiclass')
@@ -82,8 +86,8 @@ class Point:
                         f'{self.steps}-seed{self.seed}{variant}')
 
   def flags(self) -> list[str]:
-    flags = [*lr_sweep.task_flags(self.task), '--eval-size', str(EVAL_SIZE), '--no-checkpoint',
-             '--no-progress', '--optimizer', self.optimizer,
+    flags = [*lr_sweep.task_flags(self.task), '--eval-size', str(EVAL_SIZE),
+             '--no-checkpoint', '--no-progress', '--optimizer', self.optimizer,
              '--steps', str(self.steps), '--seed', str(self.seed)]
     if self.split != TEST:
       flags += ['--eval-split', self.split]

@@ -169,9 +169,9 @@ def test_grid_is_the_product_of_the_flags():
   assert points[1].lr == 2e-4
   tweets = multiclass_runs.Point('tweets', 'adamw', 3e-5, 160, 2)
   assert tweets.flags() == [
-      '--task', 'tweets', '--eval-size', '200', '--no-checkpoint', '--no-progress',
-      '--optimizer', 'adamw', '--steps', '160', '--seed', '2', '--lr',
-      '3e-05']
+      '--task', 'tweets', '--eval-size', '200', '--no-checkpoint',
+      '--no-progress', '--optimizer', 'adamw', '--steps', '160', '--seed',
+      '2', '--lr', '3e-05']
   # A validation point: its own folder, scored with --eval-split validation.
   args.eval_split = 'validation'
   point = multiclass_runs.grid(args)[0]

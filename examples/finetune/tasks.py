@@ -163,7 +163,8 @@ def _label_index(record: Mapping, num_labels: int, task: str) -> int:
     label = int(label)
   if not isinstance(label, int) or not 0 <= label < num_labels:
     raise TaskDataError(
-        f'task {task!r}: unknown label {label!r} (expected 0..{num_labels - 1})')
+        f'task {task!r}: unknown label {label!r} '
+        f'(expected 0..{num_labels - 1})')
   return label
 
 
