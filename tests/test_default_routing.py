@@ -8,7 +8,9 @@ framework. And two bad inputs get an error naming the leaf: a negative
 update scale, a gradient of another shape than its parameter.
 """
 
+import copy
 import logging
+import pickle
 
 import equinox as eqx
 from flax import nnx
@@ -177,6 +179,13 @@ def test_to_adam_entries_mean_none_and_carry_their_reason():
   chosen = routing.decided(DN(1, 0), 'eqx.nn.Linear (out, in)')
   assert chosen == DN(1, 0) and repr(chosen) == repr(DN(1, 0))
   assert routing.source_of(chosen) == 'eqx.nn.Linear (out, in)'
+  # The source is part of the entry: tree functions, copies, pickles and
+  # _replace keep it.
+  for kept in (jax.tree.map(lambda x: x, {'w': chosen})['w'],
+               copy.deepcopy(chosen), pickle.loads(pickle.dumps(chosen)),
+               chosen._replace(output_axis=0)):
+    assert routing.source_of(kept) == 'eqx.nn.Linear (out, in)'
+  assert chosen._replace(output_axis=0) == DN(1, 0)._replace(output_axis=0)
   params = {'conv': jnp.ones((3, 3, 4, 8)), 'w': jnp.ones((8, 4))}
   tx = taco_optax.taco(LR, weight_dimension_numbers={'conv': entry,
                                                      'w': chosen})

@@ -148,9 +148,11 @@ def head_means(head: Callable[[Params, Any, Batch], jax.Array],
   the float32 accumulator is table-sized; a table in ``factors`` keeps every
   micro-batch's factors instead (a ``micro_batch_table.MeanGradient``).
   """
+  projection = (head if isinstance(head, token_table.TableProjection)
+                else None)
   table = None
-  if isinstance(head, token_table.TableProjection):
-    table = leaves_lib.OUTER + token_table.table_path(outer, head.table)
+  if projection is not None:
+    table = leaves_lib.OUTER + token_table.table_path(outer, projection.table)
   keep = table is not None and table in factors
   dense = _reads(head, outer, frozenset(reads - {table}))
 
@@ -158,14 +160,14 @@ def head_means(head: Callable[[Params, Any, Batch], jax.Array],
     acc, table_acc = carry
     index, h, batch = xs
     kept = None
-    if table is None:
+    if projection is None:
       value, head_vjp = jax.vjp(
           lambda o, x: dense.restricted(o, x, batch), dense.values, h)
       grads, d_hidden = head_vjp(jnp.ones_like(value))
     else:
-      refuse_table_reads(lambda o: head.features(o, h, batch), outer,
-                         head.table, 'TableProjection.features')
-      result = token_table.projection_backward(head, outer, h, batch)
+      refuse_table_reads(lambda o: projection.features(o, h, batch), outer,
+                         projection.table, 'TableProjection.features')
+      result = token_table.projection_backward(projection, outer, h, batch)
       by_key = {leaves_lib.OUTER + path: g
                 for path, g in result.grads.items()}
       grads, d_hidden = [by_key[key] for key in dense.keys], result.d_hidden
@@ -187,20 +189,12 @@ def head_means(head: Callable[[Params, Any, Batch], jax.Array],
       body, (zeros_like_float32(dense.values), table_acc),
       (jnp.arange(count, dtype=jnp.int32), hidden, batches))
   means = dict(zip(dense.keys, acc))
-  if keep:
-    # mypy: a kept table comes with a TableProjection head / TableLookup
-    # embed (table set).
-    array = token_table.table_at(outer, head.table)  # type: ignore[attr-defined]
-    # mypy: a kept table comes with a TableProjection head / TableLookup
-    # embed (table set).
-    means[table] = micro_batch_table.MeanGradient(  # type: ignore[index]
-        # mypy: a kept table comes with a TableProjection head /
-        # TableLookup embed (table set).
-        array, head.table_axis, (), count=count,  # type: ignore[attr-defined]
+  if keep and projection is not None and table is not None:
+    array = token_table.table_at(outer, projection.table)
+    means[table] = micro_batch_table.MeanGradient(
+        array, projection.table_axis, (), count=count,
         shares=(micro_batch_table.Share(
-            # mypy: a kept table comes with a TableProjection head
-            # / TableLookup embed (table set).
-            lambda f: token_table.projection_gradient(head, array, *f),  # type: ignore[arg-type]
+            lambda f: token_table.projection_gradient(projection, array, *f),
             kept),))
   elif table is not None:
     means[table] = table_acc
@@ -249,14 +243,15 @@ def embed_means(embed: Callable[[Params, Batch], Any], outer: Params,
   ``factors`` keeps every micro-batch's ids and rows' cotangent instead, as
   one more share of its ``micro_batch_table.MeanGradient``.
   """
+  lookup = embed if isinstance(embed, token_table.TableLookup) else None
   table = None
-  if isinstance(embed, token_table.TableLookup):
-    table = leaves_lib.OUTER + token_table.table_path(outer, embed.table)
+  if lookup is not None:
+    table = leaves_lib.OUTER + token_table.table_path(outer, lookup.table)
     first = jax.tree.map(lambda x: x[0], batches)
-    rows = embed.gather(token_table.table_at(outer, embed.table),
-                        embed.ids(first))
-    refuse_table_reads(lambda o: embed.apply(o, rows, first), outer,
-                       embed.table, 'TableLookup.apply')
+    rows = lookup.gather(token_table.table_at(outer, lookup.table),
+                         lookup.ids(first))
+    refuse_table_reads(lambda o: lookup.apply(o, rows, first), outer,
+                       lookup.table, 'TableLookup.apply')
   keep = table is not None and table in factors
   read = _reads(embed, outer, reads - {table})
   count = micro_batch_count(batches)
@@ -274,12 +269,12 @@ def embed_means(embed: Callable[[Params, Batch], Any], outer: Params,
     acc, table_acc = carry
     index, d, batch = xs
     kept = None
-    if table is None:
+    if lookup is None or table is None:
       _, embed_vjp = jax.vjp(lambda o: read.restricted(o, batch),
                              read.values)
       (grads,) = embed_vjp(d)
     else:
-      result = token_table.lookup_backward(embed, outer, batch)(d)
+      result = token_table.lookup_backward(lookup, outer, batch)(d)
       by_key = {leaves_lib.OUTER + path: g
                 for path, g in result.grads.items()}
       grads = [by_key[key] for key in read.keys]
@@ -287,26 +282,22 @@ def embed_means(embed: Callable[[Params, Batch], Any], outer: Params,
         kept = (result.ids, result.d_rows)
       else:
         gradient = token_table.lookup_gradient(
-            embed, token_table.table_at(outer, embed.table), result.ids,
+            lookup, token_table.table_at(outer, lookup.table), result.ids,
             result.d_rows)
         table_acc = fold_table(table_acc, gradient, fold(table, index),
                                block_elements)
     return ([fold(key, index)(a, g)
              for key, a, g in zip(read.keys, acc, grads)], table_acc), kept
   table_start = None
-  if table is not None and not keep:
-    # mypy: a kept table comes with a TableProjection head / TableLookup
-    # embed (table set).
-    table_start = start(table, token_table.table_at(outer, embed.table))  # type: ignore[attr-defined]
+  if lookup is not None and table is not None and not keep:
+    table_start = start(table, token_table.table_at(outer, lookup.table))
   (acc, table_acc), kept = jax.lax.scan(
       body, ([start(key, x) for key, x in zip(read.keys, read.values)],
              table_start),
       (jnp.arange(count, dtype=jnp.int32), d_hidden, batches))
   means = {**head_means, **dict(zip(read.keys, acc))}
-  if keep:
-    # mypy: a kept table comes with a TableProjection head / TableLookup
-    # embed (table set).
-    means[table] = _with_lookup(embed, outer, head_means.get(table), kept,  # type: ignore[arg-type,index]
+  if keep and lookup is not None and table is not None:
+    means[table] = _with_lookup(lookup, outer, head_means.get(table), kept,
                                 count)
   elif table is not None:
     means[table] = table_acc

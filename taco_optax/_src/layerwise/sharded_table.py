@@ -74,8 +74,10 @@ def update(param: jax.Array, grad: token_table.TableGradient,
           block_grad.astype(jnp.float32)))
     columns = lambda x: jax.lax.dynamic_slice_in_dim(x, start, chunk, -1)
     block_param = jax.lax.dynamic_slice_in_dim(table, start, chunk, axis)
-    mesh, shards = sharding.leaf_sharding_of(block_param,
-                                            plan.axes(block_param.shape))
+    found = sharding.leaf_sharding_of(block_param,
+                                      plan.axes(block_param.shape))
+    assert found is not None, 'a block of a sharded table is sharded too'
+    mesh, shards = found
     block_param, block_history = kernels.map_over_shards(
         local_update, mesh, shards,
         (block_param, block_grad),

@@ -15,6 +15,8 @@ Both are plain callables with the signatures of ``LayeredLoss.embed`` and
 """
 
 import dataclasses
+import functools
+import operator
 from typing import Any, Callable, NamedTuple, Optional
 
 import jax
@@ -129,8 +131,13 @@ class TableProjection:
     features = self.features(outer, hidden, batch)
     table = table_at(outer, self.table)
     check_projection(self, features, table)
-    # mypy: project is set in __post_init__ when not given.
-    return self.loss(self.project(features, table), batch)  # type: ignore[misc]
+    return self.loss(self.projection(features, table), batch)
+
+  @property
+  def projection(self) -> Callable[[jax.Array, jax.Array], jax.Array]:
+    """``project``: the one given, or the default ``__post_init__`` set."""
+    assert self.project is not None
+    return self.project
 
 
 def check_projection(head: TableProjection, features: jax.Array,
@@ -197,12 +204,12 @@ class TableGradient:
     return self._sum(self.table, 0, self.table.shape[self.axis])
 
   def _sum(self, block, start, size, layout=lambda block: block):
-    total = None
+    grads = []
     for use in self.uses:
       fn, cotangent = use(start, size)
       _, vjp = jax.vjp(lambda x, fn=fn: fn(layout(x)), block)
-      (grad,) = vjp(cotangent)
-      total = grad if total is None else total + grad
+      grads.append(vjp(cotangent)[0])
+    total = functools.reduce(operator.add, grads)
     return total if self.transform is None else self.transform(total)
 
   def plus(self, other: 'Optional[TableGradient]') -> 'TableGradient':
@@ -240,9 +247,9 @@ def projection_gradient(head: TableProjection, table, features,
   flat_d_logits = d_logits.reshape(flat_features.shape[0], -1)
   def use(start, size):
     if isinstance(start, int) and start == 0 and size == features.shape[-1]:
-      return lambda block: head.project(features, block), d_logits
-    return (lambda block: head.project(_columns(flat_features, start, size),
-                                       block), flat_d_logits)
+      return lambda block: head.projection(features, block), d_logits
+    return (lambda block: head.projection(
+        _columns(flat_features, start, size), block), flat_d_logits)
   return TableGradient(table, head.table_axis, (use,))
 
 
@@ -320,8 +327,8 @@ def projection_backward(head: TableProjection, outer: Params, hidden: Any,
                                                 batch)
   feats, features_vjp = jax.vjp(features, split.others, hidden)
   check_projection(head, feats, split.table)
-  # mypy: project is set in __post_init__ when not given.
-  logits, project_vjp = jax.vjp(lambda f: head.project(f, split.table), feats)  # type: ignore[misc]
+  logits, project_vjp = jax.vjp(lambda f: head.projection(f, split.table),
+                                feats)
   value, loss_vjp = jax.vjp(lambda x: head.loss(x, batch), logits)
   (d_logits,) = loss_vjp(jnp.ones_like(value))
   (d_features,) = project_vjp(d_logits)

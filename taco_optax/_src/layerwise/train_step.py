@@ -18,7 +18,8 @@ the same pieces layer-major (``accumulated_step``).
 """
 
 import functools
-from typing import Any, Callable, Optional
+import typing
+from typing import Any, Callable, Literal, Optional, Union
 
 import jax
 import optax
@@ -38,9 +39,13 @@ from taco_optax._src.layerwise.layered_loss import LayeredLoss
 
 Params = Any
 Batch = Any
-# step(params, opt_state, batch) -> (params, opt_state, loss[, grad_norm])
+# step(params, opt_state, batch) -> (params, opt_state, loss)
 TrainStep = Callable[[tuple[Params, Params], Any, Batch],
                      tuple[tuple[Params, Params], Any, jax.Array]]
+# The same, with_grad_norm=True: (params, opt_state, loss, grad_norm).
+TrainStepWithNorm = Callable[
+    [tuple[Params, Params], Any, Batch],
+    tuple[tuple[Params, Params], Any, jax.Array, jax.Array]]
 
 
 def train_step(loss: LayeredLoss,
@@ -189,12 +194,31 @@ def _is_int_at_least(value: Any, minimum: int) -> bool:
           and value >= minimum)
 
 
+@typing.overload
+def step_from_parts(loss: LayeredLoss, parts: transform.TacoParts, *,
+                    accumulation_steps: Optional[int] = ...,
+                    clip_global_norm: Optional[float] = ...,
+                    column_block_elements: int = ...,
+                    with_grad_norm: Literal[False] = ...) -> TrainStep:
+  ...
+
+
+@typing.overload
+def step_from_parts(loss: LayeredLoss, parts: transform.TacoParts, *,
+                    accumulation_steps: Optional[int] = ...,
+                    clip_global_norm: Optional[float] = ...,
+                    column_block_elements: int = ...,
+                    with_grad_norm: Literal[True]) -> TrainStepWithNorm:
+  ...
+
+
 def step_from_parts(loss: LayeredLoss, parts: transform.TacoParts, *,
                     accumulation_steps: Optional[int] = None,
                     clip_global_norm: Optional[float] = None,
                     column_block_elements: int = (
                         winners.DEFAULT_COLUMN_BLOCK_ELEMENTS),
-                    with_grad_norm: bool = False) -> TrainStep:
+                    with_grad_norm: bool = False
+                    ) -> Union[TrainStep, TrainStepWithNorm]:
   """:func:`train_step` from a :func:`taco` optimizer's :class:`TacoParts`.
 
   For callers that lay the same parameters out differently from the tree the

@@ -45,9 +45,23 @@ class _Decided(TacoDimensionNumbers):
   """:class:`TacoDimensionNumbers` that also say which rule chose them.
 
   Equal to (and printed as) the plain dimension numbers; only
-  :func:`source_of` (hence :func:`taco_optax.routing_report`) reads the
-  source. Jax's tree functions rebuild it without one, as a plain entry.
+  :func:`source_of` (hence :func:`taco_optax.routing_report`) reads
+  ``source``. A pytree node of the two axes with ``source`` as its static
+  data, so jax's tree functions, ``copy`` and ``pickle`` keep it.
   """
+  source: str
+
+  def __new__(cls, reduction_axis: Axes, output_axis: Axes, source: str):
+    entry = super().__new__(cls, reduction_axis, output_axis)
+    entry.source = str(source)
+    return entry
+
+  def __getnewargs__(self):  # copy and pickle rebuild it with its source
+    return (*self, self.source)
+
+  def _replace(self, **changes: Any) -> '_Decided':
+    return _Decided(*TacoDimensionNumbers(*self)._replace(**changes),
+                    self.source)
 
   def __repr__(self) -> str:
     return TacoDimensionNumbers.__repr__(TacoDimensionNumbers(*self))
@@ -59,6 +73,21 @@ class _Decided(TacoDimensionNumbers):
     raise TypeError(SCHEDULED_MODULES)
 
   __rmatmul__ = __matmul__
+
+
+# Registered ahead of jax's NamedTuple rule, which would rebuild an entry from
+# its two axes alone and drop the source.
+def _flatten_decided(entry: _Decided) -> tuple[tuple[Any, ...], str]:
+  return tuple(entry), entry.source
+
+
+def _unflatten_decided(source: str, axes: Sequence[Any]) -> _Decided:
+  reduction_axis, output_axis = axes
+  return _Decided(reduction_axis, output_axis, source)
+
+
+jax.tree_util.register_pytree_node(_Decided, _flatten_decided,
+                                   _unflatten_decided)
 
 
 SCHEDULED_MODULES = (
@@ -99,9 +128,7 @@ class ToAdam:
 def decided(dims: TacoDimensionNumbers, source: str) -> TacoDimensionNumbers:
   """``dims``, carrying ``source`` (the rule that chose them) for the
   routing report."""
-  entry = _Decided(*dims)
-  entry.source = str(source)  # type: ignore[attr-defined]
-  return entry
+  return _Decided(*dims, source)
 
 
 def source_of(entry: Any) -> Optional[str]:

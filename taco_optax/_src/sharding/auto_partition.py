@@ -119,8 +119,8 @@ def _make_op(local_step: LocalStep, sharded_step: ShardedStep,
   array_mu = static_mu is None
 
   def whole(*arrays):
-    *arrays, mu = arrays if array_mu else (*arrays, static_mu)
-    return tuple(local_step(*arrays, mu, update_topk))
+    *inputs, mu = arrays if array_mu else (*arrays, static_mu)
+    return tuple(local_step(*inputs, mu, update_topk))
 
   op = custom_partitioning(whole)
 
@@ -134,8 +134,8 @@ def _make_op(local_step: LocalStep, sharded_step: ShardedStep,
                             grad.shape, sharded_step)
 
     def lower(*blocks):
-      *blocks, mu = blocks if array_mu else (*blocks, static_mu)
-      return step(mu, *blocks)
+      *inputs, mu = blocks if array_mu else (*blocks, static_mu)
+      return step(mu, *inputs)
 
     named = lambda specs: tuple(NamedSharding(mesh, s) for s in specs)
     return mesh, lower, named(results), named(arguments)

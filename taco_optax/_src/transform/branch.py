@@ -86,12 +86,13 @@ def taco_branch(direction: scale.TacoDirection,
     # taco()'s update has compared the gradients with params already.
     scale.check_history_shapes(updates, histories, direction.plans(updates),
                                direction.k)
-    histories = iter(histories)
+    next_history = iter(histories)
     directions, steps, new_histories = [], {}, []
     for i, (grad, plan) in enumerate(zip(leaves, plan_of)):
       if routing.is_masked(grad):
         continue
-      history = next(histories)
+      history = next(next_history)
+      assert plan is not None  # every unmasked leaf has a plan
       if winners_only[i]:
         layout = plan.local_layout(grad.shape)
         step, history = kernels.history_step(
