@@ -24,8 +24,8 @@ from taco_optax._src.sharding import auto_partition as _auto_partition
 from tests.support import mesh_layered
 from tests.support import multidevice
 from tests.support.bitwise import assert_bitwise_equal
-from tests.test_sharding import collectives
-from tests.test_sharding import gathered_bytes
+from tests.support.hlo_collectives import collectives
+from tests.support.hlo_collectives import gathered_bytes
 
 NUM_DEVICES = 8
 needs_mesh = multidevice.needs_devices(NUM_DEVICES)

@@ -9,7 +9,7 @@ import optax
 import pytest
 
 import taco_optax
-from tests import docs_pages
+from tests.support import docs_pages
 
 # Blocks that sketch a setup and are not run: the mesh recipe needs several
 # processes and a model of the reader's.

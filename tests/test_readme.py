@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from tests import docs_pages
+from tests.support import docs_pages
 from tests.support import routing_checks
 
 README = docs_pages.ROOT / 'README.md'

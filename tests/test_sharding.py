@@ -6,7 +6,6 @@ run in this process; otherwise ``tests/test_multidevice.py`` reruns them in a
 fresh process with that flag (the rest of the suite keeps its one device).
 """
 
-import re
 
 import jax
 import jax.numpy as jnp
@@ -30,6 +29,8 @@ from tests.support import layerwise_case
 from tests.support import mesh_layered
 from tests.support import multidevice
 from tests.support.bitwise import assert_bitwise_equal
+from tests.support.hlo_collectives import collectives
+from tests.support.hlo_collectives import gathered_bytes
 
 NUM_DEVICES = 8
 needs_mesh = multidevice.needs_devices(NUM_DEVICES)
@@ -312,30 +313,6 @@ def test_array_hyperparameters_and_nonfinite_gradient_on_mesh():
                                                 state)
   assert np.isnan(np.asarray(bad_updates['both'])).all()
   assert_bitwise_equal(bad_state.inner_state, state.inner_state)
-
-
-def collectives(hlo_text):
-  """``[(op, result bytes)]`` of the collectives in compiled HLO text."""
-  itemsize = {'f32': 4, 's32': 4, 'u32': 4, 'pred': 1, 's8': 1, 'f8e4m3fn': 1,
-              'bf16': 2, 'f16': 2}
-  found = []
-  pattern = re.compile(
-      r'= \(?((?:\w+\[[\d,]*\][^ ]*(?:, )?)+)\)? (all-gather|all-reduce|'
-      r'collective-permute|all-to-all|reduce-scatter)(?:-start)?\(')
-  for line in hlo_text.splitlines():
-    match = pattern.search(line)
-    if not match:
-      continue
-    nbytes = 0
-    for dtype, dims in re.findall(r'(\w+)\[([\d,]*)\]', match.group(1)):
-      size = int(np.prod([int(d) for d in dims.split(',') if d]))
-      nbytes += size * itemsize.get(dtype, 4)
-    found.append((match.group(2), nbytes))
-  return found
-
-
-def gathered_bytes(hlo_text):
-  return sum(b for op, b in collectives(hlo_text) if op == 'all-gather')
 
 
 @needs_mesh

@@ -22,7 +22,7 @@ import taco_optax  # pylint: disable=g-import-not-at-top
 from taco_optax import tunix as taco_tunix  # pylint: disable=g-import-not-at-top
 from taco_optax._src.integrations import tunix_api as _tunix_api  # pylint: disable=g-import-not-at-top
 from taco_optax._src.integrations import tunix_model as _tunix_model  # pylint: disable=g-import-not-at-top
-from tests import docs_pages  # pylint: disable=g-import-not-at-top
+from tests.support import docs_pages  # pylint: disable=g-import-not-at-top
 from tests.support import tiers  # pylint: disable=g-import-not-at-top
 
 

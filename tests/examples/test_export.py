@@ -377,7 +377,7 @@ def test_positional_checkpoint_refuses_to_resume_in_one_line(run, tmp_path,
 
 
 def test_docs_transformers_example_runs_on_a_runs_export(run, capsys):
-  from tests import docs_pages  # pylint: disable=g-import-not-at-top
+  from tests.support import docs_pages  # pylint: disable=g-import-not-at-top
   hf_checkpoints.torch_and_transformers()
   block = docs_pages.block('docs/example.md', 'AutoModelForCausalLM')
   assert "model_dir = 'runs/taco/model'" in block
