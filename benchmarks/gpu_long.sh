@@ -2,9 +2,10 @@
 # TACO's own long budget on one H100/H200: the fine-tuning CLI for 2,000 steps
 # with TACO and with AdamW on two tasks (tweets, trec), seed 0, each at the
 # rate the CLI's budget rule gives for 2,000 steps (--lr unset: 3e-5 for
-# both), bf16 (the CLI's --dtype auto on an accelerator), the validation set
-# scored every 250 steps and the held-out set once at the end (--eval-only on
-# the run's exported model, which gives the run's final figure).
+# TACO, 3.2e-5 for AdamW), bf16 (the CLI's --dtype auto on an accelerator),
+# the validation set scored every 250 steps and the held-out set once at the
+# end (--eval-only on the run's exported model, which gives the run's final
+# figure).
 # docs/gpu_long.md gives the two device calls.
 #
 #   bash benchmarks/gpu_long.sh setup   # call 1: install the carried wheels
@@ -34,7 +35,8 @@
 #
 # Environment (defaults are the real run; a CPU dry run sets the small ones):
 # STEPS 2000, TASKS "tweets trec", OPTIMIZERS "taco adamw" (RUNS, e.g.
-# "trec-taco trec-adamw", names the runs instead: TASK-OPTIMIZER), EVAL_EVERY 250,
+# "trec-taco trec-adamw", names the runs instead: TASK-OPTIMIZER),
+# EVAL_EVERY 250,
 # EVAL_SIZE 200 (validation examples: all of tweets' 200 and trec's 120),
 # TEST_SIZE 200 (the CLI's default held-out subset, the one the README and
 # docs/measured/multiclass.md report), BUDGET_S 550, RUN_LIMIT_S 240,

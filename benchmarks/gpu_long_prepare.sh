@@ -16,6 +16,7 @@
 # repository root. Fails loudly when a call would exceed 64 MiB.
 set -euo pipefail
 PY=${PYTHON:-python3}
+export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
 LONG=.gpulong
 LIMIT=$((64 * 1024 * 1024))
 # Every file the device image lacks for a --no-checkpoint run of the CLI on
