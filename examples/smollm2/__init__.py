@@ -1,6 +1,6 @@
 """Fine-tune SmolLM2-135M with TACO: the example to read first.
 
-Four files in the shape of Flax's ``examples/lm1b``: the model
+Four files in the shape of Flax's lm1b example: the model
 (:mod:`model`, and :mod:`weights` to fill it from the GGUF checkpoint), the
 data (:mod:`input_pipeline`), the loss, the optimizers and the two train
 steps (:mod:`train`) and the command line (:mod:`main`). The A/B harness

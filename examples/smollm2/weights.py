@@ -137,7 +137,8 @@ def load(path: str | None = None, remat: bool = True
     remat: see :class:`model.Decoder`.
   """
   import gguf  # pylint: disable=g-import-not-at-top
-  reader = gguf.GGUFReader(path or smollm2_path())
+  path = path or smollm2_path()
+  reader = gguf.GGUFReader(path)
   fields = {name: field.contents() for name, field in reader.fields.items()}
   config = config_from_fields(fields)
   model = nnx.eval_shape(lambda: model_lib.Decoder(config, nnx.Rngs(0),
@@ -145,12 +146,12 @@ def load(path: str | None = None, remat: bool = True
   weights = _named_weights(reader, config)
   graphdef, state = nnx.split(model)
   pure = nnx.to_flat_state(state)
-  missing = {path for path, _ in pure} - set(weights)
+  missing = {name for name, _ in pure} - set(weights)
   if missing:
     raise ValueError(f'{path}: no tensor for {sorted(missing)[:3]}')
-  for path_, variable in pure:
-    if weights[path_].shape != variable.shape:
-      raise ValueError(f'{path_}: shape {weights[path_].shape}, the model '
-                       f'expects {variable.shape}')
-    variable.set_value(jnp.asarray(weights[path_]))
+  for name, variable in pure:
+    if weights[name].shape != variable.shape:
+      raise ValueError(f'{path}: {name} has shape {weights[name].shape}, the '
+                       f'model expects {variable.shape}')
+    variable.set_value(jnp.asarray(weights[name]))
   return nnx.merge(graphdef, state), tokenizer_from_fields(fields)

