@@ -23,22 +23,26 @@ from examples.smollm2 import weights
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(
-      prog='python -m examples.smollm2', description=__doc__.split('\n')[0],
+      prog='python -m examples.smollm2',
+      description='Fine-tune SmolLM2-135M on tweets with TACO.',
       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
   parser.add_argument('--optimizer', choices=('taco', 'adamw'),
-                      default='taco')
+                      default='taco', help='TACO, or AdamW for the A/B')
   parser.add_argument('--step', choices=('lean', 'optax'), default=None,
                       help="train step; default: 'lean' for TACO, 'optax' "
                       'for AdamW')
   parser.add_argument('--lr', type=float, default=None,
-                      help='peak learning rate; default: '
-                      f'{train.PEAK_LEARNING_RATES}')
-  parser.add_argument('--steps', type=int, default=40)
-  parser.add_argument('--batch-size', type=int, default=4)
-  parser.add_argument('--seq-len', type=int, default=64)
+                      help='peak learning rate; default: the harness\'s rate '
+                      f'at 40 steps, {train.PEAK_LEARNING_RATES}')
+  parser.add_argument('--steps', type=int, default=40, help='train steps')
+  parser.add_argument('--batch-size', type=int, default=4,
+                      help='tweets per step')
+  parser.add_argument('--seq-len', type=int, default=64,
+                      help='tokens per prompt (longer ones keep their end)')
   parser.add_argument('--eval-size', type=int, default=200,
                       help='held-out tweets scored (the first N of 200)')
-  parser.add_argument('--eval-batch-size', type=int, default=16)
+  parser.add_argument('--eval-batch-size', type=int, default=16,
+                      help='tweets per evaluation batch')
   parser.add_argument('--seed', type=int, default=0,
                       help='seed of the training batches\' order')
   parser.add_argument('--model', default=None,
