@@ -91,6 +91,16 @@ def test_the_lean_step_reads_the_blocks_and_the_tied_table():
   assert isinstance(traced.loss.head, taco_optax.layerwise.TableProjection)
 
 
+def test_without_remat_the_lean_step_refuses_naming_the_fix():
+  model = model_lib.Decoder(model_lib.tiny_config(VOCAB), nnx.Rngs(0),
+                            remat=False)
+  tx = train.make_optimizer('taco', model, LEARNING_RATE)
+  optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+  step = train.jit_step(train.lean_train_step(model, tx))
+  with pytest.raises(ValueError, match='found no blocks.*nnx.remat'):
+    step(model, optimizer, _batch(0))
+
+
 @pytest.mark.parametrize('step_name', ['lean', 'optax'])
 def test_one_taco_step_moves_one_entry_per_input_feature(step_name):
   before = nnx.to_pure_dict(nnx.state(_tiny_model(), nnx.Param))
