@@ -1,10 +1,12 @@
 """The teaching example, ``examples/smollm2``: data, model and train steps.
 
 Fast: a tiny random model (no GGUF). Its two train steps give the same
-parameters, optimizer state and losses bit for bit in float32; one TACO step
-moves one entry per input feature of every matrix; its logits equal the A/B
-harness's model on the same weights; its data are the harness's. Long: the
-command line on the real SmolLM2 GGUF for two steps.
+parameters, optimizer state and losses bit for bit in float32 (jax 0.10); the
+lean step reads the blocks and the tied table, and refuses a model without
+remat; one TACO step moves one entry per input feature of every matrix; its
+logits equal the A/B harness's model on the same weights; its data and
+defaults are the harness's. Long: the real SmolLM2 GGUF's logits against the
+harness's, and the command line for two steps.
 """
 
 import importlib.util
