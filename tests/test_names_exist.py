@@ -36,9 +36,15 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGES = ('taco_optax', 'examples', 'benchmarks', 'tests')
+# Folders a run writes (runs/, checkpoints/, ...) are ignored by git: a path
+# into one names an output, which need not exist when the tests run.
+_OUTPUT_DIRS = frozenset(
+    line.strip().strip('/') for line in
+    (ROOT / '.gitignore').read_text().splitlines()
+    if line.strip().endswith('/') and not line.startswith('#'))
 TOP_DIRS = frozenset(p.name for p in ROOT.iterdir()
                      if p.is_dir() and not p.name.startswith(('.', '_'))
-                     and p.name not in ('build', 'dist')) | {'.ci'}
+                     and p.name not in _OUTPUT_DIRS) | {'.ci'}
 _SPAN = re.compile(r'``([^`]+?)``|`([^`\n]+)`')
 _PATH = re.compile(r'[\w.\-/]+')
 _DOTTED = re.compile(r'[A-Za-z_]\w*(\.[A-Za-z_]\w*)*')
