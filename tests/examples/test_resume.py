@@ -227,7 +227,8 @@ def test_stop_request_catches_a_signal_and_restores_handlers():
 _OTHER_VALUES = {
     'optimizer': ['taco'], 'lr': ['0.002'], 'steps': ['3'],
     'batch_size': ['4'], 'grad_accum': ['2'], 'seq_len': ['20'],
-    'warmup_steps': ['1'], 'eval_size': ['5'], 'seed': ['7'],
+    'warmup_steps': ['1'], 'eval_size': ['5'], 'eval_split': ['validation'],
+    'seed': ['7'],
     'model': ['{root}/other-model'], 'dtype': ['bfloat16'],
     'rounding': ['nearest'], 'measure_landed': [], 'remat': ['off'],
     'remat_policy': ['dots_saveable'], 'scan_layers': ['on'],
