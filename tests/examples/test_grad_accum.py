@@ -70,14 +70,20 @@ def test_split_batches_train_to_the_same_result(workspace, optimizer):
     # TACO moves each column by lr * s at its winner: the same winners give
     # the same weights up to the sums' rounding (a wrong winner is off by
     # 1e-3). AdamW's step lr * m / (sqrt(v) + eps) at a weight whose gradient
-    # is near eps turns the sums' rounding into a few % of one step
-    # (observed: 1 of 1024 entries, 3.7% with 2 and 6.6% with 4
-    # micro-batches): 10% of lr bounds it; a wrong mean moves every weight.
-    atol = 2e-6 if optimizer == 'taco' else 0.1 * 1e-3
+    # is near eps turns the sums' rounding into a fraction of one step
+    # (observed: 1 of 1024 entries, 3.7% with 2 and 6.6% with 4 micro-
+    # batches on jax 0.10.2, 11.7% on 0.12.1): such a weight stays within
+    # one step, lr, and the rest within the sums' rounding; a wrong mean
+    # moves every weight.
     for a, b in zip(jax.tree.leaves(split_weights),
                     jax.tree.leaves(whole_weights)):
-      np.testing.assert_allclose(np.asarray(a, np.float32),
-                                 np.asarray(b, np.float32), atol=atol)
+      a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+      if optimizer == 'taco':
+        np.testing.assert_allclose(a, b, atol=2e-6)
+      else:
+        np.testing.assert_allclose(a, b, atol=1e-3)
+        assert (np.abs(a - b) > 2e-6).mean() <= 0.01, (
+            int((np.abs(a - b) > 2e-6).sum()), a.size)
     if optimizer == 'taco':  # the same step on a quarter of the batch
       assert split['peak_memory_bytes'] < whole['peak_memory_bytes'], (
           split['peak_memory_bytes'], whole['peak_memory_bytes'])

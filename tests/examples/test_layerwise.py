@@ -153,7 +153,24 @@ def test_layerwise_steps_equal_optax_path(family, scan_layers):
     apart = codes[0] != codes[1]
     assert apart.sum() <= 2, (name, int(apart.sum()))
     assert (np.abs(codes[0] - codes[1])[apart] == 1).all(), name
-  differing = [name for name in differing if name not in history]
+  # Two entries of a column with the same float8 value may also trade places
+  # (jax 0.12.1: their float32 magnitudes, a last bit apart, sort the other
+  # way; measured: rows 24 and 31 of one column, both -104): each column
+  # still holds the same (value, row) pairs.
+  order = [name for name in differing if name[:2] == ('inner_states', 'taco')
+           and 'indices' in name]
+  for name in order:
+    values = tuple('values' if part == 'indices' else part for part in name)
+    pairs = [np.stack([state[values].view(np.uint8).astype(np.int32),
+                       state[name]], -1) for state in (lean_state, plain_state)]
+    apart = (pairs[0] != pairs[1]).any(-1)
+    assert apart.sum() <= 2, (name, int(apart.sum()))
+    for column in np.unique(np.argwhere(apart)[:, 1:], axis=0):
+      at = (slice(None), *column)
+      assert sorted(map(tuple, pairs[0][at].tolist())) == sorted(
+          map(tuple, pairs[1][at].tolist())), (name, column)
+  differing = [name for name in differing
+               if name not in history and name not in order]
   assert all(is_moment(name) for name in differing), differing
   for name in differing:
     scale = np.abs(plain_state[name]).max()

@@ -187,5 +187,34 @@ def test_plain_step_equals_jax_checkpoint_per_block(
   monkeypatch.setattr(taco_optax.layerwise, 'remat_layers',
                       _checkpointed_layers)
   expected = run()
-  _assert_equal_but_norm_sums(got, expected)
+  if tied and mesh_spec and jax.__version_info__ >= (0, 12, 1):
+    _assert_equal_but_tied_table_sums(got, expected, lr=1e-2)
+  else:
+    _assert_equal_but_norm_sums(got, expected)
   assert got[0][0] != got[0][1]  # it trained
+
+
+def _assert_equal_but_tied_table_sums(got, expected, *, lr):
+  """The same run up to the float order of a tied table's gradient.
+
+  On jax 0.12.1 (not 0.10.2 or 0.12.0.1) XLA sums the two uses of a tied
+  token table in another order at fsdp=8 when the blocks are gathered at
+  their use, and from the second step every leaf follows at float-order
+  distance. Measured (two AdamW steps at lr 1e-2): the losses bit for bit,
+  the Adam moments within 3e-6 of each leaf's largest entry, the weights
+  within 3.7e-6 (a few ten-thousandths of one step). A wrong gradient or a
+  lost use of the table moves a weight by a whole step, lr.
+  """
+  assert_bitwise_equal(got[0], expected[0])  # the losses
+  assert jax.tree.structure(got) == jax.tree.structure(expected)
+  for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got[1]),
+                          jax.tree.leaves(expected[1])):
+    name = jax.tree_util.keystr(path)
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    if "['mu']" in name or "['nu']" in name:
+      atol = 2.0**-16 * np.abs(b).max()
+    elif "['params']" in name:
+      atol = 1e-3 * lr
+    else:  # step counts
+      atol = 0
+    np.testing.assert_allclose(a, b, rtol=0, atol=atol, err_msg=name)
