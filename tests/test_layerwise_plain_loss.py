@@ -538,8 +538,8 @@ def test_equals_the_plain_optax_path_bf16_stochastic_rounding(case, request):
   # must draw each leaf's bits by its index in the user's tree.
   if case == 'jax-dict-scan' and (0, 12) <= jax.__version_info__ < (0, 12, 1):
     request.applymarker(pytest.mark.xfail(strict=True, reason=(
-        'measured on jax 0.12.0.1 (XLA:CPU): the bf16 gradients of the (out, in)-'
-        'stored stacked kernels (out_t, down_t) differ in float order between '
+        'measured on jax 0.12.0.1 (XLA:CPU): the bf16 gradients of the '
+        '(out, in)-stored stacked kernels (out_t, down_t) differ in float order between '
         'the two programs; their float8 histories differ from step 0 and '
         'one winner of out_t lands elsewhere at step 2 (2 of 768 entries). '
         'The hand-split step on the same (outer, layers) pair differs from '
