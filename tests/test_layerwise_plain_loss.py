@@ -539,12 +539,13 @@ def test_equals_the_plain_optax_path_bf16_stochastic_rounding(case, request):
   if case == 'jax-dict-scan' and (0, 12) <= jax.__version_info__ < (0, 12, 1):
     request.applymarker(pytest.mark.xfail(strict=True, reason=(
         'measured on jax 0.12.0.1 (XLA:CPU): the bf16 gradients of the '
-        '(out, in)-stored stacked kernels (out_t, down_t) differ in float order between '
-        'the two programs; their float8 histories differ from step 0 and '
-        'one winner of out_t lands elsewhere at step 2 (2 of 768 entries). '
-        'The hand-split step on the same (outer, layers) pair differs from '
-        'the optax path the same way. Equal on jax 0.10.2 and 0.12.1; the '
-        '(in, out) kernels and nnx-scan are equal on all three.')))
+        '(out, in)-stored stacked kernels (out_t, down_t) differ in float '
+        'order between the two programs; their float8 histories differ from'
+        ' step 0 and one winner of out_t lands elsewhere at step 2 (2 of '
+        '768 entries). The hand-split step on the same (outer, layers) pair'
+        ' differs from the optax path the same way. Equal on jax 0.10.2 and'
+        ' 0.12.1; the (in, out) kernels and nnx-scan are equal on all '
+        'three.')))
   loss_fn, params, tx = CASES[case]()
   params = _bf16(params)
   got = toy_lm.assert_same_runs(
