@@ -222,11 +222,7 @@ def dimension_numbers(model: Any, filter_spec: Any,
       "dimension_numbers(model, overrides={'layers/*/weight': "
       'TacoDimensionNumbers(reduction_axis=2, output_axis=1)})')
 
-  def entry(path, route):
-    name = dn.path_name(path)
-    override = book.entry(name)
-    if override:
-      return override[0]
+  def decide(name, unused_path, route):
     if route.refused is not None:
       book.refuse(f'  {name}: {route.refused}')
       return None
@@ -234,10 +230,7 @@ def dimension_numbers(model: Any, filter_spec: Any,
       book.unknown(name)
     return route.entry
 
-  entries = jax.tree_util.tree_map_with_path(
-      entry, routes(model, filter_spec), is_leaf=_is_route)
-  book.finish()
-  return entries
+  return book.entries(routes(model, filter_spec), decide, is_leaf=_is_route)
 
 
 def update_scales(model: Any, filter_spec: Any) -> Any:

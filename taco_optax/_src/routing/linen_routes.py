@@ -358,13 +358,9 @@ def dimension_numbers(params: Any, records: Mapping[tuple[str, ...], Record],
       "dimension_numbers(module, x, overrides={'layers/mlp/kernel': "
       'TacoDimensionNumbers(reduction_axis=1, output_axis=2)})')
 
-  def entry(path, leaf):
-    name = dn.path_name(path)
+  def decide(name, path, leaf):
     shape = tuple(jnp.shape(nn.meta.unbox(leaf)))
     record = records.get(_keys(path))
-    override = book.entry(name)
-    if override:
-      return override[0]
     try:
       found = _leaf_entry(leaf, record)
     except _Refused as reason:
@@ -374,9 +370,7 @@ def dimension_numbers(params: Any, records: Mapping[tuple[str, ...], Record],
       book.unknown(f'{name} {shape}')
     return found
 
-  entries = jax.tree_util.tree_map_with_path(entry, params, is_leaf=_is_param)
-  book.finish()
-  return entries
+  return book.entries(params, decide, is_leaf=_is_param)
 
 
 def update_scales(params: Any, records: Mapping[tuple[str, ...], Record]

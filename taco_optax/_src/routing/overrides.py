@@ -9,7 +9,9 @@ and every pattern that matched nothing. Needs nothing beyond jax.
 
 import fnmatch
 import logging
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
+
+import jax
 
 from taco_optax._src.routing import dimension_numbers as dn
 
@@ -79,6 +81,21 @@ class Overrides:
   def unknown(self, name: str) -> None:
     """A matrix of a module without a rule, sent to Adam."""
     self.unknowns.append(name)
+
+  def entries(self, tree: Any,
+              decide: Callable[[str, tuple[Any, ...], Any], Any],
+              is_leaf: Optional[Callable[[Any], bool]] = None) -> Any:
+    """``tree`` with each leaf's entry: an override's where one names it,
+    else ``decide(name, path, leaf)`` (which notes refusals and unknowns);
+    then :meth:`finish`."""
+    def entry(path, leaf):
+      name = dn.path_name(path)
+      override = self.entry(name)
+      return override[0] if override else decide(name, path, leaf)
+
+    found = jax.tree_util.tree_map_with_path(entry, tree, is_leaf=is_leaf)
+    self.finish()
+    return found
 
   def finish(self) -> None:
     """Raises for what was refused and unmatched; logs the unknown."""
