@@ -53,9 +53,9 @@ def _print_evaluation(results: dict) -> None:
 def main(argv: Optional[Sequence[str]] = None) -> int:
   try:
     config = flags_lib.from_command_line(argv)
+    processes_lib.initialize(config)
     # Before anything compiles, in every process of the run.
     with compile_cache_lib.used(config):
-      processes_lib.initialize(config)
       try:
         mesh = sharding_lib.make_mesh(config.mesh)
       except sharding_lib.MeshError as e:

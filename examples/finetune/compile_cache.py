@@ -56,9 +56,25 @@ def default_dir() -> str:
   return os.path.join(root, 'jax')
 
 
-def directory(config: flags_lib.RunConfig) -> Optional[str]:
-  """The folder ``config`` caches compiled programs in; ``None``: off."""
+# jax 0.12 gives each process of a multi-process run its own cache key (the
+# CPU topology's fingerprint, hashed into the key, differs per process), so
+# only process 0 finds the programs it wrote; and a train step process 0
+# loads from the cache beside the one process 1 compiles never finishes its
+# first collective (measured on jax 0.12.1, CPU, 2 processes over gloo; jax
+# 0.10.2 gives both processes one key and both load). Such runs compile.
+_SHARED_KEYS = jax.__version_info__ < (0, 12)
+
+
+def directory(config: flags_lib.RunConfig,
+              process_count: int = 1) -> Optional[str]:
+  """The folder ``config`` caches compiled programs in; ``None``: off.
+
+  Off for a run of several processes on a jax that keys the cache per
+  process (jax 0.12 and later): see :data:`_SHARED_KEYS`.
+  """
   if not config.compilation_cache:
+    return None
+  if process_count > 1 and not _SHARED_KEYS:
     return None
   return os.path.abspath(os.path.expanduser(
       config.compilation_cache_dir or default_dir()))
@@ -72,18 +88,26 @@ def used(config: flags_lib.RunConfig) -> Iterator[Optional[str]]:
 
   Every program is kept, however fast it compiled or small it is: the
   evaluation passes are worth keeping too, and a test's tiny model compiles
-  in under JAX's default threshold of a second. Set before anything
-  compiles, in every process of the run (each reads the folder; JAX lets
-  process 0 alone write to it).
+  in under JAX's default threshold of a second. Set in every process of the
+  run, once the processes are connected (their count decides) and before
+  anything compiles (each reads the folder; JAX lets process 0 alone write to
+  it).
 
   Raises:
     flags.FinetuneError: ``--compilation-cache-dir`` names a file.
   """
-  folder = directory(config)
-  if folder is not None and os.path.exists(folder) and not os.path.isdir(
-      folder):
+  wanted = directory(config)
+  if wanted is not None and os.path.exists(wanted) and not os.path.isdir(
+      wanted):
     raise flags_lib.FinetuneError(
-        f'--compilation-cache-dir {folder} is a file, not a folder')
+        f'--compilation-cache-dir {wanted} is a file, not a folder')
+  # Asked only of joined processes: the query starts JAX's backend.
+  joined = jax.distributed.is_initialized()
+  folder = directory(config, jax.process_count() if joined else 1)
+  if wanted is not None and folder is None and jax.process_index() == 0:
+    print(f'compilation cache off: jax {jax.__version__} keys it per process, '
+          'and a train step one process loads from it hangs beside the one '
+          'another process compiles')
   before = {name: getattr(jax.config, name) for name in _OPTIONS}
   settings = {'jax_compilation_cache_dir': folder,
               'jax_enable_compilation_cache': folder is not None}

@@ -120,3 +120,20 @@ def test_help_says_how_to_turn_it_off_and_where_it_goes(capsys):
       '--no-compilation-cache', '--compilation-cache-dir', 'here']) == (
           flags.RunConfig(compilation_cache=False,
                           compilation_cache_dir='here'))
+
+
+@pytest.mark.parametrize('shared_keys', [True, False])
+def test_several_processes_compile_where_jax_keys_the_cache_per_process(
+    tmp_path, monkeypatch, shared_keys):
+  """jax 0.12 keys the cache per process, and a step one process loads hangs
+  beside the one another compiles: there a run of several processes is off
+  (tests/examples/test_multiprocess_cli.py runs one warm)."""
+  monkeypatch.setattr(compile_cache, '_SHARED_KEYS', shared_keys)
+  config = flags.RunConfig(compilation_cache_dir=str(tmp_path))
+  assert compile_cache.directory(config) == str(tmp_path)
+  assert compile_cache.directory(config, 1) == str(tmp_path)
+  assert compile_cache.directory(config, 2) == (
+      str(tmp_path) if shared_keys else None)
+  assert compile_cache.directory(
+      flags.RunConfig(compilation_cache=False), 2) is None
+
