@@ -23,8 +23,13 @@ table, each path's program: lowering seconds, the StableHLO operations XLA
 gets, the optimised HLO's instructions and computations, and XLA's
 milliseconds per thousand of them (where compile time goes).
 
+The layers are unrolled, as the example runs them; with ``--scan-layers``
+they are stacked and run by one ``lax.scan`` (the layer-wise step then
+compiles one layer's backward and updates, not one per layer).
+
   python -m benchmarks.train_step [--dtypes float32,bfloat16]
-      [--batches 4,16] [--seq 64] [--layers N] [--steps 2] [--rounds 3]
+      [--batches 4,16] [--seq 64] [--layers N] [--scan-layers]
+      [--steps 2] [--rounds 3]
       [--optimizers taco_layerwise,taco_plain_loss,taco_optax,adamw,adafactor,
                     lion,muon]
       [--write docs/measured/train_step.md]
@@ -48,9 +53,10 @@ PATHS = ('taco_layerwise', 'taco_plain_loss', 'taco_optax', 'adamw',
          'adafactor', 'lion', 'muon')
 
 
-def _decoder(dtype, num_layers):
+def _decoder(dtype, num_layers, scan_layers=False):
   return memory.layered_decoder(memory.SMOLLM2_135M, dtype=dtype,
-                                scan_layers=False, num_layers=num_layers)
+                                scan_layers=scan_layers,
+                                num_layers=num_layers)
 
 
 def _step(path, decoder, config):
@@ -146,6 +152,9 @@ def main(argv=None):
   parser.add_argument('--seq', type=int, default=64)
   parser.add_argument('--layers', type=int, default=None,
                       help='override the number of layers (default: 30)')
+  parser.add_argument('--scan-layers', action='store_true',
+                      help='stack the layers and run them in one lax.scan '
+                      '(default: unrolled, as the example)')
   parser.add_argument('--warmup', type=int, default=1)
   parser.add_argument('--steps', type=int, default=2,
                       help='timed steps per path and round (>= 1)')
@@ -183,13 +192,16 @@ def _program_table(results):
 
 def _tables(args, paths):
   """One table per (dtype, batch), then the ratios of the last one."""
-  print(f'SmolLM2-135M shapes, layers={args.layers or 30} (unrolled, as the '
-        f'CLI), seq={args.seq}, remat per block, backend='
+  layout = ('stacked, one scan' if args.scan_layers
+            else 'unrolled, as the CLI')
+  print(f'SmolLM2-135M shapes, layers={args.layers or 30} ({layout}), '
+        f'seq={args.seq}, remat per block, backend='
         f'{jax.default_backend()}; median of {args.rounds} rounds x '
         f'{args.steps} steps, paths in turn')
   results = {}
   for dtype_name in args.dtypes.split(','):
-    config, decoder = _decoder(jnp.dtype(dtype_name), args.layers)
+    config, decoder = _decoder(jnp.dtype(dtype_name), args.layers,
+                               args.scan_layers)
     for batch_size in (int(b) for b in args.batches.split(',')):
       batch = _batch(config, batch_size, args.seq)
       results = time_paths(paths, decoder, config, batch, args.warmup,

@@ -8,9 +8,11 @@ from benchmarks import train_step
 
 
 @pytest.mark.long
-def test_last_line_has_one_ratio_per_optimizer(capfd, tmp_path):
+@pytest.mark.parametrize('scan_layers', [False, True])
+def test_last_line_has_one_ratio_per_optimizer(capfd, tmp_path, scan_layers):
   written = tmp_path / 'train_step.md'
-  train_step.main(['--layers', '2', '--dtypes', 'float32', '--batches', '1',
+  train_step.main((['--scan-layers'] if scan_layers else []) + [
+                   '--layers', '2', '--dtypes', 'float32', '--batches', '1',
                    '--seq', '8', '--warmup', '0', '--steps', '1',
                    '--rounds', '2',
                    '--optimizers',
@@ -27,7 +29,11 @@ def test_last_line_has_one_ratio_per_optimizer(capfd, tmp_path):
   # The written file carries the command, its provenance and the same table.
   text = written.read_text()
   assert text.startswith('# Whole train steps (written by `python -m '
-                         'benchmarks.train_step --layers 2')
+                         'benchmarks.train_step '
+                         + ('--scan-layers ' if scan_layers else '')
+                         + '--layers 2')
+  layout = 'stacked, one scan' if scan_layers else 'unrolled, as the CLI'
+  assert f'layers=2 ({layout})' in text
   assert '\nCommit ' in text and last in text
   assert re.search(r'\ntaco_layerwise +[\d.]+ +[\d.]+ +[\d.]+ +[\d.]+\n',
                    text)
