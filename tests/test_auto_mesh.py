@@ -11,7 +11,6 @@ import re
 import jax
 from jax._src import compilation_cache as jax_compilation_cache  # pylint: disable=g-bad-import-order
 import jax.numpy as jnp
-from jax.sharding import AxisType
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 import numpy as np
@@ -23,70 +22,17 @@ from taco_optax import TacoDimensionNumbers as Dims
 from taco_optax._src.sharding import auto_partition as _auto_partition
 from tests.support import mesh_layered
 from tests.support import multidevice
+from tests.support.auto_mesh_cases import LAYOUTS
+from tests.support.auto_mesh_cases import auto_mesh
+from tests.support.auto_mesh_cases import run_steps
+from tests.support.auto_mesh_cases import tied_gradients
 from tests.support.bitwise import assert_bitwise_equal
+from tests.support.explicit_mesh_cases import specs
 from tests.support.hlo_collectives import collectives
 from tests.support.hlo_collectives import gathered_bytes
 
 NUM_DEVICES = 8
 needs_mesh = multidevice.needs_devices(NUM_DEVICES)
-
-# name -> (shape, spec, dimension numbers; None: not TACO, AdamW's).
-LAYOUTS = {
-    'tp': ((64, 32), P(None, 'tensor'), Dims()),
-    'fsdp': ((64, 32), P('fsdp', None), Dims()),
-    'both': ((64, 32), P('fsdp', 'tensor'), Dims()),
-    'tp_over_all': ((16, 64), P(None, ('fsdp', 'tensor')), Dims()),
-    'scanned': ((2, 16, 24), P(None, 'fsdp', 'tensor'), Dims(1, 2)),
-    'scanned_tp': ((2, 16, 24), P(None, None, 'tensor'), Dims(1, 2)),
-    'unsharded': ((8, 12), P(), Dims()),
-    'bias': ((32,), P('tensor'), None),
-}
-
-
-def auto_mesh():
-  return jax.make_mesh((2, 4), ('fsdp', 'tensor'),
-                       axis_types=(AxisType.Auto, AxisType.Auto))
-
-
-def shardings(mesh, names):
-  return {n: NamedSharding(mesh, LAYOUTS[n][1]) for n in names}
-
-
-def tied_gradients(step, names, nan=False):
-  """Small integers times 1e-3 (many exact ties); optionally one NaN each."""
-  grads = {}
-  for i, name in enumerate(names):
-    shape = LAYOUTS[name][0]
-    grad = 1e-3 * jax.random.randint(jax.random.key(100 * step + i), shape,
-                                     -3, 4).astype(jnp.float32)
-    if nan and LAYOUTS[name][2] is not None:
-      grad = grad.at[(0,) * (len(shape) - 1) + (-1,)].set(jnp.nan)
-    grads[name] = grad
-  return grads
-
-
-def run_steps(tx, names, mesh=None, put=jax.device_put):
-  """Three updates (the third with a NaN gradient): updates and states.
-
-  ``put(tree, shardings)`` places the inputs on ``mesh``.
-  """
-  params = {n: jnp.zeros(LAYOUTS[n][0]) for n in names}
-  init, update = jax.jit(tx.init), jax.jit(tx.update)
-  place = lambda tree: tree
-  if mesh is not None:
-    place = lambda tree: put(tree, shardings(mesh, names))
-    state_shardings = taco_optax.state_shardings(tx, place(params))
-    init = jax.jit(tx.init, out_shardings=state_shardings)
-    update = jax.jit(tx.update, out_shardings=(shardings(mesh, names),
-                                               state_shardings))
-  state = init(place(params))
-  results = []
-  for step in range(3):
-    grads = place(tied_gradients(step, names, nan=step == 2))
-    updates, state = update(grads, state, place(params))
-    results.append((updates, state))
-  return results
-
 
 @needs_mesh
 @pytest.mark.parametrize('kernel, k', [('cpu', 4), ('reference', 4),
@@ -254,28 +200,18 @@ def test_layerwise_step_on_auto_mesh_equals_single_device(scan_layers,
                                                           layout):
   """``layerwise.train_step`` with Auto axes: XLA partitions the step, the
   column step's rule keeps each device on its block."""
-  # pylint: disable-next=g-import-not-at-top
-  from tests import test_sharding as cases  # pylint: disable=g-import-not-at-top
-  from tests.support import layerwise_case
+  from tests.support import layerwise_case  # pylint: disable=g-import-not-at-top
   train = layerwise_case.train(
       mesh_layered.layered_loss(scan_layers), learning_rate=1e-2, k=4, mu=0.9,
       weight_dimension_numbers=mesh_layered.layered_dims,
       adam_learning_rate=1e-3)
-  inputs = [jax.random.normal(jax.random.key(10 + i), (8, 16))
-            for i in range(3)]
-
-  def run(params):
-    state = train.optimizer.init(params)
-    step = jax.jit(train.step)
-    for x in inputs:
-      params, state, _ = step(params, state, x)
-    return params, state
+  run = mesh_layered.three_steps(train)
 
   start = mesh_layered.layered_params(scan_layers)
   expected = run(start)
   sharded = mesh_layered.place_layered(start, auto_mesh(), layout)
   got = run(sharded)
-  assert cases.specs(got[0]) == cases.specs(sharded)
+  assert specs(got[0]) == specs(sharded)
   # TACO's weights and state bitwise; the AdamW biases' gradients are batch
   # sums that the partitioned matmuls reorder (last bits only).
   adam = lambda path: "'b_up'" in jax.tree_util.keystr(path)

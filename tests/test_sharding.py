@@ -29,6 +29,13 @@ from tests.support import layerwise_case
 from tests.support import mesh_layered
 from tests.support import multidevice
 from tests.support.bitwise import assert_bitwise_equal
+from tests.support.explicit_mesh_cases import LAYOUTS
+from tests.support.explicit_mesh_cases import make_mesh
+from tests.support.explicit_mesh_cases import normalized
+from tests.support.explicit_mesh_cases import place
+from tests.support.explicit_mesh_cases import sharding_specs
+from tests.support.explicit_mesh_cases import specs
+from tests.support.explicit_mesh_cases import tied_gradients
 from tests.support.hlo_collectives import collectives
 from tests.support.hlo_collectives import gathered_bytes
 
@@ -73,55 +80,6 @@ def test_state_specs_reject_unshardable_layouts():
 
 
 # Mesh tests.
-
-# name -> (shape, spec, dimension numbers). 'fsdp': reduction axis sharded;
-# 'tp': output axis sharded; 'both'; and batch / multi-axis variants.
-LAYOUTS = {
-    'fsdp': ((64, 32), P('fsdp', None), Dims()),
-    'tp': ((64, 32), P(None, 'tensor'), Dims()),
-    'tp_narrow': ((16, 16), P(None, 'tensor'), Dims()),  # k=16 keeps all m
-    'both': ((64, 32), P('fsdp', 'tensor'), Dims()),
-    'tp_over_all': ((16, 64), P(None, ('fsdp', 'tensor')), Dims()),
-    'scanned': ((2, 16, 24), P(None, 'fsdp', 'tensor'), Dims(1, 2)),
-    'heads_out': ((16, 4, 8), P('fsdp', 'tensor', None), Dims(0, (1, 2))),
-    'head_dim_out': ((16, 4, 8), P(None, 'fsdp', 'tensor'), Dims(0, (1, 2))),
-    'unsharded': ((8, 12), P(), Dims()),
-}
-
-
-def make_mesh(explicit=True):
-  axis_type = AxisType.Explicit if explicit else AxisType.Auto
-  return jax.make_mesh((2, 4), ('fsdp', 'tensor'),
-                       axis_types=(axis_type, axis_type))
-
-
-def place(tree, mesh, names=None):
-  return {name: jax.device_put(x, NamedSharding(mesh, LAYOUTS[name][1]))
-          for name, x in tree.items() if names is None or name in names}
-
-
-def tied_gradients(step, names):
-  """Small integers times 1e-3: many exact ties in every column."""
-  return {name: 1e-3 * jax.random.randint(
-      jax.random.key(100 * step + i), LAYOUTS[name][0], -3, 4).astype(
-          jnp.float32)
-          for i, name in enumerate(names)}
-
-
-
-
-def normalized(spec, ndim):
-  """``spec`` as mesh axes per array axis: ``P()`` equals ``P(None, None)``."""
-  return _mesh.padded_spec(spec, ndim)
-
-
-def specs(tree):
-  return jax.tree.map(lambda x: normalized(x.sharding.spec, x.ndim), tree)
-
-
-def sharding_specs(shardings, like):
-  return jax.tree.map(lambda s, x: normalized(s.spec, x.ndim), shardings, like)
-
 
 @needs_mesh
 @pytest.mark.parametrize('k', [4, 16])
@@ -448,15 +406,7 @@ def test_layerwise_step_on_mesh_equals_single_device(
       update_topk=update_topk,
       weight_dimension_numbers=mesh_layered.layered_dims,
       adam_learning_rate=1e-3, column_block_elements=64 if chunked else None)
-  inputs = [jax.random.normal(jax.random.key(10 + i), (8, 16))
-            for i in range(3)]
-
-  def run(params):
-    state = train.optimizer.init(params)
-    step = jax.jit(train.step)
-    for x in inputs:
-      params, state, _ = step(params, state, x)
-    return params, state
+  run = mesh_layered.three_steps(train)
 
   start = jax.tree.map(lambda x: x.astype(dtype),
                        mesh_layered.layered_params(scan_layers))

@@ -79,3 +79,18 @@ def place_layered(params, mesh, layout):
     spec = P(*(None,) * (x.ndim - len(spec)), *spec)  # the layer axis
     return jax.device_put(x, NamedSharding(mesh, spec))
   return jax.tree_util.tree_map_with_path(put, params)
+
+
+def three_steps(train):
+  """``run(params) -> (params, state)``: ``train``'s jitted step on three
+  fixed batches from a fresh state."""
+  inputs = [jax.random.normal(jax.random.key(10 + i), (8, 16))
+            for i in range(3)]
+
+  def run(params):
+    state = train.optimizer.init(params)
+    step = jax.jit(train.step)
+    for x in inputs:
+      params, state, _ = step(params, state, x)
+    return params, state
+  return run

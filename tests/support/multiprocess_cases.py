@@ -48,7 +48,7 @@ def _optax_case():
   import optax  # pylint: disable=g-import-not-at-top
 
   import taco_optax  # pylint: disable=g-import-not-at-top
-  from tests import test_sharding as cases  # pylint: disable=g-import-not-at-top
+  from tests.support import explicit_mesh_cases as cases  # pylint: disable=g-import-not-at-top
 
   names = list(cases.LAYOUTS)
   dims = {n: cases.LAYOUTS[n][2] for n in names}
@@ -106,7 +106,7 @@ def put_global(tree, shardings):
 def _auto_case():
   """The Auto-mesh rule (``_auto_partition``), C++ kernel and reference."""
   import taco_optax  # pylint: disable=g-import-not-at-top
-  from tests import test_auto_mesh as cases  # pylint: disable=g-import-not-at-top
+  from tests.support import auto_mesh_cases as cases  # pylint: disable=g-import-not-at-top
 
   names = list(cases.LAYOUTS)
   results = {}
