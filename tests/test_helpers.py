@@ -60,3 +60,30 @@ def test_the_check_sees_a_private_use():
   assert sorted(_private_uses(source)) == [
       'test_cli._text_args', 'test_train_step._params',
       'tests.test_sharding._place']
+
+
+def _test_module_imports(source: str) -> list[str]:
+  """The test modules (``test_*``) ``source`` imports, by name."""
+  tree = ast.parse(source)
+  found = list(_test_module_aliases(tree).values())
+  found += [node.module for node in ast.walk(tree)
+            if isinstance(node, ast.ImportFrom)
+            and (node.module or '').split('.')[-1].startswith('test_')]
+  return sorted(found)
+
+
+def test_no_test_module_imports_another():
+  """Not even for public names: shared cases live in tests/support/."""
+  found = {str(path.relative_to(TESTS)): uses
+           for path in sorted(TESTS.rglob('*.py'))
+           if (uses := _test_module_imports(path.read_text()))}
+  assert not found, found
+
+
+def test_the_import_check_sees_every_form():
+  source = ('from tests import test_train_step as case\n'
+            'from tests.test_sharding import specs\n'
+            'import tests.test_auto_mesh\n'
+            'from tests.support import mesh_layered\n')
+  assert _test_module_imports(source) == [
+      'test_train_step', 'tests.test_auto_mesh', 'tests.test_sharding']

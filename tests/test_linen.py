@@ -17,6 +17,7 @@ import pytest
 
 import taco_optax
 from taco_optax import linen
+from tests.support.linen_models import LanguageModel
 from tests.support.routing_checks import assert_adam_dense
 from tests.support.routing_checks import assert_one_per_input
 
@@ -121,16 +122,6 @@ def test_attention_general_kernels_and_their_rank2_biases():
   expected.update({'out/kernel': ((0, 1), 2), 'LayerNorm_0/scale': ADAM,
                    'LayerNorm_0/bias': ADAM})
   _check(updates, expected)
-
-
-class LanguageModel(nn.Module):
-  tied: bool
-
-  @nn.compact
-  def __call__(self, tokens):
-    embed = nn.Embed(11, 4)
-    hidden = nn.Dense(4)(embed(tokens))
-    return embed.attend(hidden) if self.tied else nn.Dense(11)(hidden)
 
 
 @pytest.mark.parametrize('tied', [False, True], ids=['untied', 'tied'])

@@ -523,7 +523,7 @@ def _linen_models():
       heads = nn.Einsum((2, 3, 8), 'btnh,nhd->btd', name='out')(mixed)
       return nn.DenseGeneral(8, axis=(-2, -1), name='o2')(q) + heads
 
-  from tests.test_linen import LanguageModel  # pylint: disable=g-import-not-at-top
+  from tests.support.linen_models import LanguageModel  # pylint: disable=g-import-not-at-top
 
   class Block(nn.Module):
 
