@@ -277,3 +277,71 @@ def test_cache_dir(monkeypatch, tmp_path):
   assert _cpu_kernel.cache_dir() == tmp_path / 'taco_optax'
   monkeypatch.setenv('TACO_OPTAX_CACHE_DIR', str(tmp_path / 'mine'))
   assert _cpu_kernel.cache_dir() == tmp_path / 'mine'
+
+
+# The layer-wise step's winner write.
+
+def _scattered(weight, winners, delta, finite, column_axis):
+  """What the write must equal: XLA's scatter on the weight's rows, rounded
+  once to float32, and the whole weight NaN where not finite."""
+  rows = weight if column_axis == 0 else weight.T
+  row_ids = jnp.arange(rows.shape[0])[:, None]
+  rows = rows.at[row_ids, winners].set(rows[row_ids, winners] + delta)
+  written = rows if column_axis == 0 else rows.T
+  return jnp.where(finite, written, jnp.nan)
+
+
+@needs_kernel
+@pytest.mark.parametrize('column_axis', [0, 1])
+@pytest.mark.parametrize('r', [1, 3])
+@pytest.mark.parametrize('finite', [True, False])
+def test_winner_write_equals_scatter_bitwise(column_axis, r, finite):
+  n, m = 24, 40
+  key = jax.random.split(jax.random.key(column_axis * 10 + r), 3)
+  shape = (n, m) if column_axis == 0 else (m, n)
+  # Magnitudes from 1e-30 to 1e30, so sums round in every way.
+  weight = jax.random.normal(key[0], shape) * 10.0 ** jax.random.randint(
+      key[1], shape, -30, 31)
+  winners = jnp.argsort(jax.random.uniform(key[2], (n, m)), axis=1)[:, :r]
+  delta = (jnp.where(jnp.arange(n * r).reshape(n, r) % 3 == 0, -1.0, 1.0)
+           * jnp.float32(1e-3) * jnp.float32(m / n))
+  expected = _scattered(weight, winners.astype(jnp.int32), delta, finite,
+                        column_axis)
+  written = jax.jit(_cpu_kernel.cpu_winner_write, static_argnums=4,
+                    donate_argnums=0)(jnp.copy(weight), winners, delta,
+                                      jnp.asarray(finite), column_axis)
+  assert_bitwise_equal(written, expected)
+  if finite:  # nothing but the winners moved (a huge weight absorbs delta)
+    rows = jnp.zeros((n, m), bool).at[jnp.arange(n)[:, None], winners].set(
+        True)
+    untouched = ~(rows if column_axis == 0 else rows.T)
+    assert_bitwise_equal(written[untouched], weight[untouched])
+    assert int(jnp.sum(written != weight)) > 0
+
+
+@needs_kernel
+def test_winner_write_keeps_an_undonated_weight():
+  weight = jnp.arange(12.0).reshape(3, 4)
+  write = jax.jit(lambda w: (_cpu_kernel.cpu_winner_write(
+      w, jnp.array([[1], [0], [3]]), jnp.ones((3, 1)), True, 0), w))
+  written, kept = write(weight)
+  np.testing.assert_array_equal(kept, np.arange(12.0).reshape(3, 4))
+  np.testing.assert_array_equal(np.asarray(written) - np.asarray(kept),
+                                np.eye(4)[[1, 0, 3]])
+
+
+@needs_kernel
+def test_winner_write_refuses_a_winner_out_of_range():
+  with pytest.raises(Exception, match='winner range'):
+    jax.block_until_ready(_cpu_kernel.cpu_winner_write(
+        jnp.zeros((3, 4)), jnp.array([[1], [4], [0]]), jnp.ones((3, 1)),
+        True, 0))
+
+
+def test_winner_write_runs_where_the_kernel_may():
+  args = (jnp.zeros((3, 4)), jnp.zeros((3, 1), jnp.int32), jnp.ones((3, 1)),
+          True, 0)
+  assert _kernels.winner_write(*args, 'reference') is None
+  assert _kernels.winner_write(jnp.zeros((3, 4), jnp.bfloat16),
+                               *args[1:], 'auto') is None
+  assert (_kernels.winner_write(*args, 'auto') is None) == (not _AVAILABLE)

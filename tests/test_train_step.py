@@ -7,6 +7,7 @@ import optax
 import pytest
 
 import taco_optax
+from taco_optax._src.kernels import cpu_kernel as _cpu_kernel
 from taco_optax._src.layerwise import backward as _backward
 from taco_optax._src.layerwise import outer as _outer_step
 from taco_optax._src.layerwise import winners as _winners
@@ -180,6 +181,32 @@ def test_layerwise_step_peak_memory_is_near_forward(scan_layers):
     assert fused_overhead < 0.25, fused_overhead
     assert fused_overhead < plain_overhead + 0.05, (plain_overhead,
                                                     fused_overhead)
+
+
+@pytest.mark.parametrize('scan_layers', [False, True])
+@pytest.mark.parametrize('implementation', ['auto', 'reference'])
+def test_unrolled_float32_weights_are_written_by_the_cpu_kernel(
+    scan_layers, implementation):
+  """One custom call per unrolled matrix instead of a scatter XLA:CPU would
+  compile for each; a stacked leaf's slice and implementation='reference'
+  keep the scatter (and the bits are the same either way: the equality
+  tests above run both)."""
+  if not _cpu_kernel.availability().ok:
+    pytest.skip(_cpu_kernel.availability().reason)
+  loss = LayeredLoss(toy_lm.embed, toy_lm.layer, toy_lm.head,
+                     scan_layers=scan_layers)
+  train = layerwise_train_step(loss, 1e-3, implementation=implementation,
+                               weight_dimension_numbers=toy_lm.matrix_dims)
+  params = _big_params(scan_layers, width=32, layers=3)
+  tokens = jnp.zeros((2, 16), jnp.int32) + jnp.arange(16) % 64
+  hlo = jax.jit(train.step, donate_argnums=(0, 1)).lower(
+      params, train.optimizer.init(params), tokens).as_text()
+  writes = hlo.count('taco_optax_winner_write')
+  # The embedding (a whole leaf either way), and two matrices per unrolled
+  # layer.
+  expected = 0 if implementation == 'reference' else (
+      1 if scan_layers else 1 + 2 * 3)
+  assert writes == expected, writes
 
 
 def _transposed_embedding_dims(params):

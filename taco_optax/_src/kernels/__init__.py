@@ -7,7 +7,8 @@ them here. What its siblings use:
 
 * :func:`history_step`: one step of a leaf's stored ``batch + (k, n)``
   history on its gradient rows, by the implementation :func:`resolve` names
-  (the one place that chooses, ``dispatch``);
+  (the one place that chooses, ``dispatch``), and :func:`winner_write`, the
+  layer-wise step's write of a leaf's winners by the CPU kernel where it runs;
 * :class:`ColumnStep` and the reference's pieces that the tied token table
   reuses (:func:`merged_candidates`, :func:`step_from_top_k`,
   :func:`decode_history`);
@@ -26,6 +27,7 @@ from taco_optax._src.kernels.dispatch import history_rows
 from taco_optax._src.kernels.dispatch import history_step
 from taco_optax._src.kernels.dispatch import resolve
 from taco_optax._src.kernels.dispatch import stored_history
+from taco_optax._src.kernels.dispatch import winner_write
 from taco_optax._src.kernels.reference import ColumnStep
 from taco_optax._src.kernels.reference import merged_candidates
 from taco_optax._src.kernels.reference import step_from_top_k
@@ -48,4 +50,5 @@ __all__ = (
     'resolve',
     'step_from_top_k',
     'stored_history',
+    'winner_write',
 )

@@ -35,8 +35,10 @@ import numpy as np
 from taco_optax._src.kernels import reference
 
 TARGET_NAME = 'taco_optax_column_step'
-_SOURCE = pathlib.Path(__file__).parent / 'csrc' / 'column_step.cc'
-_SYMBOL = 'TacoColumnStep'
+WRITE_TARGET_NAME = 'taco_optax_winner_write'
+_SOURCES = pathlib.Path(__file__).parent / 'csrc'
+_SYMBOLS = {TARGET_NAME: 'TacoColumnStep',
+            WRITE_TARGET_NAME: 'TacoWinnerWrite'}
 # No -march=native: the cache may be shared by machines with other CPUs.
 # -ffp-contract=off: the reference rounds each product and sum separately.
 _FLAGS = ('-O3', '-shared', '-fPIC', '-std=c++17', '-ffp-contract=off')
@@ -88,8 +90,9 @@ def _compiler() -> tuple[str, str]:
 def _build() -> pathlib.Path:
   """Compiles the kernel into the cache unless an identical build is there."""
   import jaxlib  # pylint: disable=g-import-not-at-top
-  sources = [path.read_bytes() for path in sorted(_SOURCE.parent.iterdir())
-             if path.suffix in ('.cc', '.h')]
+  files = [path for path in sorted(_SOURCES.iterdir())
+           if path.suffix in ('.cc', '.h')]
+  sources = [path.read_bytes() for path in files]
   compiler, version = _compiler()
   key = hashlib.sha256(b'\0'.join([
       *sources, jaxlib.__version__.encode(), compiler.encode(),
@@ -105,7 +108,8 @@ def _build() -> pathlib.Path:
   handle, partial = tempfile.mkstemp(dir=directory, suffix='.so.partial')
   os.close(handle)
   try:
-    command = [compiler, *_FLAGS, f'-I{jax.ffi.include_dir()}', str(_SOURCE),
+    command = [compiler, *_FLAGS, f'-I{jax.ffi.include_dir()}',
+               *(str(path) for path in files if path.suffix == '.cc'),
                '-o', partial]
     result = subprocess.run(command, capture_output=True, text=True,
                             timeout=_BUILD_TIMEOUT_S, check=False)
@@ -120,9 +124,10 @@ def _build() -> pathlib.Path:
 
 
 def _load(library: pathlib.Path) -> None:
-  handler = getattr(ctypes.CDLL(str(library)), _SYMBOL)
-  jax.ffi.register_ffi_target(TARGET_NAME, jax.ffi.pycapsule(handler),
-                              platform='cpu')
+  loaded = ctypes.CDLL(str(library))
+  for target, symbol in _SYMBOLS.items():
+    jax.ffi.register_ffi_target(
+        target, jax.ffi.pycapsule(getattr(loaded, symbol)), platform='cpu')
 
 
 def availability() -> Availability:
@@ -223,3 +228,37 @@ def cpu_column_step(grad_rows: jax.Array, values: jax.Array,
   outputs = call(grad_rows, values, indices, exponents.astype(jnp.int8), mu,
                  one_minus_mu, update_topk=np.int64(update_topk))
   return reference.ColumnStep(*outputs)
+
+
+def cpu_winner_write(weight: jax.Array, winners: jax.Array, delta: jax.Array,
+                     finite: jax.Array, column_axis: int) -> jax.Array:
+  """``weight`` with each column's winners' ``delta`` added, in place.
+
+  The layer-wise step's write of one float32 leaf (``csrc/winner_write.cc``):
+  ``weight[winner] + delta`` rounded once to float32 where column ``i``'s
+  winners ``winners[i]`` are, every other entry as it was, and the whole
+  weight NaN when not ``finite``. The result aliases ``weight`` (donate it,
+  or XLA copies it first).
+
+  Args:
+    weight: a 2-D float32 weight; its columns (the paper's) are its rows when
+      ``column_axis`` is 0, its columns when 1.
+    winners: ``(n, r)`` int32 positions in ``[0, m)`` of each column's
+      winners.
+    delta: ``(n, r)`` float32 what each winner adds.
+    finite: a bool scalar, the gradient's finiteness.
+    column_axis: the weight's axis that indexes the paper's columns.
+
+  Raises:
+    RuntimeError: if the kernel is not available (see :func:`availability`).
+  """
+  available = availability()
+  if not available.ok:
+    raise RuntimeError(
+        f'The TACO CPU kernel is not available: {available.reason}')
+  call = jax.ffi.ffi_call(WRITE_TARGET_NAME,
+                          jax.ShapeDtypeStruct(weight.shape, weight.dtype),
+                          input_output_aliases={0: 0})
+  return call(weight, winners.astype(jnp.int32), delta.astype(jnp.float32),
+              jnp.asarray(finite, jnp.bool_), column_axis=np.int64(column_axis))
+

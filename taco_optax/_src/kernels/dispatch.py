@@ -252,6 +252,26 @@ def _empty_step(grad_rows: jax.Array, values: jax.Array, indices: jax.Array,
       finite=jnp.array(True))
 
 
+def winner_write(weight: jax.Array, winners: jax.Array, delta: jax.Array,
+                 finite: jax.Array, column_axis: int, implementation: str
+                 ) -> Optional[jax.Array]:
+  """The layer-wise step's winner write by the CPU kernel, where it runs.
+
+  ``cpu_kernel.cpu_winner_write`` for a whole 2-D float32 weight on a
+  one-device CPU run whose column step may use the kernel (``'auto'`` or
+  ``'cpu'``) and where the kernel is available; else ``None``, and the
+  caller scatters the winners with XLA. Both give the same bits.
+  """
+  if (implementation not in ('auto', 'cpu') or weight.ndim != 2
+      or jnp.dtype(weight.dtype) != jnp.dtype(jnp.float32)
+      or jnp.dtype(delta.dtype) != jnp.dtype(jnp.float32)
+      or jax.default_backend() != 'cpu' or jax.device_count() != 1
+      or not cpu_kernel.availability().ok):
+    return None
+  return cpu_kernel.cpu_winner_write(weight, winners, delta, finite,
+                                     column_axis)
+
+
 def history_step(grad_rows: jax.Array, history: codec.History, *,
                  update_topk: int,
                  mu: Union[float, jax.Array], implementation: str,

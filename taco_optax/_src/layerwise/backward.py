@@ -166,7 +166,8 @@ def scanned(layer_backward: LayerBackward, layers: Any,
     for (leaf, whole), weight, history, total in zip(taco, weights, histories,
                                                      squares):
       sliced = _layer_slice(leaf._replace(history=history), l, whole.shape)
-      result = step.update(sliced, layer_params[leaf.key], grad_of[leaf.key])
+      result = step.update(sliced, layer_params[leaf.key], grad_of[leaf.key],
+                           whole=False)
       new_weights.append(put(weight, result.param, l))
       new_histories.append(kernels.History(*(
           put(s, u, l) for s, u in zip(history, result.history))))

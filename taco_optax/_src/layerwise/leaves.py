@@ -115,11 +115,12 @@ class StepLeaves:
     return found
 
   def update(self, leaf: Leaf, param: jax.Array, grad: Any,
-             after: Any = None) -> Updated:
+             after: Any = None, whole: bool = True) -> Updated:
     """``leaf``'s TACO update on its (whole) gradient ``grad``.
 
-    ``param`` and ``grad`` are the leaf's (or, with a sliced ``leaf``, one
-    layer slice's); ``after``: what its winners are ordered after.
+    ``param`` and ``grad`` are the leaf's (or, with a sliced ``leaf`` and
+    ``whole=False``, one layer slice's); ``after``: what its winners are
+    ordered after.
     """
     if self.clip is not None:
       grad = (dataclasses.replace(grad, transform=self.clip)
@@ -132,7 +133,8 @@ class StepLeaves:
             learning_rate=self.parts.learning_rate,
             learning_rate_state=self.states.learning_rate,
             block_elements=self.column_block_elements, after=after,
-            rounding=leaf.rounding, measure=self.sums_squares)))
+            rounding=leaf.rounding, measure=self.sums_squares,
+            whole=whole)))
 
 
 def step_leaves(parts: transform.TacoParts, params: Any, opt_state: Any,

@@ -73,6 +73,10 @@ class WinnerWrite(NamedTuple):
       stochastically.
     measure: whether to return the gradient's ``sum(g**2)`` (float32), for
       the step's global gradient norm.
+    whole: whether the weight is a whole leaf, not one layer's slice of a
+      stacked leaf inside the backward scan (where the CPU kernel's write,
+      unlike a scatter, would not be fused into the stacked leaf's update
+      in place).
   """
   plan: transform.LeafPlan
   mu: Union[float, jax.Array]
@@ -82,6 +86,7 @@ class WinnerWrite(NamedTuple):
   after: Any = None
   rounding: Optional[LeafRounding] = None
   measure: bool = False
+  whole: bool = True
 
 
 def square_sum(grad: jax.Array) -> jax.Array:
