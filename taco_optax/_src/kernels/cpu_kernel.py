@@ -261,4 +261,3 @@ def cpu_winner_write(weight: jax.Array, winners: jax.Array, delta: jax.Array,
                           input_output_aliases={0: 0})
   return call(weight, winners.astype(jnp.int32), delta.astype(jnp.float32),
               jnp.asarray(finite, jnp.bool_), column_axis=np.int64(column_axis))
-
