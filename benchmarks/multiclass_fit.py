@@ -25,6 +25,14 @@ def split_of(row: dict) -> str:
   return row.get('split', TEST)
 
 
+def predates_split(row: dict) -> bool:
+  """Whether a row was recorded before validation sets existed (it names no
+  ``split``): its run trained on a set that still held the validation
+  records, so it is kept out of the tables that compare optimizers on the
+  held-out set, and only the legacy fit (``split=TEST``) reads it."""
+  return 'split' not in row
+
+
 def seed_means(table_rows: list[dict], optimizer: str, steps: int = 40,
                min_seeds: int = 3, *, split: str = VALIDATION) -> dict:
   """``{task: {lr: (mean accuracy, zero-shot)}}`` over seeds, for the rates

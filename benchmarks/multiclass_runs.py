@@ -54,6 +54,7 @@ from benchmarks.multiclass_fit import TEST
 from benchmarks.multiclass_fit import VALIDATION
 from benchmarks.multiclass_fit import NoValidationRuns
 from benchmarks.multiclass_fit import fitted_rate
+from benchmarks.multiclass_fit import predates_split
 from benchmarks.multiclass_fit import round_rate
 from benchmarks.multiclass_fit import seed_means
 from benchmarks.multiclass_fit import split_of
@@ -185,8 +186,13 @@ def rows() -> list[dict]:
 
 
 def record(path: str, note: str) -> None:
-  """Writes :func:`rows` to ``path`` (what the budget rule is tested on)."""
+  """Writes :func:`rows` to ``path`` (what the budget rule is tested on),
+  its ``source`` the file's earlier source (when there is one) and
+  ``note``."""
   runs = rows()  # read before the file is opened for writing
+  if os.path.exists(path):
+    with open(path) as f:
+      note = '; '.join(filter(None, (json.load(f).get('source'), note)))
   with open(path, 'w') as f:
     json.dump({'source': note, 'runs': runs}, f, indent=0)
     f.write('\n')
@@ -196,15 +202,26 @@ def finished(table_rows: Optional[list[dict]] = None) -> dict:
   """``{(task, optimizer, lr, steps, settings): {seed: (after, before)}}``
   in percent, from ``table_rows`` (default :func:`rows`); a rate the rule
   gave and the same rate given with ``--lr`` are one rate; a validation
-  run's settings end with ``eval=validation``."""
+  run's settings end with ``eval=validation``, those of a run recorded
+  before validation sets existed with ``pre-split`` (:func:`predates_split`),
+  so that neither is in the summary."""
   table = {}
   for row in rows() if table_rows is None else table_rows:
     task, optimizer, lr, _, steps, seed, settings, split = _key(row)
     if split != TEST:
       settings = f'{settings} eval={split}'.strip()
+    elif predates_split(row):
+      settings = f'{settings} pre-split'.strip()
     table.setdefault((task, optimizer, round_rate(lr), steps, settings), {})[
         seed] = (100 * row['accuracy_after'], 100 * row['accuracy_before'])
   return table
+
+
+def _scored(settings: str) -> str:
+  """The part of a table key's settings that says which runs it may be
+  compared with (``eval=validation``, ``pre-split``), not what it changed."""
+  return ' '.join(word for word in settings.split()
+                  if word == 'pre-split' or word.startswith('eval='))
 
 
 def _pm(mean: float, se: float, sign: str = '') -> str:
@@ -261,7 +278,11 @@ def report() -> None:
     summary(data, steps)
   print()
   seeds_seen = sorted({s for seeds in data.values() for s in seeds})
-  print('Accuracy (%) on 200 held-out examples, one CLI run per cell.\n')
+  print('Accuracy (%) on 200 held-out examples (with `eval=validation`, on '
+        'the task\'s validation set), one CLI run per cell. `pre-split`: '
+        'recorded before validation sets existed, its run trained on a set '
+        'that still held the validation records; such runs are in no '
+        'summary.\n')
   print('| task | optimizer | lr | steps | settings | ' +
         ' | '.join(f'seed {s}' for s in seeds_seen) +
         ' | mean ± se | zero-shot |')
@@ -275,13 +296,14 @@ def report() -> None:
     print(f'| {task} | {opt} | {_rate(lr, opt, steps)} | {steps} | '
           f'{settings or "–"} | {cells} | {_pm(mean, se)} | {before} |')
   print('\nTACO − AdamW (AdamW at the rule\'s rate and the CLI\'s '
-        'settings), paired by task, steps and seed:\n')
+        'settings, scored on the same set and trained on the same split), '
+        'paired by task, steps and seed:\n')
   print('| task | TACO lr | steps | TACO settings | seeds | differences | '
         'mean ± se |')
   print('| --- | ---: | ---: | --- | --- | --- | ---: |')
   for (task, opt, lr, steps, settings), seeds in sorted(data.items()):
-    base = data.get((task, 'adamw',
-                     round_rate(rule_rate('adamw', steps)), steps, ''))
+    base = data.get((task, 'adamw', round_rate(rule_rate('adamw', steps)),
+                     steps, _scored(settings)))
     common = sorted(set(seeds) & set(base or {}))
     if opt != 'taco' or not common:
       continue

@@ -229,6 +229,54 @@ def test_a_validation_run_is_read_back_as_one_and_kept_apart(tmp_path,
       0: (70.0, 20.0)}
 
 
+def test_runs_recorded_before_the_split_are_in_no_summary(tmp_path,
+                                                           monkeypatch,
+                                                           capsys):
+  # Rows recorded before validation sets existed name no split: their runs
+  # trained on sets that still held the validation records. The summary
+  # compares runs trained on today's split only, and the paired table pairs
+  # each run with AdamW's run on the same set and split.
+  monkeypatch.setattr(multiclass_runs, 'ROOT', str(tmp_path / 'runs'))
+  monkeypatch.setattr(multiclass_runs, 'DATA', str(tmp_path / 'data.json'))
+  monkeypatch.setattr(multiclass_runs, 'rule_rate',
+                      lambda optimizer, steps: {'taco': 1e-4,
+                                                'adamw': 3e-5}[optimizer])
+  # (A new run of a recorded point replaces it: these are seeds 2 and 3.)
+  pre = [_row('trec', opt, lr, seed, after, given=False)
+         for opt, lr, afters in (('taco', 1e-4, (0.90, 0.92)),
+                                 ('adamw', 3e-5, (0.10, 0.12)))
+         for seed, after in enumerate(afters, start=2)]
+  validation = [dict(_row('trec', opt, lr, seed, after, given=False),
+                     split=multiclass_runs.VALIDATION)
+                for opt, lr, afters in (('taco', 1e-4, (0.60, 0.61)),
+                                        ('adamw', 3e-5, (0.50, 0.52)))
+                for seed, after in enumerate(afters)]
+  (tmp_path / 'data.json').write_text(json.dumps(
+      {'source': 'earlier', 'runs': pre + validation}))
+  for seed, (taco, adamw) in enumerate(((0.47, 0.48), (0.46, 0.55))):
+    _result(tmp_path / 'runs', f't{seed}', 'taco', 1e-4, False, seed, taco)
+    _result(tmp_path / 'runs', f'a{seed}', 'adamw', 3e-5, False, seed, adamw)
+  table = multiclass_runs.finished()
+  assert table[('trec', 'taco', 1e-4, 40, 'pre-split')] == {
+      2: (90.0, 20.0), 3: (92.0, 20.0)}
+  assert table[('trec', 'taco', 1e-4, 40, '')] == {
+      0: (47.0, 20.0), 1: (46.0, 20.0)}
+  multiclass_runs.report()
+  out = capsys.readouterr().out
+  # The summary: today's held-out runs only (47, 46 against 48, 55).
+  assert '| trec | 6 | 2 | 46.5 ± 0.5 | 51.5 ± 3.5 | -5.0 ± 4.0 |' in out
+  assert '| trec | 0.0001 (rule) | 40 | – | 0,1 | -1.0 -9.0 | ' in out
+  assert '| trec | 0.0001 (rule) | 40 | pre-split | 2,3 | +80.0 +80.0 | ' in out
+  assert ('| trec | 0.0001 (rule) | 40 | eval=validation | 0,1 | +10.0 +9.0 '
+          '| ') in out
+  # Recording keeps the file's earlier source and adds the new note.
+  multiclass_runs.record(multiclass_runs.DATA, 'two runs')
+  data = json.loads((tmp_path / 'data.json').read_text())
+  assert data['source'] == 'earlier; two runs'
+  assert len(data['runs']) == 12
+  assert sum(multiclass_runs.predates_split(r) for r in data['runs']) == 4
+
+
 def _row(task, optimizer, lr, seed, after, given=True):
   return {'task': task, 'optimizer': optimizer, 'learning_rate': lr,
           'lr_given': given, 'steps': 40, 'seed': seed,
