@@ -99,3 +99,25 @@ def round_rate(lr: float) -> float:
   """A rate to the two digits it is named by (a rate the rule gave and the
   same rate given with ``--lr`` are one rate)."""
   return float(f'{lr:.2g}')
+
+
+def sensitivity(table_rows: list[dict], optimizer: str, steps: int = 40, *,
+                split: str = VALIDATION) -> dict:
+  """What a rate off by 2x costs: per task, the mean accuracy over seeds at
+  half and at twice the fitted rate (:func:`fitted_rate`) minus that at the
+  fitted rate, ``{task: (at half, at twice)}``, in accuracy (a fraction);
+  ``None`` where that rate was not run over three or more seeds. The rates
+  are matched to within 5% (a grid doubles 5.6e-4 to 1.1e-3)."""
+  rate = fitted_rate(table_rows, optimizer, steps, split=split)
+  if rate is None:
+    return {}
+  changes = {}
+  for task, scores in seed_means(table_rows, optimizer, steps,
+                                 split=split).items():
+    at = {factor: next((scores[lr][0] for lr in scores
+                        if abs(lr / (rate * factor) - 1) < 0.05), None)
+          for factor in (0.5, 1, 2)}
+    if at[1] is not None:
+      changes[task] = tuple(None if at[f] is None else at[f] - at[1]
+                            for f in (0.5, 2))
+  return changes

@@ -57,6 +57,7 @@ from benchmarks.multiclass_fit import fitted_rate
 from benchmarks.multiclass_fit import predates_split
 from benchmarks.multiclass_fit import round_rate
 from benchmarks.multiclass_fit import seed_means
+from benchmarks.multiclass_fit import sensitivity
 from benchmarks.multiclass_fit import split_of
 from examples.finetune import api
 
@@ -354,6 +355,28 @@ def fit_report(table_rows: list[dict], steps: int = 40) -> None:
       print(f'\n{optimizer}: fitted over {tasks or "no task"}: '
             f'{"none" if rate is None else f"{rate:.2g}"}; the rule gives '
             f'{rule_rate(optimizer, steps):.2g}.')
+    _sensitivity_table(table_rows, steps, split)
+
+
+def _sensitivity_table(table_rows: list[dict], steps: int, split: str) -> None:
+  """Per optimizer and task, the points gained or lost at half and at twice
+  the fitted rate (:func:`sensitivity`)."""
+  changes = {optimizer: sensitivity(table_rows, optimizer, steps,
+                                    split=split)
+             for optimizer in ('taco', 'adamw')
+             if seed_means(table_rows, optimizer, steps, split=split)}
+  if not any(changes.values()):
+    return
+  print('\nA rate off by 2x: accuracy (points, mean over seeds) at half and '
+        'at twice the fitted rate, minus at the fitted rate:\n')
+  print('| optimizer | fitted rate | task | at ½× | at 2× |')
+  print('| --- | ---: | --- | ---: | ---: |')
+  for optimizer, per_task in changes.items():
+    rate = fitted_rate(table_rows, optimizer, steps, split=split)
+    for task, pair in sorted(per_task.items()):
+      cells = ' | '.join('–' if change is None else f'{100 * change:+.1f}'
+                         for change in pair)
+      print(f'| {optimizer} | {rate:.2g} | {task} | {cells} |')
 
 
 def main(argv=None) -> None:

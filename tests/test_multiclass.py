@@ -349,3 +349,32 @@ def test_fitted_rate_is_the_least_mean_shortfall_over_seed_means():
   assert multiclass_runs.seed_means(validation + favour, 'taco') == means
   assert multiclass_runs.fitted_rate(validation + favour, 'taco') == 3e-4
   assert multiclass_runs.fitted_rate(rows + favour, 'taco', **legacy) == 1e-3
+
+
+def test_sensitivity_is_the_change_at_half_and_twice_the_fitted_rate(
+    capsys):
+  # A grid that doubles (to within 5%): 1.5e-4, 3e-4, 6.1e-4.
+  means = {'bbc': (0.80, 0.90, 0.95), 'trec': (0.48, 0.47, 0.30)}
+  rows = [dict(_row(task, 'taco', lr, seed, mean + offset),
+               split=multiclass_runs.VALIDATION)
+          for task, task_means in means.items()
+          for lr, mean in zip((1.5e-4, 3e-4, 6.1e-4), task_means)
+          for seed, offset in enumerate((-0.01, 0.0, 0.01))]
+  # Shortfalls: 1.5e-4 (0.15 + 0) / 2, 3e-4 (0.05 + 0.01) / 2, 6.1e-4
+  # (0 + 0.18) / 2.
+  assert multiclass_runs.fitted_rate(rows, 'taco') == 3e-4
+  changes = multiclass_runs.sensitivity(rows, 'taco')
+  assert changes == {'bbc': pytest.approx((-0.10, 0.05)),
+                     'trec': pytest.approx((0.01, -0.17))}
+  # Twice the rate not run on trec over three seeds: no figure there.
+  fewer = [r for r in rows if not (r['task'] == 'trec'
+                                   and r['learning_rate'] == 6.1e-4
+                                   and r['seed'] == 2)]
+  assert multiclass_runs.sensitivity(fewer, 'taco')['trec'] == (
+      pytest.approx(0.01), None)
+  with pytest.raises(multiclass_runs.NoValidationRuns):
+    multiclass_runs.sensitivity(rows, 'adamw')
+  multiclass_runs.fit_report(rows)
+  out = capsys.readouterr().out
+  assert '| taco | 0.0003 | bbc | -10.0 | +5.0 |' in out
+  assert '| taco | 0.0003 | trec | +1.0 | -17.0 |' in out
