@@ -246,11 +246,11 @@ def _classes(task: str) -> int:
   return len(api.task(task).labels)
 
 
-def summary(data: dict, steps: int = 40) -> None:
+def summary(data: dict, steps: int = 40) -> list[str]:
   """TACO against AdamW, each at its rule's rate, per task: the seeds both
-  ran, each one's mean ± se and their paired difference."""
-  print('| task | classes | seeds | TACO | AdamW | TACO − AdamW, paired |')
-  print('| --- | ---: | ---: | ---: | ---: | ---: |')
+  ran, each one's mean ± se and their paired difference (a table's lines;
+  none where no task has two such seeds)."""
+  lines = []
   for task in sorted({key[0] for key in data}):
     taco, adamw = (data.get((task, name, round_rate(rule_rate(name, steps)),
                              steps, ''), {}) for name in ('taco', 'adamw'))
@@ -259,9 +259,13 @@ def summary(data: dict, steps: int = 40) -> None:
       continue
     cells = [mean_se([arm[s][0] for s in common]) for arm in (taco, adamw)]
     diff = mean_se([taco[s][0] - adamw[s][0] for s in common])
-    print(f'| {task} | {_classes(task)} | {len(common)} | '
-          + ' | '.join(_pm(*cell) for cell in cells)
-          + f' | {_pm(*diff, sign="+")} |')
+    lines.append(f'| {task} | {_classes(task)} | {len(common)} | '
+                 + ' | '.join(_pm(*cell) for cell in cells)
+                 + f' | {_pm(*diff, sign="+")} |')
+  if not lines:
+    return []
+  return ['| task | classes | seeds | TACO | AdamW | TACO − AdamW, paired |',
+          '| --- | ---: | ---: | ---: | ---: | ---: |', *lines]
 
 
 def report() -> None:
@@ -271,12 +275,16 @@ def report() -> None:
         f'its budget rule\'s rate: TACO {rule_rate("taco", 40):.2g}, AdamW '
         f'{rule_rate("adamw", 40):.2g}), held-out accuracy (%), mean ± '
         'standard error over seeds:\n')
-  summary(data)
+  print('\n'.join(summary(data)) or
+        'No task has two seeds of both at these rates on today\'s split yet.')
   for steps in sorted({key[3] for key in data} - {40}):
-    print(f'\nThe same at {steps} steps (TACO {rule_rate("taco", steps):.2g}, '
-          f'AdamW {rule_rate("adamw", steps):.2g} by the rule; the warm-up '
-          f'is {api.default_warmup(steps)} steps):\n')
-    summary(data, steps)
+    table = summary(data, steps)
+    if table:
+      print(f'\nThe same at {steps} steps (TACO '
+            f'{rule_rate("taco", steps):.2g}, AdamW '
+            f'{rule_rate("adamw", steps):.2g} by the rule; the warm-up is '
+            f'{api.default_warmup(steps)} steps):\n')
+      print('\n'.join(table))
   print()
   seeds_seen = sorted({s for seeds in data.values() for s in seeds})
   print('Accuracy (%) on 200 held-out examples (with `eval=validation`, on '

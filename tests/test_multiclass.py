@@ -251,8 +251,9 @@ def test_runs_recorded_before_the_split_are_in_no_summary(tmp_path,
                 for opt, lr, afters in (('taco', 1e-4, (0.60, 0.61)),
                                         ('adamw', 3e-5, (0.50, 0.52)))
                 for seed, after in enumerate(afters)]
+  longer = [dict(row, steps=160) for row in pre]
   (tmp_path / 'data.json').write_text(json.dumps(
-      {'source': 'earlier', 'runs': pre + validation}))
+      {'source': 'earlier', 'runs': pre + validation + longer}))
   for seed, (taco, adamw) in enumerate(((0.47, 0.48), (0.46, 0.55))):
     _result(tmp_path / 'runs', f't{seed}', 'taco', 1e-4, False, seed, taco)
     _result(tmp_path / 'runs', f'a{seed}', 'adamw', 3e-5, False, seed, adamw)
@@ -269,12 +270,15 @@ def test_runs_recorded_before_the_split_are_in_no_summary(tmp_path,
   assert '| trec | 0.0001 (rule) | 40 | pre-split | 2,3 | +80.0 +80.0 | ' in out
   assert ('| trec | 0.0001 (rule) | 40 | eval=validation | 0,1 | +10.0 +9.0 '
           '| ') in out
+  # Pre-split runs alone at 160 steps: no summary there, not even a heading.
+  assert 'The same at 160 steps' not in out
+  assert '| trec | taco | 0.0001 (rule) | 160 | pre-split | – | – | 90.0 |' in out
   # Recording keeps the file's earlier source and adds the new note.
   multiclass_runs.record(multiclass_runs.DATA, 'two runs')
   data = json.loads((tmp_path / 'data.json').read_text())
   assert data['source'] == 'earlier; two runs'
-  assert len(data['runs']) == 12
-  assert sum(multiclass_runs.predates_split(r) for r in data['runs']) == 4
+  assert len(data['runs']) == 16
+  assert sum(multiclass_runs.predates_split(r) for r in data['runs']) == 8
 
 
 def _row(task, optimizer, lr, seed, after, given=True):
