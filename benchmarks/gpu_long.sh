@@ -2,7 +2,7 @@
 # TACO's own long budget on one H100/H200: the fine-tuning CLI for 2,000 steps
 # with TACO and with AdamW on two tasks (tweets, trec), seed 0, each at the
 # rate the CLI's budget rule gives for 2,000 steps (--lr unset: 3e-5 for
-# TACO, 3.2e-5 for AdamW), bf16 (the CLI's --dtype auto on an accelerator),
+# TACO, 6.4e-5 for AdamW), bf16 (the CLI's --dtype auto on an accelerator),
 # the validation set scored every 250 steps and the held-out set once at the
 # end (--eval-only on the run's exported model, which gives the run's final
 # figure).
