@@ -41,11 +41,14 @@ def seed_means(table_rows: list[dict], optimizer: str, steps: int = 40,
   seeds they all ran, so that no rate gains from easier seeds; where fewer
   than ``min_seeds`` are common, each over its own. Runs that changed a
   setting are left out: the rule is for the CLI's settings; so are runs
-  scored on another set than ``split``."""
+  scored on another set than ``split``. ``TEST`` is the legacy fit, over the
+  runs recorded before validation sets existed (:func:`predates_split`):
+  held-out runs since are reported, never fitted on."""
   by_rate = {}
   for row in table_rows:
     if (row['optimizer'] == optimizer and row['steps'] == steps
-        and not row.get('settings') and split_of(row) == split):
+        and not row.get('settings') and split_of(row) == split
+        and (split != TEST or predates_split(row))):
       lr = round_rate(row['learning_rate'])
       by_rate.setdefault(row['task'], {}).setdefault(lr, {})[row['seed']] = (
           row['accuracy_after'], row['accuracy_before'])

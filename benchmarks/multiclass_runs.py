@@ -140,9 +140,10 @@ DATA = os.path.join(os.path.dirname(__file__), 'data', 'multiclass_runs.json')
 
 
 def _key(row: dict) -> tuple:
+  # A run on today's split never replaces a pre-split one: they differ.
   return (row['task'], row['optimizer'], row['learning_rate'],
           row['lr_given'], row['steps'], row['seed'], row.get('settings', ''),
-          split_of(row))
+          split_of(row), predates_split(row))
 
 
 def finished_runs(root: Optional[str] = None) -> list[dict]:
@@ -208,7 +209,7 @@ def finished(table_rows: Optional[list[dict]] = None) -> dict:
   so that neither is in the summary."""
   table = {}
   for row in rows() if table_rows is None else table_rows:
-    task, optimizer, lr, _, steps, seed, settings, split = _key(row)
+    task, optimizer, lr, _, steps, seed, settings, split, _ = _key(row)
     if split != TEST:
       settings = f'{settings} eval={split}'.strip()
     elif predates_split(row):
@@ -373,7 +374,8 @@ def _sensitivity_table(table_rows: list[dict], steps: int, split: str) -> None:
                                     split=split)
              for optimizer in ('taco', 'adamw')
              if seed_means(table_rows, optimizer, steps, split=split)}
-  if not any(changes.values()):
+  if not any(pair != (None, None) for per_task in changes.values()
+             for pair in per_task.values()):
     return
   print('\nA rate off by 2x: accuracy (points, mean over seeds) at half and '
         'at twice the fitted rate, minus at the fitted rate:\n')
@@ -382,6 +384,8 @@ def _sensitivity_table(table_rows: list[dict], steps: int, split: str) -> None:
   for optimizer, per_task in changes.items():
     rate = fitted_rate(table_rows, optimizer, steps, split=split)
     for task, pair in sorted(per_task.items()):
+      if pair == (None, None):
+        continue
       cells = ' | '.join('–' if change is None else f'{100 * change:+.1f}'
                          for change in pair)
       print(f'| {optimizer} | {rate:.2g} | {task} | {cells} |')

@@ -251,7 +251,9 @@ def test_runs_recorded_before_the_split_are_in_no_summary(tmp_path,
                 for opt, lr, afters in (('taco', 1e-4, (0.60, 0.61)),
                                         ('adamw', 3e-5, (0.50, 0.52)))
                 for seed, after in enumerate(afters)]
-  longer = [dict(row, steps=160) for row in pre]
+  # The same point as today's run t0 below, before the split: both are kept.
+  pre.append(_row('trec', 'taco', 1e-4, 0, 0.99, given=False))
+  longer = [dict(row, steps=160) for row in pre[:4]]
   (tmp_path / 'data.json').write_text(json.dumps(
       {'source': 'earlier', 'runs': pre + validation + longer}))
   for seed, (taco, adamw) in enumerate(((0.47, 0.48), (0.46, 0.55))):
@@ -259,7 +261,7 @@ def test_runs_recorded_before_the_split_are_in_no_summary(tmp_path,
     _result(tmp_path / 'runs', f'a{seed}', 'adamw', 3e-5, False, seed, adamw)
   table = multiclass_runs.finished()
   assert table[('trec', 'taco', 1e-4, 40, 'pre-split')] == {
-      2: (90.0, 20.0), 3: (92.0, 20.0)}
+      0: (99.0, 20.0), 2: (90.0, 20.0), 3: (92.0, 20.0)}
   assert table[('trec', 'taco', 1e-4, 40, '')] == {
       0: (47.0, 20.0), 1: (46.0, 20.0)}
   multiclass_runs.report()
@@ -272,13 +274,14 @@ def test_runs_recorded_before_the_split_are_in_no_summary(tmp_path,
           '| ') in out
   # Pre-split runs alone at 160 steps: no summary there, not even a heading.
   assert 'The same at 160 steps' not in out
-  assert '| trec | taco | 0.0001 (rule) | 160 | pre-split | – | – | 90.0 |' in out
+  assert ('| trec | taco | 0.0001 (rule) | 160 | pre-split | – | – | 90.0 |'
+          in out)
   # Recording keeps the file's earlier source and adds the new note.
   multiclass_runs.record(multiclass_runs.DATA, 'two runs')
   data = json.loads((tmp_path / 'data.json').read_text())
   assert data['source'] == 'earlier; two runs'
-  assert len(data['runs']) == 16
-  assert sum(multiclass_runs.predates_split(r) for r in data['runs']) == 8
+  assert len(data['runs']) == 17
+  assert sum(multiclass_runs.predates_split(r) for r in data['runs']) == 9
 
 
 def _row(task, optimizer, lr, seed, after, given=True):
@@ -338,6 +341,9 @@ def test_fitted_rate_is_the_least_mean_shortfall_over_seed_means():
   assert set(means['trec']) == {1e-4, 3e-4, 1e-3}
   assert multiclass_runs.fitted_rate(rows, 'taco', **legacy) == 3e-4
   assert multiclass_runs.fitted_rate(rows, 'adamw', **legacy) is None
+  # Held-out runs on today's split are reported, never fitted on.
+  assert multiclass_runs.seed_means([dict(r, split=multiclass_runs.TEST)
+                                     for r in rows], 'taco', **legacy) == {}
   # Runs that changed a setting are not the CLI's: the fit leaves them out.
   varied = [dict(_row('trec', 'taco', 1e-3, s, 0.99), settings='mu=0.9')
             for s in (0, 1, 2)]
