@@ -10,6 +10,7 @@ existed. :mod:`benchmarks.multiclass_runs` runs, records and tabulates.
 from typing import Optional
 
 from benchmarks import lr_sweep
+from examples.finetune import api
 
 # The sets a run is scored on (``--eval-split``).
 TEST, VALIDATION = 'test', 'validation'
@@ -98,6 +99,11 @@ def fitted_rate(table_rows: list[dict], optimizer: str, steps: int = 40, *,
       list(seed_means(table_rows, optimizer, steps, split=split).values()))
 
 
+def rule_rate(optimizer: str, steps: int) -> float:
+  """The CLI's budget-rule rate for ``optimizer`` at ``steps``."""
+  return api.optimizer(optimizer).default_rate(steps).lr
+
+
 def round_rate(lr: float) -> float:
   """A rate to the two digits it is named by (a rate the rule gave and the
   same rate given with ``--lr`` are one rate)."""
@@ -105,13 +111,16 @@ def round_rate(lr: float) -> float:
 
 
 def sensitivity(table_rows: list[dict], optimizer: str, steps: int = 40, *,
-                split: str = VALIDATION) -> dict:
+                split: str = VALIDATION,
+                rate: Optional[float] = None) -> dict:
   """What a rate off by 2x costs: per task, the mean accuracy over seeds at
   half and at twice the fitted rate (:func:`fitted_rate`) minus that at the
   fitted rate, ``{task: (at half, at twice)}``, in accuracy (a fraction);
   ``None`` where that rate was not run over three or more seeds. The rates
-  are matched to within 5% (a grid doubles 5.6e-4 to 1.1e-3)."""
-  rate = fitted_rate(table_rows, optimizer, steps, split=split)
+  are matched to within 5% (a grid doubles 5.6e-4 to 1.1e-3). ``rate``:
+  the fitted rate when the caller has it already."""
+  if rate is None:
+    rate = fitted_rate(table_rows, optimizer, steps, split=split)
   if rate is None:
     return {}
   changes = {}
@@ -124,3 +133,69 @@ def sensitivity(table_rows: list[dict], optimizer: str, steps: int = 40, *,
       changes[task] = tuple(None if at[f] is None else at[f] - at[1]
                             for f in (0.5, 2))
   return changes
+
+
+def fit_report(table_rows: list[dict], steps: int = 40) -> None:
+  """Per set scored, optimizer and task, the mean accuracy over seeds at
+  each rate run with three or more seeds, and the rate fitted over the
+  tasks: on the validation sets, and the legacy fit on the held-out sets."""
+  for split, name in ((VALIDATION, 'the validation sets (what a rate is '
+                       'chosen on)'),
+                      (TEST, 'the held-out sets that are reported (the '
+                       'legacy fit: a rate chosen on the data it is scored '
+                       'on)')):
+    if not any(seed_means(table_rows, optimizer, steps, split=split)
+               for optimizer in ('taco', 'adamw')):
+      print(f'\nOn {name}: no runs over three or more seeds at {steps} '
+            'steps yet (`--eval-split validation`), so no fitted rate.')
+      continue
+    print(f'\nOn {name}: mean accuracy (%) over three or more seeds at '
+          f'{steps} steps (per task over the seeds all its rates ran), and '
+          'the rate that falls least short of each task\'s best on average, '
+          'among the rates run on every task (`fitted_rate`):\n')
+    print('| optimizer | task | mean at each rate | best |')
+    print('| --- | --- | --- | ---: |')
+    for optimizer in ('taco', 'adamw'):
+      means = seed_means(table_rows, optimizer, steps, split=split)
+      for task, scores in sorted(means.items()):
+        cells = ', '.join(f'{lr:.2g}: {100 * a:.1f}'
+                          for lr, (a, _) in sorted(scores.items()))
+        best = max(scores, key=lambda lr: scores[lr][0])
+        print(f'| {optimizer} | {task} | {cells} | {best:.2g} |')
+    for optimizer in ('taco', 'adamw'):
+      tasks = ', '.join(sorted(seed_means(table_rows, optimizer, steps,
+                                          split=split)))
+      try:
+        rate = fitted_rate(table_rows, optimizer, steps, split=split)
+      except NoValidationRuns:
+        print(f'\n{optimizer}: no validation runs at {steps} steps.')
+        continue
+      print(f'\n{optimizer}: fitted over {tasks or "no task"}: '
+            f'{"none" if rate is None else f"{rate:.2g}"}; the rule gives '
+            f'{rule_rate(optimizer, steps):.2g}.')
+    _sensitivity_table(table_rows, steps, split)
+
+
+def _sensitivity_table(table_rows: list[dict], steps: int, split: str) -> None:
+  """Per optimizer and task, the points gained or lost at half and at twice
+  the fitted rate (:func:`sensitivity`)."""
+  rates = {optimizer: fitted_rate(table_rows, optimizer, steps, split=split)
+           for optimizer in ('taco', 'adamw')
+           if seed_means(table_rows, optimizer, steps, split=split)}
+  changes = {optimizer: sensitivity(table_rows, optimizer, steps,
+                                    split=split, rate=rate)
+             for optimizer, rate in rates.items()}
+  if not any(pair != (None, None) for per_task in changes.values()
+             for pair in per_task.values()):
+    return
+  print('\nA rate off by 2x: accuracy (points, mean over seeds) at half and '
+        'at twice the fitted rate, minus at the fitted rate:\n')
+  print('| optimizer | fitted rate | task | at ½× | at 2× |')
+  print('| --- | ---: | --- | ---: | ---: |')
+  for optimizer, per_task in changes.items():
+    for task, pair in sorted(per_task.items()):
+      if pair == (None, None):
+        continue
+      cells = ' | '.join('–' if change is None else f'{100 * change:+.1f}'
+                         for change in pair)
+      print(f'| {optimizer} | {rates[optimizer]:.2g} | {task} | {cells} |')

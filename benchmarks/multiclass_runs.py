@@ -10,6 +10,9 @@ that is reported). The grid is the product of the flags; ``rule`` as a rate
 is the CLI's own budget rule (the rate it picked is read back from
 results.json).
 
+``--eval-every N`` scores a run every N steps as well (a long run's curve,
+in its results.json); it changes no training, so no point's name.
+
 ``--settings`` adds variants of TACO's or the schedule's settings (``k``,
 ``mu``, ``warmup``: ``--taco-k``, ``--taco-mu``, ``--warmup-steps``); their
 runs are shown apart and left out of the rule's fit.
@@ -33,6 +36,8 @@ validation runs are listed with ``eval=validation`` in the settings column).
         --steps 160 --settings 'mu=0.9,warmup=0'
     python -m benchmarks.multiclass_runs --tasks tweets,bbc,trec \
         --optimizers taco --lrs 1e-4,3e-4,1e-3 --eval-split validation
+    python -m benchmarks.multiclass_runs --tasks trec --steps 500 \\
+        --seeds 0 --eval-every 100
     python -m benchmarks.multiclass_runs --table
     python -m benchmarks.multiclass_runs --write docs/measured/multiclass.md
     python -m benchmarks.multiclass_runs --record \\
@@ -52,12 +57,10 @@ from benchmarks import lr_sweep
 from benchmarks import provenance
 from benchmarks.multiclass_fit import TEST
 from benchmarks.multiclass_fit import VALIDATION
-from benchmarks.multiclass_fit import NoValidationRuns
-from benchmarks.multiclass_fit import fitted_rate
+from benchmarks.multiclass_fit import fit_report
 from benchmarks.multiclass_fit import predates_split
 from benchmarks.multiclass_fit import round_rate
-from benchmarks.multiclass_fit import seed_means
-from benchmarks.multiclass_fit import sensitivity
+from benchmarks.multiclass_fit import rule_rate
 from benchmarks.multiclass_fit import split_of
 from examples.finetune import api
 
@@ -74,6 +77,9 @@ class Point:
   seed: int
   settings: str = ''  # e.g. 'k=32 mu=0.9' (see SETTINGS); '': the CLI's
   split: str = TEST  # the set scored: TEST (held out) or VALIDATION
+  # Scored every N steps on the same set as well (a curve; 0: at the end
+  # only). It changes no training, so no folder name either.
+  eval_every: int = 0
 
   @property
   def directory(self) -> str:
@@ -93,6 +99,8 @@ class Point:
              '--steps', str(self.steps), '--seed', str(self.seed)]
     if self.split != TEST:
       flags += ['--eval-split', self.split]
+    if self.eval_every:
+      flags += ['--eval-every', str(self.eval_every)]
     for setting in self.settings.split():
       name, value = setting.split('=')
       flags += [SETTINGS[name][0], value]
@@ -114,11 +122,6 @@ def settings_of(config: dict) -> str:
                   if config.get(field, default) != default)
 
 
-def rule_rate(optimizer: str, steps: int) -> float:
-  """The CLI's budget-rule rate for ``optimizer`` at ``steps``."""
-  return api.optimizer(optimizer).default_rate(steps).lr
-
-
 def grid(args) -> list[Point]:
   rates = [None if r == 'rule' else float(r) for r in args.lrs.split(',')]
   variants = [] if args.settings == 'default' else args.settings.split(',')
@@ -129,7 +132,7 @@ def grid(args) -> list[Point]:
         raise SystemExit(f'--settings: {setting!r} is not NAME=VALUE with '
                          f'NAME one of {", ".join(SETTINGS)}')
   return [Point(task, optimizer, lr, int(steps), int(seed), variant,
-                args.eval_split)
+                args.eval_split, args.eval_every)
           for task, steps, seed, optimizer, lr, variant in itertools.product(
               args.tasks.split(','), args.steps.split(','),
               args.seeds.split(','), args.optimizers.split(','), rates,
@@ -326,71 +329,6 @@ def report() -> None:
     fit_report(rows(), steps)
 
 
-def fit_report(table_rows: list[dict], steps: int = 40) -> None:
-  """Per set scored, optimizer and task, the mean accuracy over seeds at
-  each rate run with three or more seeds, and the rate fitted over the
-  tasks: on the validation sets, and the legacy fit on the held-out sets."""
-  for split, name in ((VALIDATION, 'the validation sets (what a rate is '
-                       'chosen on)'),
-                      (TEST, 'the held-out sets that are reported (the '
-                       'legacy fit: a rate chosen on the data it is scored '
-                       'on)')):
-    if not any(seed_means(table_rows, optimizer, steps, split=split)
-               for optimizer in ('taco', 'adamw')):
-      print(f'\nOn {name}: no runs over three or more seeds at {steps} '
-            'steps yet (`--eval-split validation`), so no fitted rate.')
-      continue
-    print(f'\nOn {name}: mean accuracy (%) over three or more seeds at '
-          f'{steps} steps (per task over the seeds all its rates ran), and '
-          'the rate that falls least short of each task\'s best on average, '
-          'among the rates run on every task (`fitted_rate`):\n')
-    print('| optimizer | task | mean at each rate | best |')
-    print('| --- | --- | --- | ---: |')
-    for optimizer in ('taco', 'adamw'):
-      means = seed_means(table_rows, optimizer, steps, split=split)
-      for task, scores in sorted(means.items()):
-        cells = ', '.join(f'{lr:.2g}: {100 * a:.1f}'
-                          for lr, (a, _) in sorted(scores.items()))
-        best = max(scores, key=lambda lr: scores[lr][0])
-        print(f'| {optimizer} | {task} | {cells} | {best:.2g} |')
-    for optimizer in ('taco', 'adamw'):
-      tasks = ', '.join(sorted(seed_means(table_rows, optimizer, steps,
-                                          split=split)))
-      try:
-        rate = fitted_rate(table_rows, optimizer, steps, split=split)
-      except NoValidationRuns:
-        print(f'\n{optimizer}: no validation runs at {steps} steps.')
-        continue
-      print(f'\n{optimizer}: fitted over {tasks or "no task"}: '
-            f'{"none" if rate is None else f"{rate:.2g}"}; the rule gives '
-            f'{rule_rate(optimizer, steps):.2g}.')
-    _sensitivity_table(table_rows, steps, split)
-
-
-def _sensitivity_table(table_rows: list[dict], steps: int, split: str) -> None:
-  """Per optimizer and task, the points gained or lost at half and at twice
-  the fitted rate (:func:`sensitivity`)."""
-  changes = {optimizer: sensitivity(table_rows, optimizer, steps,
-                                    split=split)
-             for optimizer in ('taco', 'adamw')
-             if seed_means(table_rows, optimizer, steps, split=split)}
-  if not any(pair != (None, None) for per_task in changes.values()
-             for pair in per_task.values()):
-    return
-  print('\nA rate off by 2x: accuracy (points, mean over seeds) at half and '
-        'at twice the fitted rate, minus at the fitted rate:\n')
-  print('| optimizer | fitted rate | task | at ½× | at 2× |')
-  print('| --- | ---: | --- | ---: | ---: |')
-  for optimizer, per_task in changes.items():
-    rate = fitted_rate(table_rows, optimizer, steps, split=split)
-    for task, pair in sorted(per_task.items()):
-      if pair == (None, None):
-        continue
-      cells = ' | '.join('–' if change is None else f'{100 * change:+.1f}'
-                         for change in pair)
-      print(f'| {optimizer} | {rate:.2g} | {task} | {cells} |')
-
-
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
   parser.add_argument('--tasks', default='trec,bbc')
@@ -408,6 +346,9 @@ def main(argv=None) -> None:
                       help='the set each run is scored on: the held-out set '
                       '(test) or the validation set that rates are chosen '
                       'on')
+  parser.add_argument('--eval-every', type=int, default=0,
+                      help='score every N steps as well (the run\'s curve '
+                      'in its results.json; 0: at the end only)')
   parser.add_argument('--with-default', action='store_true',
                       help='with --settings: run the CLI\'s settings too')
   parser.add_argument('--deadline', type=float, default=None,

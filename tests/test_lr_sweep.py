@@ -5,6 +5,7 @@ import math
 import pytest
 
 from benchmarks import lr_sweep
+from benchmarks import multiclass_fit
 
 
 def _scores(*pairs):
@@ -55,14 +56,14 @@ RULE_FITTED_ON = 'validation'
 def test_the_rule_is_fitted_on_validation_runs_once_they_exist():
   from benchmarks import multiclass_runs  # pylint: disable=g-import-not-at-top
   seed_runs = multiclass_runs.recorded()
-  validated = {name: set(multiclass_runs.seed_means(
-      seed_runs, name, split=multiclass_runs.VALIDATION))
+  validated = {name: set(multiclass_fit.seed_means(
+      seed_runs, name, split=multiclass_fit.VALIDATION))
                for name in ('taco', 'adamw')}
   if all(tasks >= {'tweets', 'bbc', 'trec'} for tasks in validated.values()):
-    assert RULE_FITTED_ON == multiclass_runs.VALIDATION, (
+    assert RULE_FITTED_ON == multiclass_fit.VALIDATION, (
         'validation runs of every task are recorded: refit the rule on them')
   else:
-    assert RULE_FITTED_ON == multiclass_runs.TEST, (
+    assert RULE_FITTED_ON == multiclass_fit.TEST, (
         f'the rule cannot be fitted on validation runs of {validated} alone')
 
 
@@ -85,9 +86,9 @@ def test_the_budget_rules_constants_are_the_recorded_runs_fit():
   for name, rule in (('taco', optimizers.TACO_RULE),
                      ('adamw', optimizers.ADAMW_RULE)):
     # Fitted on all three tasks, not on fewer.
-    assert set(multiclass_runs.seed_means(seed_runs, name, **split)) == {
+    assert set(multiclass_fit.seed_means(seed_runs, name, **split)) == {
         'tweets', 'bbc', 'trec'}, name
-    reference = multiclass_runs.fitted_rate(seed_runs, name, **split)
+    reference = multiclass_fit.fitted_rate(seed_runs, name, **split)
     assert rule.reference == pytest.approx(reference, rel=0.02), name
     short = sweep[name]['rates'][(10, 4)]
     # The rule writes the exponent to two decimals.
@@ -101,10 +102,10 @@ def test_the_budget_rules_constants_are_the_recorded_runs_fit():
     # Past 40 steps the rule passes through the rate fitted at every longer
     # budget where two or more rates ran on all three tasks, and only there.
     longer = sorted({row['steps'] for row in seed_runs} - {40})
-    fitted = {steps: multiclass_runs.fitted_rate(seed_runs, name, steps,
+    fitted = {steps: multiclass_fit.fitted_rate(seed_runs, name, steps,
                                                  **split)
               for steps in longer if _rates_on_every_task(
-                  multiclass_runs.seed_means(seed_runs, name, steps,
+                  multiclass_fit.seed_means(seed_runs, name, steps,
                                              **split)) > 1}
     assert dict(rule.measured) == pytest.approx(fitted, rel=0.02), name
     for steps, rate in fitted.items():

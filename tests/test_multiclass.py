@@ -6,6 +6,7 @@ import os
 import pytest
 
 from benchmarks import lr_sweep
+from benchmarks import multiclass_fit
 from benchmarks import multiclass_runs
 from examples.finetune import corpora
 from examples.finetune import flags
@@ -158,7 +159,8 @@ def test_table_gives_means_errors_and_paired_differences(tmp_path,
 def test_grid_is_the_product_of_the_flags():
   args = multiclass_runs.argparse.Namespace(
       tasks='trec,bbc', optimizers='taco', lrs='rule,2e-4', steps='40',
-      seeds='0,1', settings='default', with_default=False, eval_split='test')
+      seeds='0,1', settings='default', with_default=False, eval_split='test',
+      eval_every=0)
   points = multiclass_runs.grid(args)
   assert len(points) == 8
   assert points[0] == multiclass_runs.Point('trec', 'taco', None, 40, 0)
@@ -179,12 +181,19 @@ def test_grid_is_the_product_of_the_flags():
   assert point.directory.endswith(
       f'trec-taco-lrrule{rate:g}-steps40-seed0-validation')
   assert point.flags()[-2:] == ['--eval-split', 'validation']
+  # A curve (a long run scored as it goes) changes no training: same folder.
+  args.eval_every = 100
+  curve = multiclass_runs.grid(args)[0]
+  assert curve.directory == point.directory
+  assert curve.flags()[-4:] == ['--eval-split', 'validation', '--eval-every',
+                                '100']
 
 
 def test_settings_name_the_point_and_its_flags_and_are_read_back(tmp_path):
   args = multiclass_runs.argparse.Namespace(
       tasks='tweets', optimizers='taco', lrs='1e-4', steps='160', seeds='0',
-      settings='mu=0.9,k=32 warmup=0', with_default=True, eval_split='test')
+      settings='mu=0.9,k=32 warmup=0', with_default=True, eval_split='test',
+      eval_every=0)
   points = multiclass_runs.grid(args)
   assert [p.settings for p in points] == ['', 'mu=0.9', 'k=32 warmup=0']
   assert points[2].directory.endswith(
@@ -281,7 +290,7 @@ def test_runs_recorded_before_the_split_are_in_no_summary(tmp_path,
   data = json.loads((tmp_path / 'data.json').read_text())
   assert data['source'] == 'earlier; two runs'
   assert len(data['runs']) == 17
-  assert sum(multiclass_runs.predates_split(r) for r in data['runs']) == 9
+  assert sum(multiclass_fit.predates_split(r) for r in data['runs']) == 9
 
 
 def _row(task, optimizer, lr, seed, after, given=True):
@@ -329,36 +338,36 @@ def test_fitted_rate_is_the_least_mean_shortfall_over_seed_means():
   # These rows were scored on the held-out set: only the legacy fit takes
   # them; the fit a rate is chosen by refuses to run without validation runs.
   legacy = {'split': multiclass_runs.TEST}
-  with pytest.raises(multiclass_runs.NoValidationRuns, match='no validation'):
-    multiclass_runs.fitted_rate(rows, 'taco')
-  assert multiclass_runs.seed_means(rows, 'taco') == {}
-  means = multiclass_runs.seed_means(rows, 'taco', **legacy)
+  with pytest.raises(multiclass_fit.NoValidationRuns, match='no validation'):
+    multiclass_fit.fitted_rate(rows, 'taco')
+  assert multiclass_fit.seed_means(rows, 'taco') == {}
+  means = multiclass_fit.seed_means(rows, 'taco', **legacy)
   assert means['bbc'][3e-4][0] == pytest.approx(0.90)
   # More seeds at one rate: the rates are compared on the seeds all ran.
   extra = [_row('trec', 'taco', 1e-4, seed, 0.10) for seed in (3, 4, 5)]
-  assert multiclass_runs.seed_means(rows + extra, 'taco', **legacy)['trec'][
+  assert multiclass_fit.seed_means(rows + extra, 'taco', **legacy)['trec'][
       1e-4][0] == pytest.approx(0.48)
   assert set(means['trec']) == {1e-4, 3e-4, 1e-3}
-  assert multiclass_runs.fitted_rate(rows, 'taco', **legacy) == 3e-4
-  assert multiclass_runs.fitted_rate(rows, 'adamw', **legacy) is None
+  assert multiclass_fit.fitted_rate(rows, 'taco', **legacy) == 3e-4
+  assert multiclass_fit.fitted_rate(rows, 'adamw', **legacy) is None
   # Held-out runs on today's split are reported, never fitted on.
-  assert multiclass_runs.seed_means([dict(r, split=multiclass_runs.TEST)
+  assert multiclass_fit.seed_means([dict(r, split=multiclass_runs.TEST)
                                      for r in rows], 'taco', **legacy) == {}
   # Runs that changed a setting are not the CLI's: the fit leaves them out.
   varied = [dict(_row('trec', 'taco', 1e-3, s, 0.99), settings='mu=0.9')
             for s in (0, 1, 2)]
-  assert multiclass_runs.seed_means(rows + varied, 'taco', **legacy) == means
+  assert multiclass_fit.seed_means(rows + varied, 'taco', **legacy) == means
   # On one task alone, its best rate.
-  assert multiclass_runs.fitted_rate(
+  assert multiclass_fit.fitted_rate(
       [r for r in rows if r['task'] == 'trec'], 'taco', **legacy) == 1e-4
   # The same runs scored on validation sets: the validation fit takes them
   # and nothing else (held-out runs that favour 1e-3 do not move it).
   validation = [dict(r, split=multiclass_runs.VALIDATION) for r in rows]
   favour = [_row(task, 'taco', 1e-3, s, 0.99) for task in ('bbc', 'trec')
             for s in (0, 1, 2)]
-  assert multiclass_runs.seed_means(validation + favour, 'taco') == means
-  assert multiclass_runs.fitted_rate(validation + favour, 'taco') == 3e-4
-  assert multiclass_runs.fitted_rate(rows + favour, 'taco', **legacy) == 1e-3
+  assert multiclass_fit.seed_means(validation + favour, 'taco') == means
+  assert multiclass_fit.fitted_rate(validation + favour, 'taco') == 3e-4
+  assert multiclass_fit.fitted_rate(rows + favour, 'taco', **legacy) == 1e-3
 
 
 def test_sensitivity_is_the_change_at_half_and_twice_the_fitted_rate(
@@ -372,19 +381,19 @@ def test_sensitivity_is_the_change_at_half_and_twice_the_fitted_rate(
           for seed, offset in enumerate((-0.01, 0.0, 0.01))]
   # Shortfalls: 1.5e-4 (0.15 + 0) / 2, 3e-4 (0.05 + 0.01) / 2, 6.1e-4
   # (0 + 0.18) / 2.
-  assert multiclass_runs.fitted_rate(rows, 'taco') == 3e-4
-  changes = multiclass_runs.sensitivity(rows, 'taco')
+  assert multiclass_fit.fitted_rate(rows, 'taco') == 3e-4
+  changes = multiclass_fit.sensitivity(rows, 'taco')
   assert changes == {'bbc': pytest.approx((-0.10, 0.05)),
                      'trec': pytest.approx((0.01, -0.17))}
   # Twice the rate not run on trec over three seeds: no figure there.
   fewer = [r for r in rows if not (r['task'] == 'trec'
                                    and r['learning_rate'] == 6.1e-4
                                    and r['seed'] == 2)]
-  assert multiclass_runs.sensitivity(fewer, 'taco')['trec'] == (
+  assert multiclass_fit.sensitivity(fewer, 'taco')['trec'] == (
       pytest.approx(0.01), None)
-  with pytest.raises(multiclass_runs.NoValidationRuns):
-    multiclass_runs.sensitivity(rows, 'adamw')
-  multiclass_runs.fit_report(rows)
+  with pytest.raises(multiclass_fit.NoValidationRuns):
+    multiclass_fit.sensitivity(rows, 'adamw')
+  multiclass_fit.fit_report(rows)
   out = capsys.readouterr().out
   assert '| taco | 0.0003 | bbc | -10.0 | +5.0 |' in out
   assert '| taco | 0.0003 | trec | +1.0 | -17.0 |' in out
