@@ -160,7 +160,13 @@ def function_of(eqns: Sequence[Any], invars: Sequence[Any],
   jaxpr's equations, in order, with every operand among ``invars`` or an
   earlier equation's results) run as a function, as ``jax.core.eval_jaxpr``
   runs a jaxpr."""
-  jaxpr = jex_core.Jaxpr((), list(invars), list(outvars), list(eqns))
+  # A Jaxpr built without a DebugInfo is deprecated (jax-ml/jax#26480).
+  debug = jex_core.DebugInfo(
+      'taco_optax', 'a slice of a traced loss',
+      tuple(f'in{i}' for i in range(len(invars))),
+      tuple(f'out{i}' for i in range(len(outvars))))
+  jaxpr = jex_core.Jaxpr((), list(invars), list(outvars), list(eqns),
+                         debug_info=debug)
   return jex_core.jaxpr_as_fun(jex_core.ClosedJaxpr(jaxpr, ()))
 
 
