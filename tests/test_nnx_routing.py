@@ -221,7 +221,7 @@ def test_linear_general_lora_and_stacked_layers():
                                        batch_axis={0: 6}, rngs=rngs)
       self.lora = nnx.LoRALinear(3, 5, lora_rank=2, rngs=rngs)
       self.stacked = nnx.vmap(lambda r: nnx.Linear(3, 7, rngs=r))(
-          nnx.Rngs(0).fork(split=4))
+          nnx.Rngs(0).split(4))
       self.embed = nnx.Embed(11, 3, rngs=rngs)
 
   model = Net(nnx.Rngs(0))
