@@ -13,12 +13,15 @@ full jitted train step (params and state donated) as the example runs it:
 * ``adamw``, ``adafactor``, ``lion``, ``muon``: the same plain step with the
   example's registry of optimizers (``examples/finetune/optimizers.py``).
 
-Every path is compiled first (its compile seconds reported) and run
-``--warmup`` steps; then ``--rounds`` rounds time ``--steps`` steps of each
-path in turn, and the table gives the median (and fastest) step, so a slow
-spell of a shared machine falls on every path alike. One table per (dtype,
-batch); the last line is ``taco_layerwise_over_adamw=<tokens/s ratio> ...``
-with one key per optimizer, for the last (dtype, batch) measured. Below each
+Every path is compiled first (its compile seconds reported: with
+``--compiles N``, the median of N compiles of every path in turn, each from
+cleared caches, since one compile on a shared machine can be a quarter off)
+and run ``--warmup`` steps; then ``--rounds`` rounds time ``--steps`` steps
+of each path in turn, and the table gives the median (and fastest) step,
+so a slow spell of a shared machine falls on every path alike. One table
+per (dtype, batch); the last line is
+``taco_layerwise_over_adamw=<tokens/s ratio> ...`` with one key per
+optimizer, for the last (dtype, batch) measured. Below each
 table, each path's program: lowering seconds, the StableHLO operations XLA
 gets, the optimised HLO's instructions and computations, and XLA's
 milliseconds per thousand of them (where compile time goes).
@@ -29,7 +32,7 @@ compiles one layer's backward and updates, not one per layer).
 
   python -m benchmarks.train_step [--dtypes float32,bfloat16]
       [--batches 4,16] [--seq 64] [--layers N] [--scan-layers]
-      [--steps 2] [--rounds 3]
+      [--steps 2] [--rounds 3] [--compiles 1]
       [--optimizers taco_layerwise,taco_plain_loss,taco_optax,adamw,adafactor,
                     lion,muon]
       [--write docs/measured/train_step.md]
@@ -115,14 +118,25 @@ def program_size(lowered, compiled):
   }
 
 
-def time_paths(paths, decoder, config, batch, warmup, steps, rounds):
+def time_paths(paths, decoder, config, batch, warmup, steps, rounds,
+               compiles=1):
   """``{path: {'compile_s', 'step_s', 'min_step_s', 'tokens_per_s'}}``.
 
-  Every path is compiled first; then ``rounds`` rounds run ``steps`` timed
-  steps of each path in turn, so that a machine's slow spell falls on every
-  path alike. ``step_s`` is the median over all timed steps.
+  Every path is compiled first, ``compiles`` times in turn from cleared
+  caches (``compile_s`` and ``lower_s`` are the medians, ``compile_runs``
+  every compile's seconds); then ``rounds`` rounds run ``steps`` timed steps
+  of each path in turn, so that a machine's slow spell falls on every path
+  alike. ``step_s`` is the median over all timed steps.
   """
-  compiled = {path: _Path(path, decoder, config, batch) for path in paths}
+  compiled, compile_s, lower_s = {}, {}, {}
+  for _ in range(compiles):
+    for path in paths:
+      # Nothing traced, lowered or compiled before is reused.
+      compiled.pop(path, None)
+      jax.clear_caches()
+      compiled[path] = _Path(path, decoder, config, batch)
+      compile_s.setdefault(path, []).append(compiled[path].compile_s)
+      lower_s.setdefault(path, []).append(compiled[path].lower_s)
   for path in compiled.values():
     path.run(batch, warmup, timed=False)
   for _ in range(rounds):
@@ -132,8 +146,10 @@ def time_paths(paths, decoder, config, batch, warmup, steps, rounds):
   results = {}
   for name, path in compiled.items():
     step_s = statistics.median(path.step_s)
-    results[name] = {'compile_s': path.compile_s, 'lower_s': path.lower_s,
-                     **path.program, 'step_s': step_s,
+    results[name] = {'compile_s': statistics.median(compile_s[name]),
+                     'lower_s': statistics.median(lower_s[name]),
+                     'compile_runs': compile_s[name], **path.program,
+                     'step_s': step_s,
                      'min_step_s': min(path.step_s),
                      'tokens_per_s': tokens / step_s, 'loss': path.loss}
   return results
@@ -160,6 +176,9 @@ def main(argv=None):
                       help='timed steps per path and round (>= 1)')
   parser.add_argument('--rounds', type=int, default=3,
                       help='rounds of every path in turn (>= 1)')
+  parser.add_argument('--compiles', type=int, default=1,
+                      help='compiles of every path in turn, from cleared '
+                      'caches (>= 1); the table gives the median')
   parser.add_argument('--optimizers', default=','.join(PATHS))
   parser.add_argument('--write', metavar='PATH', default=None,
                       help='also write the output, with its provenance, as '
@@ -169,8 +188,8 @@ def main(argv=None):
   unknown = sorted(set(paths) - set(PATHS))
   if unknown:
     parser.error(f'unknown optimizers {unknown}; known: {", ".join(PATHS)}')
-  if args.steps < 1 or args.rounds < 1:
-    parser.error('--steps and --rounds must be >= 1')
+  if args.steps < 1 or args.rounds < 1 or args.compiles < 1:
+    parser.error('--steps, --rounds and --compiles must be >= 1')
   text = provenance.captured(lambda: _tables(args, paths))
   if args.write:
     command = ' '.join(['python -m benchmarks.train_step']
@@ -197,7 +216,8 @@ def _tables(args, paths):
   print(f'SmolLM2-135M shapes, layers={args.layers or 30} ({layout}), '
         f'seq={args.seq}, remat per block, backend='
         f'{jax.default_backend()}; median of {args.rounds} rounds x '
-        f'{args.steps} steps, paths in turn')
+        f'{args.steps} steps, paths in turn; compile s: median of '
+        f'{args.compiles} compile(s) per path, in turn')
   results = {}
   for dtype_name in args.dtypes.split(','):
     config, decoder = _decoder(jnp.dtype(dtype_name), args.layers,
@@ -205,7 +225,7 @@ def _tables(args, paths):
     for batch_size in (int(b) for b in args.batches.split(',')):
       batch = _batch(config, batch_size, args.seq)
       results = time_paths(paths, decoder, config, batch, args.warmup,
-                           args.steps, args.rounds)
+                           args.steps, args.rounds, args.compiles)
       print(f'\n{dtype_name}, batch {batch_size} x {args.seq}')
       print(f'{"optimizer":<16}{"tokens/s":>10}{"step ms":>10}'
             f'{"min ms":>9}{"compile s":>11}')
@@ -214,6 +234,10 @@ def _tables(args, paths):
               f'{1e3 * r["step_s"]:>10.1f}{1e3 * r["min_step_s"]:>9.1f}'
               f'{r["compile_s"]:>11.1f}', flush=True)
       _program_table(results)
+      if args.compiles > 1:
+        for path, r in results.items():
+          print(f'{path:<16}compiles s: '
+                + ', '.join(f'{c:.1f}' for c in r['compile_runs']))
   if 'adamw' in results:
     adamw = results['adamw']
     print(' '.join(

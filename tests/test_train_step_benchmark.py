@@ -14,7 +14,7 @@ def test_last_line_has_one_ratio_per_optimizer(capfd, tmp_path, scan_layers):
   train_step.main((['--scan-layers'] if scan_layers else []) + [
                    '--layers', '2', '--dtypes', 'float32', '--batches', '1',
                    '--seq', '8', '--warmup', '0', '--steps', '1',
-                   '--rounds', '2',
+                   '--rounds', '2', '--compiles', '1' if scan_layers else '2',
                    '--optimizers',
                    'taco_layerwise,taco_plain_loss,taco_optax,adamw',
                    '--write', str(written)])
@@ -46,3 +46,17 @@ def test_last_line_has_one_ratio_per_optimizer(capfd, tmp_path, scan_layers):
   for _, _, ops, instructions, computations, _ in programs:
     assert min(int(c.replace(',', '')) for c in
                (ops, instructions, computations)) > 0
+  # With --compiles 2 every path is compiled twice (the table's compile s
+  # is their median, the mean of two) and each compile is listed.
+  compiles = dict(re.findall(r'\n(\w+) +compiles s: ([\d., ]+)(?=\n)',
+                             text))
+  if scan_layers:
+    assert not compiles
+    return
+  assert set(compiles) == {p[0] for p in programs}
+  table = dict(re.findall(
+      r'\n(\w+) +[\d.]+ +[\d.]+ +[\d.]+ +([\d.]+)(?=\n)', text))
+  for path, seconds in compiles.items():
+    runs = [float(c) for c in seconds.split(', ')]
+    assert len(runs) == 2 and min(runs) > 0
+    assert float(table[path]) == pytest.approx(sum(runs) / 2, abs=0.11)
