@@ -9,7 +9,10 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+import optax
 import pytest
+
+from taco_optax._src.transform import rounding as _rounding
 
 from taco_optax._src.kernels import cpu_kernel as _cpu_kernel
 from taco_optax._src.kernels import dispatch as _kernels
@@ -319,6 +322,92 @@ def test_winner_write_equals_scatter_bitwise(column_axis, r, finite):
     assert int(jnp.sum(written != weight)) > 0
 
 
+def _optax_path_bf16(weight, winners, delta, finite, column_axis, key):
+  """The optax path's write of a bfloat16 weight: a dense update, zero but
+  at the winners, rounded by transform.rounded_leaf_update (stochastically
+  with a key, else cast to bfloat16) and added by optax.apply_updates."""
+  rows_shape = weight.shape if column_axis == 0 else weight.T.shape
+  row_ids = jnp.arange(rows_shape[0])[:, None]
+  dense = jnp.zeros(rows_shape, jnp.float32).at[row_ids, winners].set(delta)
+  dense = dense if column_axis == 0 else dense.T
+  dense = jnp.where(finite, dense, jnp.nan)
+  update = (dense.astype(weight.dtype) if key is None else
+            _rounding.rounded_leaf_update(weight, dense, key))
+  return optax.apply_updates(weight, update)
+
+
+def _bf16_edge_weights(key, shape):
+  """bfloat16 weights from 1e-38 to 3e38, zeros of both signs, infinities,
+  a NaN, and values a step of 1e-3 takes across zero."""
+  keys = jax.random.split(key, 3)
+  weight = (jax.random.normal(keys[0], shape) * 10.0 ** jax.random.randint(
+      keys[1], shape, -38, 39).astype(jnp.float32))
+  special = jnp.array([0.0, -0.0, jnp.inf, -jnp.inf, jnp.nan, 3e-4, -3e-4,
+                       1.0, 1e-40, 3.3e38], jnp.float32)
+  pick = jax.random.randint(keys[2], shape, 0, 2 * special.size)
+  weight = jnp.where(pick < special.size,
+                     special[jnp.minimum(pick, special.size - 1)], weight)
+  return weight.astype(jnp.bfloat16)
+
+
+@needs_kernel
+@pytest.mark.parametrize('column_axis', [0, 1])
+@pytest.mark.parametrize('r', [1, 3])
+@pytest.mark.parametrize('rounding', ['stochastic', 'nearest'])
+@pytest.mark.parametrize('finite', [True, False])
+def test_bf16_winner_write_equals_the_optax_path_bitwise(column_axis, r,
+                                                         rounding, finite):
+  n, m = 48, 40
+  keys = jax.random.split(jax.random.key(column_axis * 10 + r), 4)
+  shape = (n, m) if column_axis == 0 else (m, n)
+  weight = _bf16_edge_weights(keys[0], shape)
+  winners = jnp.argsort(jax.random.uniform(keys[1], (n, m)),
+                        axis=1)[:, :r].astype(jnp.int32)
+  # Steps from 1e-6 to 1e2, both signs: most land between two bfloat16s.
+  delta = (jax.random.normal(keys[2], (n, r)) * 10.0 ** jax.random.randint(
+      keys[3], (n, r), -6, 3).astype(jnp.float32))
+  # A quarter of the steps take their weight three quarters of the way to
+  # zero: near 1e-38 the sum is subnormal, and XLA flushes it.
+  rows = weight if column_axis == 0 else weight.T
+  at_winners = jnp.take_along_axis(rows, winners, axis=1).astype(jnp.float32)
+  delta = jnp.where(jnp.arange(n * r).reshape(n, r) % 4 == 0,
+                    -0.75 * at_winners, delta)
+  key = (_rounding.leaf_key(7, jnp.int32(3), 5) if rounding == 'stochastic'
+         else None)
+  optax_path = jax.jit(_optax_path_bf16, static_argnums=4)
+  expected = optax_path(weight, winners, delta, jnp.asarray(finite),
+                        column_axis, key)
+  if finite:
+    # The winners as the optax path writes them; every other entry keeps its
+    # bits, as the scatter does (where the optax path adds 0: -0 becomes +0,
+    # subnormals flush to 0, and, rounded stochastically, inf - inf is NaN).
+    hit = jnp.zeros((n, m), bool).at[jnp.arange(n)[:, None], winners].set(
+        True)
+    expected = jnp.where(hit if column_axis == 0 else hit.T, expected, weight)
+  written = jax.jit(_cpu_kernel.cpu_winner_write, static_argnums=4,
+                    donate_argnums=0)(jnp.copy(weight), winners, delta,
+                                      jnp.asarray(finite), column_axis, key)
+  assert written.dtype == jnp.bfloat16
+  assert_bitwise_equal(written, expected)
+  if finite and rounding == 'stochastic':
+    # The rounding drew on the bits: some winners went to the far neighbour.
+    nearest = optax_path(weight, winners, delta, jnp.asarray(finite),
+                         column_axis, None)
+    assert int(jnp.sum(written.view(jnp.uint16) != nearest.view(jnp.uint16))
+               ) > 0
+
+
+@needs_kernel
+def test_winner_write_refuses_what_it_cannot_write():
+  winners, delta = jnp.zeros((3, 1), jnp.int32), jnp.ones((3, 1))
+  with pytest.raises(ValueError, match='float32 or bfloat16'):
+    _cpu_kernel.cpu_winner_write(jnp.zeros((3, 4), jnp.float16), winners,
+                                 delta, True, 0)
+  with pytest.raises(ValueError, match='bfloat16 only'):
+    _cpu_kernel.cpu_winner_write(jnp.zeros((3, 4)), winners, delta, True, 0,
+                                 jnp.zeros((2,), jnp.uint32))
+
+
 @needs_kernel
 def test_winner_write_keeps_an_undonated_weight():
   weight = jnp.arange(12.0).reshape(3, 4)
@@ -342,6 +431,12 @@ def test_winner_write_runs_where_the_kernel_may():
   args = (jnp.zeros((3, 4)), jnp.zeros((3, 1), jnp.int32), jnp.ones((3, 1)),
           True, 0)
   assert _kernels.winner_write(*args, 'reference') is None
-  assert _kernels.winner_write(jnp.zeros((3, 4), jnp.bfloat16),
+  # float16 weights, and a rounding key for a float32 weight, are scattered.
+  assert _kernels.winner_write(jnp.zeros((3, 4), jnp.float16),
                                *args[1:], 'auto') is None
+  assert _kernels.winner_write(*args, 'auto',
+                               jnp.zeros((2,), jnp.uint32)) is None
+  assert (_kernels.winner_write(jnp.zeros((3, 4), jnp.bfloat16), *args[1:],
+                                'auto', jnp.zeros((2,), jnp.uint32)) is None
+          ) == (not _AVAILABLE)
   assert (_kernels.winner_write(*args, 'auto') is None) == (not _AVAILABLE)

@@ -88,11 +88,13 @@ def test_equals_plain_optax_path_f32(scan_layers):
     assert not np.array_equal(moved, before)
 
 
+@pytest.mark.parametrize('rounding', ['stochastic', 'nearest'])
 @pytest.mark.parametrize('scan_layers', tiers.first_fast([True, False]))
-def test_equals_plain_optax_path_bf16_with_schedule(scan_layers):
+def test_equals_plain_optax_path_bf16_with_schedule(scan_layers, rounding):
   schedule = optax.linear_schedule(2e-2, 1e-2, 5)
   (plain_params, plain_state), (fused_params, fused_state), start = _run_both(
-      scan_layers, jnp.bfloat16, learning_rate=schedule, update_topk=2)
+      scan_layers, jnp.bfloat16, learning_rate=schedule, update_topk=2,
+      rounding=rounding)
   for fused, plain in zip(jax.tree.leaves(fused_params),
                           jax.tree.leaves(plain_params)):
     assert fused.dtype == plain.dtype == jnp.bfloat16
@@ -183,25 +185,28 @@ def test_layerwise_step_peak_memory_is_near_forward(scan_layers):
                                                     fused_overhead)
 
 
+@pytest.mark.parametrize('dtype', ['float32', 'bfloat16'])
 @pytest.mark.parametrize('scan_layers', [False, True])
 @pytest.mark.parametrize('implementation', ['auto', 'reference'])
-def test_unrolled_float32_weights_are_written_by_the_cpu_kernel(
-    scan_layers, implementation):
-  """One custom call per unrolled matrix instead of a scatter XLA:CPU would
-  compile for each; a stacked leaf's slice and implementation='reference'
-  keep the scatter (and the bits are the same either way: the equality
-  tests above run both)."""
+def test_unrolled_weights_are_written_by_the_cpu_kernel(
+    scan_layers, implementation, dtype):
+  """One custom call per unrolled matrix instead of a scatter (for bfloat16,
+  and its stochastic rounding) XLA:CPU would compile for each; a stacked
+  leaf's slice and implementation='reference' keep the scatter (and the bits
+  are the same either way: the equality tests above run both)."""
   if not _cpu_kernel.availability().ok:
     pytest.skip(_cpu_kernel.availability().reason)
   loss = LayeredLoss(toy_lm.embed, toy_lm.layer, toy_lm.head,
                      scan_layers=scan_layers)
   train = layerwise_train_step(loss, 1e-3, implementation=implementation,
                                weight_dimension_numbers=toy_lm.matrix_dims)
-  params = _big_params(scan_layers, width=32, layers=3)
+  params = jax.tree.map(lambda x: x.astype(dtype),
+                        _big_params(scan_layers, width=32, layers=3))
   tokens = jnp.zeros((2, 16), jnp.int32) + jnp.arange(16) % 64
   hlo = jax.jit(train.step, donate_argnums=(0, 1)).lower(
       params, train.optimizer.init(params), tokens).as_text()
-  writes = hlo.count('taco_optax_winner_write')
+  writes = hlo.count(_cpu_kernel.WRITE_TARGET_NAME if dtype == 'float32'
+                     else _cpu_kernel.WRITE16_TARGET_NAME)
   # The embedding (a whole leaf either way), and two matrices per unrolled
   # layer.
   expected = 0 if implementation == 'reference' else (

@@ -26,7 +26,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
-from typing import NamedTuple, Union
+from typing import NamedTuple, Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -36,9 +36,13 @@ from taco_optax._src.kernels import reference
 
 TARGET_NAME = 'taco_optax_column_step'
 WRITE_TARGET_NAME = 'taco_optax_winner_write'
+WRITE16_TARGET_NAME = 'taco_optax_winner_write_bf16'
 _SOURCES = pathlib.Path(__file__).parent / 'csrc'
 _SYMBOLS = {TARGET_NAME: 'TacoColumnStep',
-            WRITE_TARGET_NAME: 'TacoWinnerWrite'}
+            WRITE_TARGET_NAME: 'TacoWinnerWrite',
+            WRITE16_TARGET_NAME: 'TacoWinnerWrite16'}
+# The weights the winner write takes.
+WRITE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 # No -march=native: the cache may be shared by machines with other CPUs.
 # -ffp-contract=off: the reference rounds each product and sum separately.
 _FLAGS = ('-O3', '-shared', '-fPIC', '-std=c++17', '-ffp-contract=off')
@@ -231,33 +235,57 @@ def cpu_column_step(grad_rows: jax.Array, values: jax.Array,
 
 
 def cpu_winner_write(weight: jax.Array, winners: jax.Array, delta: jax.Array,
-                     finite: jax.Array, column_axis: int) -> jax.Array:
+                     finite: jax.Array, column_axis: int,
+                     rounding_key: Optional[jax.Array] = None) -> jax.Array:
   """``weight`` with each column's winners' ``delta`` added, in place.
 
-  The layer-wise step's write of one float32 leaf (``csrc/winner_write.cc``):
-  ``weight[winner] + delta`` rounded once to float32 where column ``i``'s
-  winners ``winners[i]`` are, every other entry as it was, and the whole
-  weight NaN when not ``finite``. The result aliases ``weight`` (donate it,
-  or XLA copies it first).
+  The layer-wise step's write of one leaf (``csrc/winner_write.cc``):
+  ``weight[winner] + delta`` rounded once to the weight's dtype where column
+  ``i``'s winners ``winners[i]`` are, every other entry as it was, and the
+  whole weight NaN when not ``finite``. A bfloat16 weight with
+  ``rounding_key`` is written as the optax path's stochastic rounding writes
+  it (``transform.rounded_update`` with ``transform.element_bits`` of each
+  element's flat index under the key). The result aliases ``weight`` (donate
+  it, or XLA copies it first).
 
   Args:
-    weight: a 2-D float32 weight; its columns (the paper's) are its rows when
-      ``column_axis`` is 0, its columns when 1.
+    weight: a 2-D float32 or bfloat16 weight; its columns (the paper's) are
+      its rows when ``column_axis`` is 0, its columns when 1.
     winners: ``(n, r)`` int32 positions in ``[0, m)`` of each column's
       winners.
-    delta: ``(n, r)`` float32 what each winner adds.
+    delta: ``(n, r)`` what each winner adds (taken as float32).
     finite: a bool scalar, the gradient's finiteness.
     column_axis: the weight's axis that indexes the paper's columns.
+    rounding_key: the leaf's ``(2,)`` uint32 stochastic-rounding key
+      (``transform.leaf_key``), bfloat16 weights only; ``None`` rounds to
+      nearest.
 
   Raises:
     RuntimeError: if the kernel is not available (see :func:`availability`).
+    ValueError: for a weight dtype other than float32 or bfloat16, or a
+      ``rounding_key`` with a float32 weight.
   """
   available = availability()
   if not available.ok:
     raise RuntimeError(
         f'The TACO CPU kernel is not available: {available.reason}')
-  call = jax.ffi.ffi_call(WRITE_TARGET_NAME,
+  dtype = jnp.dtype(weight.dtype)
+  if dtype not in WRITE_DTYPES or (rounding_key is not None
+                                   and dtype == jnp.float32):
+    raise ValueError(
+        'The winner write takes float32 or bfloat16 weights (a rounding key '
+        f'for bfloat16 only); got {dtype}, rounding_key='
+        f'{"set" if rounding_key is not None else None}.')
+  operands = [weight, winners.astype(jnp.int32), delta.astype(jnp.float32),
+              jnp.asarray(finite, jnp.bool_)]
+  attributes = {'column_axis': np.int64(column_axis)}
+  target = WRITE_TARGET_NAME
+  if dtype == jnp.bfloat16:
+    target = WRITE16_TARGET_NAME
+    operands.append(jnp.zeros((2,), jnp.uint32) if rounding_key is None
+                    else jnp.asarray(rounding_key, jnp.uint32))
+    attributes['stochastic'] = np.int64(rounding_key is not None)
+  call = jax.ffi.ffi_call(target,
                           jax.ShapeDtypeStruct(weight.shape, weight.dtype),
                           input_output_aliases={0: 0})
-  return call(weight, winners.astype(jnp.int32), delta.astype(jnp.float32),
-              jnp.asarray(finite, jnp.bool_), column_axis=np.int64(column_axis))
+  return call(*operands, **attributes)

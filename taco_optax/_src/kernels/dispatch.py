@@ -253,23 +253,27 @@ def _empty_step(grad_rows: jax.Array, values: jax.Array, indices: jax.Array,
 
 
 def winner_write(weight: jax.Array, winners: jax.Array, delta: jax.Array,
-                 finite: jax.Array, column_axis: int, implementation: str
+                 finite: jax.Array, column_axis: int, implementation: str,
+                 rounding_key: Optional[jax.Array] = None
                  ) -> Optional[jax.Array]:
   """The layer-wise step's winner write by the CPU kernel, where it runs.
 
-  ``cpu_kernel.cpu_winner_write`` for a whole 2-D float32 weight on a
-  one-device CPU run whose column step may use the kernel (``'auto'`` or
-  ``'cpu'``) and where the kernel is available; else ``None``, and the
-  caller scatters the winners with XLA. Both give the same bits.
+  ``cpu_kernel.cpu_winner_write`` for a whole 2-D float32 or bfloat16 weight
+  (stochastically rounded with ``rounding_key``) on a one-device CPU run
+  whose column step may use the kernel (``'auto'`` or ``'cpu'``) and where
+  the kernel is available; else ``None``, and the caller scatters the
+  winners with XLA. Both give the same bits.
   """
+  dtype = jnp.dtype(weight.dtype)
   if (implementation not in ('auto', 'cpu') or weight.ndim != 2
-      or jnp.dtype(weight.dtype) != jnp.dtype(jnp.float32)
-      or jnp.dtype(delta.dtype) != jnp.dtype(jnp.float32)
+      or dtype not in cpu_kernel.WRITE_DTYPES
+      or (rounding_key is not None and dtype != jnp.bfloat16)
+      or jnp.dtype(delta.dtype) not in (jnp.dtype(jnp.float32), dtype)
       or jax.default_backend() != 'cpu' or jax.device_count() != 1
       or not cpu_kernel.availability().ok):
     return None
   return cpu_kernel.cpu_winner_write(weight, winners, delta, finite,
-                                     column_axis)
+                                     column_axis, rounding_key)
 
 
 def history_step(grad_rows: jax.Array, history: codec.History, *,

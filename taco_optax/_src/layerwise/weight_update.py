@@ -118,12 +118,16 @@ def local_leaf_update(param: jax.Array, grad: Any, history: kernels.History,
       layout.to_rows(grad), history, update_topk=plan.update_topk,
       mu=write.mu, implementation=plan.implementation, shards=shards)
   delta = winners_lib.winner_delta(step, grad.dtype, write)
-  if (shards is None and write.whole and write.rounding is None
-      and not layout.batch_shape and layout.transpose in ((0, 1), (1, 0))):
-    # One custom call, no scatter for XLA:CPU to compile for this weight.
+  if (shards is None and write.whole and not layout.batch_shape
+      and layout.transpose in ((0, 1), (1, 0))
+      and (write.rounding is None or (write.rounding.layer is None
+                                      and write.rounding.shape == param.shape))):
+    # One custom call, no scatter (nor, for a 16-bit weight, its stochastic
+    # rounding) for XLA:CPU to compile for this weight.
     written = kernels.winner_write(
         param, step.winner_indices, delta, step.finite,
-        winners_lib.column_axis(layout), plan.implementation)
+        winners_lib.column_axis(layout), plan.implementation,
+        None if write.rounding is None else write.rounding.key)
     if written is not None:
       return written, history
   rows = layout.to_rows(param)
