@@ -19,13 +19,14 @@
 // share of the distance, read off 32 hashed bits of the element's flat index
 // under the leaf's key; the update that reaches it is rounded to bfloat16 and
 // added. With stochastic == 0 the delta is cast to bfloat16 and the sum
-// rounded to nearest, as optax.apply_updates adds a bfloat16 update. Arithmetic runs
-// with subnormals flushed, as XLA:CPU's does, so the bits are the scatter's.
+// rounded to nearest, as optax.apply_updates adds a bfloat16 update.
+// Arithmetic runs with subnormals flushed, as XLA:CPU's does, so the bits are
+// the scatter's.
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <cmath>
 #include <limits>
 
 #include "numerics.h"
