@@ -12,11 +12,10 @@ import numpy as np
 import optax
 import pytest
 
-from taco_optax._src.transform import rounding as _rounding
-
 from taco_optax._src.kernels import cpu_kernel as _cpu_kernel
 from taco_optax._src.kernels import dispatch as _kernels
 from taco_optax._src.kernels import reference as _column_step
+from taco_optax._src.transform import rounding as _rounding
 from tests.support import kernel_cases
 from tests.support.bitwise import assert_bitwise_equal
 

@@ -118,16 +118,17 @@ def local_leaf_update(param: jax.Array, grad: Any, history: kernels.History,
       layout.to_rows(grad), history, update_topk=plan.update_topk,
       mu=write.mu, implementation=plan.implementation, shards=shards)
   delta = winners_lib.winner_delta(step, grad.dtype, write)
+  rounding = write.rounding
   if (shards is None and write.whole and not layout.batch_shape
       and layout.transpose in ((0, 1), (1, 0))
-      and (write.rounding is None or (write.rounding.layer is None
-                                      and write.rounding.shape == param.shape))):
+      and (rounding is None or (rounding.layer is None
+                                and rounding.shape == param.shape))):
     # One custom call, no scatter (nor, for a 16-bit weight, its stochastic
     # rounding) for XLA:CPU to compile for this weight.
     written = kernels.winner_write(
         param, step.winner_indices, delta, step.finite,
         winners_lib.column_axis(layout), plan.implementation,
-        None if write.rounding is None else write.rounding.key)
+        None if rounding is None else rounding.key)
     if written is not None:
       return written, history
   rows = layout.to_rows(param)
