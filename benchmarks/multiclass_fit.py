@@ -69,7 +69,8 @@ def seed_means(table_rows: list[dict], optimizer: str, steps: int = 40,
 
 
 def fitted_rate(table_rows: list[dict], optimizer: str, steps: int = 40, *,
-                split: str = VALIDATION) -> Optional[float]:
+                split: str = VALIDATION,
+                min_seeds: int = 3) -> Optional[float]:
   """The rate, among those run on every task over seeds, whose mean accuracy
   falls least short of each task's best (:func:`lr_sweep.robust_rate`).
 
@@ -77,6 +78,9 @@ def fitted_rate(table_rows: list[dict], optimizer: str, steps: int = 40, *,
     table_rows: the runs (:func:`rows`).
     optimizer: whose rate.
     steps: the budget.
+    min_seeds: the seeds a rate needs on a task to count there
+      (:func:`seed_means`); the budget rule is fitted with three, a long
+      budget's first runs (:func:`long_budget_rate`) with one.
     split: the runs fitted on: ``VALIDATION`` (what a rate is chosen on);
       ``TEST`` is the legacy fit on the held-out set that the README reports,
       the data the budget rule's constants were fitted on before validation
@@ -95,8 +99,30 @@ def fitted_rate(table_rows: list[dict], optimizer: str, steps: int = 40, *,
         f'no validation runs of {optimizer} at {steps} steps to fit a rate '
         'on: run `python -m benchmarks.multiclass_runs --eval-split '
         'validation` (split=TEST is the legacy fit on the held-out set)')
-  return lr_sweep.robust_rate(
-      list(seed_means(table_rows, optimizer, steps, split=split).values()))
+  return lr_sweep.robust_rate(list(seed_means(
+      table_rows, optimizer, steps, min_seeds, split=split).values()))
+
+
+def long_budget_rate(table_rows: list[dict], optimizer: str,
+                     steps: int) -> Optional[tuple[float, list[str], int]]:
+  """The rate that validation runs at a budget past 40 steps favour, before
+  they are enough for the rule's fit: :func:`fitted_rate` over every task
+  with validation runs at ``steps``, counting a rate run with one seed.
+  ``(rate, tasks, seeds)``, the seeds being the fewest any task's chosen rate
+  ran; ``None`` where fewer than two rates ran on every such task (one rate
+  is no choice)."""
+  means = seed_means(table_rows, optimizer, steps, 1, split=VALIDATION)
+  if not means or len(set.intersection(
+      *(set(rates) for rates in means.values()))) < 2:
+    return None
+  rate = fitted_rate(table_rows, optimizer, steps, min_seeds=1)
+  seeds = min(len({row['seed'] for row in table_rows
+                   if row['optimizer'] == optimizer and row['task'] == task
+                   and row['steps'] == steps and not row.get('settings')
+                   and split_of(row) == VALIDATION
+                   and round_rate(row['learning_rate']) == rate})
+              for task in means)
+  return rate, sorted(means), seeds
 
 
 def rule_rate(optimizer: str, steps: int) -> float:

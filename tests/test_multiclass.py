@@ -397,3 +397,66 @@ def test_sensitivity_is_the_change_at_half_and_twice_the_fitted_rate(
   out = capsys.readouterr().out
   assert '| taco | 0.0003 | bbc | -10.0 | +5.0 |' in out
   assert '| taco | 0.0003 | trec | +1.0 | -17.0 |' in out
+
+
+def test_long_budget_rows_take_the_rate_validation_runs_there_favour(
+    tmp_path, monkeypatch, capsys):
+  monkeypatch.setattr(multiclass_runs, 'ROOT', str(tmp_path / 'runs'))
+  monkeypatch.setattr(multiclass_runs, 'DATA', str(tmp_path / 'data.json'))
+  monkeypatch.setattr(
+      multiclass_runs, 'rule_rate',
+      lambda optimizer, steps: {'taco': 1e-4 if steps == 40 else 5e-5,
+                                'adamw': 3e-5}[optimizer])
+
+  def row(task, optimizer, lr, seed, after, steps, split):
+    return dict(_row(task, optimizer, lr, seed, after), steps=steps,
+                split=split)
+
+  test, validation = multiclass_runs.TEST, multiclass_runs.VALIDATION
+  rows = [row('trec', 'taco', 1e-4, 0, 0.50, 40, test),
+          row('trec', 'taco', 1e-4, 1, 0.52, 40, test),
+          row('trec', 'adamw', 3e-5, 0, 0.55, 40, test),
+          row('trec', 'adamw', 3e-5, 1, 0.53, 40, test)]
+  # At 500 steps, one seed of two rates on two tasks' validation sets.
+  # Shortfalls from each task's best: 5e-5 (0.18 + 0) / 2, 2e-4 (0 + 0.02) / 2.
+  validated = [row('trec', 'taco', 5e-5, 0, 0.70, 500, validation),
+               row('trec', 'taco', 2e-4, 0, 0.88, 500, validation),
+               row('tweets', 'taco', 5e-5, 0, 0.80, 500, validation),
+               row('tweets', 'taco', 2e-4, 0, 0.78, 500, validation),
+               # Run on one task only: no choice between tasks.
+               row('trec', 'taco', 8e-4, 0, 0.99, 500, validation)]
+  rows += validated
+  rows += [row('trec', 'taco', 2e-4, 0, 0.80, 500, test),
+           row('trec', 'taco', 2e-4, 1, 0.84, 500, test),
+           row('trec', 'taco', 5e-5, 0, 0.70, 500, test),
+           row('trec', 'adamw', 3e-5, 0, 0.86, 500, test),
+           row('trec', 'adamw', 3e-5, 1, 0.85, 500, test)]
+  assert multiclass_fit.long_budget_rate(rows, 'taco', 500) == (
+      2e-4, ['trec', 'tweets'], 1)
+  # One rate on the validation sets is no choice; nor are held-out runs.
+  assert multiclass_fit.long_budget_rate(
+      [r for r in rows if r['learning_rate'] != 2e-4], 'taco', 500) is None
+  assert multiclass_fit.long_budget_rate(rows, 'adamw', 500) is None
+  # The rule's fit still wants three seeds a rate.
+  assert multiclass_fit.seed_means(rows, 'taco', 500) == {}
+  (tmp_path / 'data.json').write_text(json.dumps({'runs': rows}))
+  multiclass_runs.report()
+  out = capsys.readouterr().out
+  heading, table = out.split('The same beside the longer budgets')[1].split(
+      '\n\n')[:2]
+  assert ('TACO 0.0002 (chosen on the validation sets of trec, tweets at '
+          'this budget, 1 seed a rate; the rule gives 5e-05)') in heading
+  assert "AdamW 3e-05 (its rule's rate" in heading
+  # 40 steps at the rule's rates; 500 at the chosen one: TACO 80, 84 (82.0
+  # ± 2.0), AdamW 86, 85 (85.5 ± 0.5), differences -6, -1 (-3.5 ± 2.5).
+  assert table.splitlines()[2:] == [
+      '| trec | 6 | 40 | 0.0001 | 3e-05 | 2 | 51.0 ± 1.0 | 54.0 ± 1.0 | '
+      '-3.0 ± 2.0 |',
+      '| trec | 6 | 500 | 0.0002 | 3e-05 | 2 | 82.0 ± 2.0 | 85.5 ± 0.5 | '
+      '-3.5 ± 2.5 |']
+  # One seed of a pair is a row too, with no error.
+  (tmp_path / 'data.json').write_text(json.dumps({'runs': [
+      r for r in rows if not (r['steps'] == 500 and r['seed'] == 1)]}))
+  multiclass_runs.report()
+  assert ('| trec | 6 | 500 | 0.0002 | 3e-05 | 1 | 80.0 | 86.0 | -6.0 |'
+          in capsys.readouterr().out)
