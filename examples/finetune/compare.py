@@ -6,7 +6,7 @@ before and after, optimizer state, compiled and process peak memory, tokens/s,
 wall time, parameters and how 16-bit updates landed: ``--rounding``), then,
 for runs that differ only in ``--seed``, the metric's mean and standard error
 per setting and the difference between two optimizers (``seeds``), and
-writes a PNG of the training loss and the held-out metric against the step.
+writes a PNG of the training loss and the metric against the step.
 The PNG needs matplotlib (``pip install -e ".[bench]"``); without it the
 table is still printed. Paths that hold no ``results.json``
 (an unfinished run, the PNG of an earlier comparison) are skipped with a note.
@@ -69,8 +69,31 @@ def table(runs: Runs) -> str:
                              in zip(row, widths)).rstrip() for row in rows)
 
 
+_SET_NAMES = {'test': 'held-out', 'validation': 'validation'}
+
+
+def running_mean(values: Sequence[float], window: int) -> list[float]:
+  """The mean of each value and the ``window - 1`` before it (fewer at the
+  start)."""
+  sums = [0.0]
+  for value in values:
+    sums.append(sums[-1] + value)
+  return [(sums[i + 1] - sums[max(0, i + 1 - window)])
+          / (i + 1 - max(0, i + 1 - window)) for i in range(len(values))]
+
+
+def metric_title(runs: Runs) -> str:
+  """The metric panel's title: the sets the runs scored and their metrics,
+  e.g. ``validation accuracy`` or ``held-out / validation accuracy``."""
+  sets = sorted({_SET_NAMES.get(r.split, r.split) for _, r in runs})
+  return ' / '.join(sets) + ' ' + ' / '.join(sorted({r.metric
+                                                     for _, r in runs}))
+
+
 def plot(runs: Runs, path: str) -> None:
-  """Writes the loss and held-out metric curves of every run to ``path``.
+  """Writes the loss and metric curves of every run to ``path``: each
+  step's loss faint, under its running mean over a twentieth of the run,
+  and the metric on the set the runs scored (held-out or validation).
 
   Raises:
     ImportError: matplotlib is not installed.
@@ -78,23 +101,36 @@ def plot(runs: Runs, path: str) -> None:
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use('Agg')  # No display needed.
   from matplotlib import pyplot  # pylint: disable=g-import-not-at-top
-  figure, (loss_axes, metric_axes) = pyplot.subplots(1, 2, figsize=(11, 4))
-  metrics = set()
+  figure, (loss_axes, metric_axes) = pyplot.subplots(1, 2, figsize=(11, 4.5))
   for directory, results in runs:
     label = (f"{os.path.basename(os.path.normpath(directory))} "
              f'({results.optimizer}, lr {results.learning_rate:g})')
     losses = results.losses
-    loss_axes.plot(range(1, len(losses) + 1), losses, label=label)
+    steps = range(1, len(losses) + 1)
+    window = max(1, len(losses) // 20)
+    if window > 1:
+      raw, = loss_axes.plot(steps, losses, alpha=0.2, linewidth=0.6)
+      loss_axes.plot(steps, running_mean(losses, window),
+                     color=raw.get_color())
+    else:
+      loss_axes.plot(steps, losses)
     metric = results.metric
-    metrics.add(metric)
     points = [(0, results.headline_before)] + [
         (e['step'], e[metric]) for e in results.evals]
     metric_axes.plot(*zip(*points), marker='o', label=label)
-  loss_axes.set(xlabel='step', ylabel='training loss', title='loss')
-  metric_axes.set(xlabel='step', ylabel=' / '.join(sorted(metrics)),
-                  title='held-out ' + ' / '.join(sorted(metrics)))
-  metric_axes.legend(fontsize='small')
-  figure.tight_layout()
+  longest = max(len(results.losses) for _, results in runs)
+  loss_axes.set(xlabel='step', ylabel='training loss',
+                title=('loss (each step, and its running mean over '
+                       f'{max(1, longest // 20)} steps)' if longest >= 40
+                       else 'loss'))
+  metric_axes.set(xlabel='step',
+                  ylabel=' / '.join(sorted({r.metric for _, r in runs})),
+                  title=metric_title(runs))
+  figure.legend(*metric_axes.get_legend_handles_labels(), fontsize='small',
+                loc='lower center', ncol=2 if len(runs) > 3 else 1,
+                frameon=False)
+  rows = (len(runs) + 1) // 2 if len(runs) > 3 else len(runs)
+  figure.tight_layout(rect=(0, min(0.45, 0.05 * rows + 0.02), 1, 1))
   figure.savefig(path, dpi=100)
   pyplot.close(figure)
 

@@ -80,3 +80,20 @@ def test_compare_prints_the_view_over_seeds(tmp_path, capsys, monkeypatch):
   assert compare.main(directories) == 0
   out = capsys.readouterr().out
   assert '\nover seeds\n' in out and '80.5 ± 0.5' in out
+
+
+def test_the_loss_curve_is_smoothed_by_a_running_mean():
+  assert compare.running_mean([4.0, 2.0, 0.0, 6.0, 1.0], 3) == [
+      4.0, 3.0, 2.0, 8 / 3, 7 / 3]
+  assert compare.running_mean([1.0, 5.0], 1) == [1.0, 5.0]
+  assert compare.running_mean([], 4) == []
+
+
+def test_the_curves_name_the_set_the_runs_scored():
+  held_out = _run('taco', 0, 0.8)
+  validation = (held_out[0] + '-v', dataclasses.replace(
+      held_out[1], eval_split='validation'))
+  assert compare.metric_title([held_out]) == 'held-out accuracy'
+  assert compare.metric_title([validation]) == 'validation accuracy'
+  assert compare.metric_title([held_out, validation]) == (
+      'held-out / validation accuracy')
