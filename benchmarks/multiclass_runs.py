@@ -338,7 +338,7 @@ def _long_budget_note(table_rows: list[dict], steps: int) -> str:
                    f'{", ".join(tasks)} at this budget, {seeds} seed'
                    f'{"s" if seeds > 1 else ""} a rate; the rule gives '
                    f'{rule_rate(name, steps):.2g})')
-  return f'at {steps} steps ' + ', '.join(parts)
+  return f'{steps} steps: ' + ', '.join(parts)
 
 
 def report() -> None:
@@ -354,9 +354,9 @@ def report() -> None:
   longer = sorted({key[3] for key in data if not _scored(key[4])} - {40})
   table = quality_table(data, table_rows)
   if any(line.split(' | ')[2] != '40' for line in table[2:]):
-    print('\nThe same beside the longer budgets, TACO − AdamW paired over the '
-          'seeds both ran (one seed: no error), each optimizer '
-          + '; '.join(_long_budget_note(table_rows, steps)
+    print('\nThe same beside the longer budgets (TACO − AdamW paired over '
+          'the seeds both ran; one seed: no error), each optimizer at '
+          + '; at '.join(_long_budget_note(table_rows, steps)
                       for steps in longer) + ':\n')
     print('\n'.join(table))
   for steps in sorted({key[3] for key in data} - {40}):
