@@ -35,7 +35,8 @@
 #
 # Environment (defaults are the real run; a CPU dry run sets the small ones):
 # STEPS 2000, TASKS "tweets trec", OPTIMIZERS "taco adamw" (RUNS, e.g.
-# "trec-taco trec-adamw", names the runs instead: TASK-OPTIMIZER),
+# "trec-taco trec-adamw", names the runs instead: TASK-OPTIMIZER, or
+# TASK-OPTIMIZER@LR for a rate given with --lr, e.g. "trec-taco@1.2e-4"),
 # EVAL_EVERY 250,
 # EVAL_SIZE 200 (validation examples: all of tweets' 200 and trec's 120),
 # TEST_SIZE 200 (the CLI's default held-out subset, the one the README and
@@ -148,10 +149,16 @@ EOF
 }
 
 mkdir -p "$LONG/runs"
+# A run's name: TASK-OPTIMIZER, or TASK-OPTIMIZER@LR (the rate for --lr).
+parse_run() {
+  local base=${1%@*}
+  task=${base%-*} opt=${base##*-} lr_flags=()
+  if [ "$base" != "$1" ]; then lr_flags=(--lr "${1#*@}"); fi
+}
 left() { echo $(( BUDGET_S - ($(date +%s) - began) )); }
 # Training, one run after another (the GPU to itself: its tokens/s are clean).
 for name in $RUNS; do
-  task=${name%-*} opt=${name##*-}
+  parse_run "$name"
   dir=$LONG/runs/$name
   if [ -f "$dir/trained" ]; then
     echo "== $name: trained in an earlier call, kept"
@@ -168,7 +175,8 @@ for name in $RUNS; do
   echo "== $name: training (limit ${limit} s)"
   t0=$(date +%s)
   timeout -k 15 "$limit" "$PY" -m examples.finetune --task "$task" \
-    --optimizer "$opt" --steps "$STEPS" --seed 0 --eval-split validation \
+    --optimizer "$opt" ${lr_flags[@]+"${lr_flags[@]}"} --steps "$STEPS" --seed 0 \
+    --eval-split validation \
     --eval-every "$EVAL_EVERY" --eval-size "$EVAL_SIZE" --no-checkpoint \
     --no-progress --output-dir "$dir" \
     --compilation-cache-dir "$LONG/jax_cache" > "$dir/train.log" 2>&1
@@ -185,7 +193,7 @@ done
 # The held-out set of every trained run, all at once (each pass is mostly a
 # new process's start, the load and a compile: CPU work, 16 cores there).
 for name in $RUNS; do
-  task=${name%-*} opt=${name##*-}
+  parse_run "$name"
   dir=$LONG/runs/$name
   [ -f "$dir/trained" ] && [ ! -f "$dir/done" ] || continue
   now=$(left)
@@ -215,7 +223,7 @@ wait
 names=()
 pending=()
 for name in $RUNS; do
-  task=${name%-*} opt=${name##*-}
+  parse_run "$name"
   dir=$LONG/runs/$name
   [ -f "$dir/done" ] || { pending+=("$name"); continue; }
   names+=("$name")
