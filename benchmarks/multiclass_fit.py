@@ -4,7 +4,8 @@ each rate, and the rate that falls least short of every task's best.
 Rates are fitted on validation runs (``--eval-split validation``, issue 53);
 the fit on the held-out set that the README reports (``split=TEST``) is the
 legacy one the budget rule's constants came from before validation runs
-existed. :mod:`benchmarks.multiclass_runs` runs, records and tabulates.
+existed. :mod:`benchmarks.multiclass_runs` runs and records,
+:mod:`benchmarks.multiclass_tables` tabulates.
 """
 
 from typing import Optional
@@ -32,6 +33,16 @@ def predates_split(row: dict) -> bool:
   records, so it is kept out of the tables that compare optimizers on the
   held-out set, and only the legacy fit (``split=TEST``) reads it."""
   return 'split' not in row
+
+
+def run_key(row: dict) -> tuple:
+  """What makes a row's run one point: task, optimizer, rate, whether
+  ``--lr`` gave it, steps, seed, settings, the set scored, and whether it
+  predates the split (a run on today's split never replaces a pre-split
+  one: they differ)."""
+  return (row['task'], row['optimizer'], row['learning_rate'],
+          row['lr_given'], row['steps'], row['seed'], row.get('settings', ''),
+          split_of(row), predates_split(row))
 
 
 def seed_means(table_rows: list[dict], optimizer: str, steps: int = 40,
@@ -173,7 +184,7 @@ def fit_report(table_rows: list[dict], steps: int = 40) -> None:
     if not any(seed_means(table_rows, optimizer, steps, split=split)
                for optimizer in ('taco', 'adamw')):
       print(f'\nOn {name}: no runs over three or more seeds at {steps} '
-            'steps yet (`--eval-split validation`), so no fitted rate.')
+            f'steps yet (`--eval-split {split}`), so no fitted rate.')
       continue
     print(f'\nOn {name}: mean accuracy (%) over three or more seeds at '
           f'{steps} steps (per task over the seeds all its rates ran), and '

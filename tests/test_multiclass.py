@@ -8,6 +8,7 @@ import pytest
 from benchmarks import lr_sweep
 from benchmarks import multiclass_fit
 from benchmarks import multiclass_runs
+from benchmarks import multiclass_tables
 from examples.finetune import corpora
 from examples.finetune import flags
 from examples.finetune import preparation
@@ -114,7 +115,7 @@ def test_table_gives_means_errors_and_paired_differences(tmp_path,
   monkeypatch.setattr(multiclass_runs, 'ROOT', str(tmp_path))
   monkeypatch.setattr(multiclass_runs, 'DATA', str(tmp_path / 'none.json'))
   monkeypatch.setattr(
-      multiclass_runs, 'rule_rate',
+      multiclass_tables, 'rule_rate',
       lambda optimizer, steps: {'taco': 1e-4 if steps == 40 else 5e-5,
                                 'adamw': 3.2e-5}[optimizer])
   for seed, (taco, adamw) in enumerate(((0.47, 0.48), (0.46, 0.55),
@@ -130,7 +131,7 @@ def test_table_gives_means_errors_and_paired_differences(tmp_path,
   _result(tmp_path, 'n0', 'taco', 1e-4, True, 0, 0.99, steps=160)
   _result(tmp_path, 'v1', 'taco', 5e-5, False, 1, 0.85, steps=160,
           taco_mu=0.9)
-  multiclass_runs.report()
+  multiclass_tables.report(multiclass_runs.rows())
   out = capsys.readouterr().out
   # AdamW 48, 55, 50: mean 51.0, sd sqrt(13), se 2.08.
   assert '| trec | adamw | 3.2e-05 (rule) | 40 | – | 48.0 | 55.0 | 50.0 | ' \
@@ -232,7 +233,7 @@ def test_a_validation_run_is_read_back_as_one_and_kept_apart(tmp_path,
   rows = sorted(multiclass_runs.finished_runs(), key=lambda r: r['split'])
   assert [(r['split'], r['accuracy_after']) for r in rows] == [
       ('test', 0.5), ('validation', 0.7)]
-  table = multiclass_runs.finished(rows)
+  table = multiclass_tables.finished(rows)
   assert table[('trec', 'taco', 1e-4, 40, '')] == {0: (50.0, 20.0)}
   assert table[('trec', 'taco', 1e-4, 40, 'eval=validation')] == {
       0: (70.0, 20.0)}
@@ -247,7 +248,7 @@ def test_runs_recorded_before_the_split_are_in_no_summary(tmp_path,
   # each run with AdamW's run on the same set and split.
   monkeypatch.setattr(multiclass_runs, 'ROOT', str(tmp_path / 'runs'))
   monkeypatch.setattr(multiclass_runs, 'DATA', str(tmp_path / 'data.json'))
-  monkeypatch.setattr(multiclass_runs, 'rule_rate',
+  monkeypatch.setattr(multiclass_tables, 'rule_rate',
                       lambda optimizer, steps: {'taco': 1e-4,
                                                 'adamw': 3e-5}[optimizer])
   # (A new run of a recorded point replaces it: these are seeds 2 and 3.)
@@ -268,12 +269,12 @@ def test_runs_recorded_before_the_split_are_in_no_summary(tmp_path,
   for seed, (taco, adamw) in enumerate(((0.47, 0.48), (0.46, 0.55))):
     _result(tmp_path / 'runs', f't{seed}', 'taco', 1e-4, False, seed, taco)
     _result(tmp_path / 'runs', f'a{seed}', 'adamw', 3e-5, False, seed, adamw)
-  table = multiclass_runs.finished()
+  table = multiclass_tables.finished(multiclass_runs.rows())
   assert table[('trec', 'taco', 1e-4, 40, 'pre-split')] == {
       0: (99.0, 20.0), 2: (90.0, 20.0), 3: (92.0, 20.0)}
   assert table[('trec', 'taco', 1e-4, 40, '')] == {
       0: (47.0, 20.0), 1: (46.0, 20.0)}
-  multiclass_runs.report()
+  multiclass_tables.report(multiclass_runs.rows())
   out = capsys.readouterr().out
   # The summary: today's held-out runs only (47, 46 against 48, 55).
   assert '| trec | 6 | 2 | 46.5 ± 0.5 | 51.5 ± 3.5 | -5.0 ± 4.0 |' in out
@@ -404,7 +405,7 @@ def test_long_budget_rows_take_the_rate_validation_runs_there_favour(
   monkeypatch.setattr(multiclass_runs, 'ROOT', str(tmp_path / 'runs'))
   monkeypatch.setattr(multiclass_runs, 'DATA', str(tmp_path / 'data.json'))
   monkeypatch.setattr(
-      multiclass_runs, 'rule_rate',
+      multiclass_tables, 'rule_rate',
       lambda optimizer, steps: {'taco': 1e-4 if steps == 40 else 5e-5,
                                 'adamw': 3e-5}[optimizer])
 
@@ -440,7 +441,7 @@ def test_long_budget_rows_take_the_rate_validation_runs_there_favour(
   # The rule's fit still wants three seeds a rate.
   assert multiclass_fit.seed_means(rows, 'taco', 500) == {}
   (tmp_path / 'data.json').write_text(json.dumps({'runs': rows}))
-  multiclass_runs.report()
+  multiclass_tables.report(multiclass_runs.rows())
   out = capsys.readouterr().out
   heading, table = out.split('The same beside the longer budgets')[1].split(
       '\n\n')[:2]
@@ -457,6 +458,6 @@ def test_long_budget_rows_take_the_rate_validation_runs_there_favour(
   # One seed of a pair is a row too, with no error.
   (tmp_path / 'data.json').write_text(json.dumps({'runs': [
       r for r in rows if not (r['steps'] == 500 and r['seed'] == 1)]}))
-  multiclass_runs.report()
+  multiclass_tables.report(multiclass_runs.rows())
   assert ('| trec | 6 | 500 | 0.0002 | 3e-05 | 1 | 80.0 | 86.0 | -6.0 |'
           in capsys.readouterr().out)
