@@ -124,10 +124,11 @@ def quality_table(data: dict, table_rows: list[dict]) -> list[str]:
   (one seed or more); a table's lines."""
   lines = []
   budgets = sorted({key[3] for key in data if not _scored(key[4])})
+  # Each budget's rates once, not once per task.
+  budget_rates = {steps: _rule_rates(40) if steps == 40 else
+                  long_budget_rates(table_rows, steps) for steps in budgets}
   for task in sorted({key[0] for key in data}):
-    for steps in budgets:
-      rates = (_rule_rates(40) if steps == 40 else
-               long_budget_rates(table_rows, steps))
+    for steps, rates in budget_rates.items():
       paired = _paired(data, task, steps, rates, 2 if steps == 40 else 1)
       if paired is not None:
         lines.append(f'| {task} | {_classes(task)} | {steps} | '
