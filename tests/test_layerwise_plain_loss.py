@@ -533,7 +533,7 @@ _EXACT_BF16 = {'xla_allow_excess_precision': False}
 
 @pytest.mark.parametrize('case', tiers.first_fast(
     ['jax-dict-list', 'jax-dict-scan', 'nnx-list-untied', 'nnx-scan-tied'],
-    fast=['jax-dict-list', 'nnx-scan-tied']))
+    fast=['jax-dict-list', 'nnx-scan-tied'], jax_versions=['jax-dict-scan']))
 def test_equals_the_plain_optax_path_bf16_stochastic_rounding(case, request):
   # 16-bit weights: every update (TACO's winners and Adam's norm scales) is
   # rounded stochastically, its bits keyed by the leaf's index in the user's

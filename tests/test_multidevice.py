@@ -1,7 +1,10 @@
 """Every test marked ``multidevice.needs_devices``, on 8 simulated devices.
 
-One fresh process runs them all (see ``tests/support/multidevice.py``); in a
+One fresh process runs them (see ``tests/support/multidevice.py``); in a
 process that already has 8 devices they run in place and this test is skipped.
+They are long tests, selected by this run's ``-m`` as any other: ``python -m
+pytest -m long`` reruns them all; CI's floor-stack leg (``-m 'long and
+jax_versions'``) the ones marked ``jax_versions``.
 """
 
 import pytest
@@ -18,7 +21,14 @@ def test_the_rerun_finds_the_mesh_test_files():
 
 
 @pytest.mark.long
+@pytest.mark.jax_versions
 @pytest.mark.skipif(multidevice.has_devices(),
                     reason='the multi-device tests run in this process')
-def test_multidevice_tests_pass_on_8_devices():
-  multidevice.rerun_with_devices(multidevice.files_with_multidevice_tests())
+def test_multidevice_tests_pass_on_8_devices(request):
+  # This run selected (and skipped, for want of devices) the same tests: the
+  # rerun must pass exactly those.
+  skipped_here = [item.nodeid for item in request.session.items
+                  if item.get_closest_marker(multidevice.MARK)]
+  multidevice.rerun_with_devices(multidevice.files_with_multidevice_tests(),
+                                 select=request.config.getoption('markexpr'),
+                                 expected=skipped_here)

@@ -339,6 +339,7 @@ def test_communication_volume_against_gathering_the_gradient(capsys):
 
 
 @needs_mesh
+@pytest.mark.jax_versions
 @pytest.mark.parametrize('explicit,error,message', [
     # jax checks the spec's rank against the value's: an assert on jax 0.10,
     # a ValueError on jax 0.12.

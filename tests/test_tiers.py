@@ -35,6 +35,20 @@ def test_a_case_of_several_arguments_is_one_param():
   assert cases[1].values == ('qwen3', True) and _long(cases[1])
 
 
+def test_jax_versions_cases_are_long_and_marked():
+  cases = tiers.first_fast(['llama', 'qwen3', 'opt'], jax_versions=['opt'])
+  assert cases[0] == 'llama'
+  marks = [sorted(mark.name for mark in case.marks) for case in cases[1:]]
+  assert marks == [['long'], ['jax_versions', 'long']]
+
+
+@pytest.mark.parametrize('fast, jax_versions', [(None, ['llama']),
+                                                (None, ['mistral'])])
+def test_jax_versions_names_long_cases_only(fast, jax_versions):
+  with pytest.raises(ValueError, match='fast case|not among'):
+    tiers.first_fast(['llama', 'qwen3'], fast=fast, jax_versions=jax_versions)
+
+
 @pytest.mark.parametrize('fast', [['mistral'], []])
 def test_a_fast_case_that_is_not_a_case_is_an_error(fast):
   # A renamed case would otherwise silently leave the fast tier.

@@ -1,11 +1,12 @@
-"""The pins that break next: a new optax or tunix release fails this test.
+"""The pins that break next: the release watch, run on demand.
 
 ``pyproject.toml`` caps optax below 0.2.9 because the inject guard
 (``taco_optax/_src/transform/inject_guard.py``) reads one optax internal, the
 ``sched_hps`` of ``optax.inject_hyperparams``; it caps google-tunix below
-0.1.9 because ``taco_optax.tunix`` replaces a train step it must know. The
-day a release above a cap appears on the package index, this test fails
-either way, so the cap is looked at on that day and not when a user meets it:
+0.1.9 because ``taco_optax.tunix`` replaces a train step it must know. Run
+``python -m pytest -m upstream``: once a release above a cap is on the
+package index, this test fails either way, so the cap is looked at before a
+user meets it:
 
 - optax: the release is installed into a temporary folder and the guard's
   probe runs against it in a subprocess; the failure says whether the guard
@@ -14,8 +15,10 @@ either way, so the cap is looked at on that day and not when a user meets it:
 - google-tunix: the failure names the release and the tests to run against
   it before the cap is widened.
 
-It asks the package index (``pip index versions``), so it is in the long tier
-and skips where no index answers.
+It asks the package index (``pip index versions``), whose answer changes
+with no change here, so it is marked ``upstream``: no tier and no CI run
+selects it (a release would otherwise stop every unrelated change from
+landing); it skips where no index answers.
 """
 
 import importlib.metadata
@@ -28,7 +31,7 @@ import textwrap
 
 import pytest
 
-pytestmark = pytest.mark.long
+pytestmark = pytest.mark.upstream
 
 # The probe: optax.inject_hyperparams with a callable routing argument left
 # out of static_args must be refused by the guard, and routing arguments in

@@ -262,6 +262,7 @@ def _changed_entries(before, after):
 
 
 @pytest.mark.long
+@pytest.mark.jax_versions
 def test_both_taco_paths_count_the_same_landed_updates():
   """Each path's count is the entries its step changed, exactly, and both
   count the same moves. The landed counts are not compared across the

@@ -88,7 +88,8 @@ def _flat(tree):
 
 
 @pytest.mark.parametrize('family,scan_layers', tiers.first_fast([
-    ('llama', False), ('qwen3', False), ('llama', True)]))
+    ('llama', False), ('qwen3', False), ('llama', True)],
+    jax_versions=[('llama', True)]))
 def test_layerwise_steps_equal_optax_path(family, scan_layers):
   """The CLI's default TACO path against nnx.Optimizer + optax, step by step.
 

@@ -158,6 +158,7 @@ def test_mesh_plain_step_keeps_two_blocks_gathered_at_any_depth():
 
 
 @pytest.mark.long
+@pytest.mark.jax_versions  # jax 0.12's eval_shape (CHANGELOG.md)
 @pytest.mark.parametrize('layers', [2, 4])
 def test_mesh_formula_tracks_the_compiled_steps(layers):
   # Reduced-layer SmolLM2 compiled on 8 CPU devices (fsdp=8, a subprocess):

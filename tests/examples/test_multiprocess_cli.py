@@ -75,6 +75,9 @@ def runs(workspace):
     return {'one': one.result(), 'two': two.result()}
 
 
+# jax 0.12 keys the compilation cache per process (CHANGELOG.md): the cold
+# runs and the warm resume on 2 processes run on both of CI's stacks.
+@pytest.mark.jax_versions
 def test_two_processes_match_one_process(runs):
   (one_dir, _), (two_dir, (leader, other)) = runs['one'], runs['two']
   expected, got = _results(one_dir), _results(two_dir)
@@ -143,7 +146,8 @@ def _crashed_after_step_2(workspace, run_dir, name):
 
 
 @pytest.mark.parametrize('source, num_processes', [
-    ('two', 2), ('two', 1), ('one', 2)])
+    pytest.param('two', 2, marks=pytest.mark.jax_versions), ('two', 1),
+    ('one', 2)])
 def test_resume_across_processes(workspace, runs, source, num_processes):
   """Each process reads its own shards back: a 2-process checkpoint resumed
   on 2 processes is the uninterrupted run bit for bit; on another topology

@@ -166,12 +166,18 @@ def _assert_equal_but_norm_sums(got, expected):
 @needs_mesh
 @pytest.mark.parametrize('mesh_spec, scan_layers, dtype, tied, optimizer, '
                          'accumulation_steps', [
-                             ('fsdp=8', False, jnp.float32, True, 'adamw', 1),
+                             # The float order of the sums at fsdp=8 differs
+                             # between jax versions (the bounds below).
+                             pytest.param('fsdp=8', False, jnp.float32, True,
+                                          'adamw', 1,
+                                          marks=pytest.mark.jax_versions),
                              ('fsdp=8', True, jnp.float32, False, 'adamw', 1),
                              ('fsdp=8', False, jnp.bfloat16, False, 'adamw',
                               1),
                              ('fsdp=8', False, jnp.float32, True, 'adamw', 2),
-                             ('fsdp=8', False, jnp.float32, False, 'taco', 1),
+                             pytest.param('fsdp=8', False, jnp.float32, False,
+                                          'taco', 1,
+                                          marks=pytest.mark.jax_versions),
                              (None, False, jnp.float32, True, 'adamw', 1)])
 def test_plain_step_equals_jax_checkpoint_per_block(
     tiny_models, monkeypatch, mesh_spec, scan_layers, dtype, tied, optimizer,

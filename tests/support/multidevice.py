@@ -1,13 +1,15 @@
 """Runs the multi-device tests on a simulated 8-device CPU host.
 
 The device count must be requested before JAX starts its backend, so a test
-that needs a mesh is marked with :func:`needs_devices`: the one-device run
-skips it, and ``tests/test_multidevice.py`` reruns every marked test of every
-file, in one fresh process with ``--xla_force_host_platform_device_count=8``
-(one start of JAX and one compilation of each shared program for all of
-them, not one per file).
+that needs a mesh is marked with :func:`needs_devices`: it is in the long
+tier, a one-device run skips it, and ``tests/test_multidevice.py`` reruns the
+marked tests of every file that the run's ``-m`` selects, in one fresh
+process with ``--xla_force_host_platform_device_count=8`` (one start of JAX
+and one compilation of each shared program for all of them, not one per
+file).
 """
 
+from collections.abc import Collection
 import os
 import pathlib
 import re
@@ -20,18 +22,26 @@ NUM_DEVICES = 8
 MARK = 'multidevice'
 
 
-def rerun_with_devices(test_files: list[str], timeout: int = 1500) -> str:
+def rerun_with_devices(test_files: list[str], select: str = 'long',
+                       expected: Collection[str] = (),
+                       timeout: int = 1500) -> str:
   """Runs the tests marked :func:`needs_devices` in ``test_files``.
 
   Args:
     test_files: paths of the test files, relative to the repository root.
+    select: a pytest ``-m`` expression; the tests it selects among the marked
+      ones run (every marked test is ``long``: ``'long'`` selects them all).
+    expected: the ids of the tests that must pass (those the calling run
+      selected and skipped); empty: not known (the calling run did not
+      collect their files).
     timeout: seconds.
 
   Returns:
     pytest's stdout (``-rA``: a line per test). Fails the calling test unless
-    pytest exited with 0, every file passed at least one test, none failed or
-    errored, and no test was skipped for want of devices (which would mean
-    the device count did not take effect).
+    pytest exited with 0, ``select`` chose at least one test, every test it
+    chose passed (none failed, errored, was skipped or xfailed: a test
+    skipped for want of devices would mean the device count did not take
+    effect) and, where ``expected`` is given, those are the tests it ran.
   """
   env = dict(os.environ)
   env['XLA_FLAGS'] = (env.get('XLA_FLAGS', '') +
@@ -40,17 +50,18 @@ def rerun_with_devices(test_files: list[str], timeout: int = 1500) -> str:
   env['JAX_PLATFORMS'] = 'cpu'
   result = subprocess.run(
       [sys.executable, '-m', 'pytest', '-q', '-rA', '-o', 'addopts=', '-p',
-       'no:cacheprovider', '-m', MARK, *test_files],
+       'no:cacheprovider', '-m', f'{MARK} and ({select})', *test_files],
       env=env, capture_output=True, text=True, timeout=timeout, check=False,
       cwd=_REPO_ROOT)
   report = result.stdout[-6000:] + result.stderr[-3000:]
   assert result.returncode == 0, report
   counts = summary_counts(result.stdout)
-  assert not counts.get('failed') and not counts.get('error'), report
-  passed = {line.split()[1].split('::')[0]
-            for line in result.stdout.splitlines()
-            if line.startswith('PASSED ')}
-  assert passed == set(test_files), (sorted(set(test_files) - passed), report)
+  assert counts.get('passed'), report
+  assert set(counts) <= {'passed', 'deselected', 'warning'}, report
+  passed = {line.removeprefix('PASSED ') for line in
+            result.stdout.splitlines() if line.startswith('PASSED ')}
+  if expected:
+    assert passed == set(expected), (sorted(set(expected) ^ passed), report)
   starved = [line for line in result.stdout.splitlines()
              if line.startswith('SKIPPED') and
              f'needs {NUM_DEVICES} devices' in line]
@@ -89,7 +100,8 @@ def has_devices(num_devices: int = NUM_DEVICES) -> bool:
 
 
 def needs_devices(num_devices: int = NUM_DEVICES):
-  """Marks a test for the 8-device rerun; skips it with fewer devices."""
+  """Marks a test ``long`` and for the 8-device rerun; skips it with fewer
+  devices."""
   import pytest  # pylint: disable=g-import-not-at-top
   if num_devices != NUM_DEVICES:
     raise ValueError(f'the multi-device rerun has {NUM_DEVICES} devices, '
@@ -97,4 +109,4 @@ def needs_devices(num_devices: int = NUM_DEVICES):
   skip = pytest.mark.skipif(
       not has_devices(num_devices),
       reason=f'needs {num_devices} devices; runs in the subprocess rerun')
-  return lambda test: getattr(pytest.mark, MARK)(skip(test))
+  return lambda test: pytest.mark.long(getattr(pytest.mark, MARK)(skip(test)))
