@@ -1,4 +1,5 @@
-"""pytest: one compilation cache for the run; tunix's module only with tunix.
+"""pytest: one compilation cache for the run; tunix's module only with tunix;
+the order the workers take the files in.
 
 Tests build many programs that XLA has compiled before in the same run (a
 fresh ``jax.jit`` of the same step per hypothesis example, the same tiny
@@ -10,10 +11,13 @@ the environment), compiles each only once. It is removed when the run ends; a
 """
 
 import atexit
+import collections
 import importlib.util
 import os
 import shutil
 import tempfile
+
+import pytest
 
 _CACHE = 'JAX_COMPILATION_CACHE_DIR'
 if _CACHE not in os.environ:  # the first process of the run (not a worker)
@@ -39,6 +43,28 @@ collect_ignore = ([] if importlib.util.find_spec('tunix')
                   else ['taco_optax/tunix.py'])
 
 
-def pytest_collection_modifyitems(items):
-  """Tests marked ``long`` first (in their order), then the rest in theirs."""
-  items.sort(key=lambda item: item.get_closest_marker('long') is None)
+# Files whose long tests run for minutes in processes of their own (the
+# 8-device rerun, the multi-process launches): they start first, so that the
+# workers' other files fill the time beside them instead of after them.
+SCHEDULED_FIRST = ('tests/test_multidevice.py', 'tests/test_multiprocess.py',
+                   'tests/examples/test_multiprocess_cli.py',
+                   'tests/examples/test_memory_plan.py')
+
+
+@pytest.hookimpl(trylast=True)  # after -m has deselected
+def pytest_collection_modifyitems(config, items):
+  """Orders the files for the workers (``--no-loadscope-reorder`` in
+  ``pyproject.toml`` keeps this order): those of ``SCHEDULED_FIRST`` that
+  have a long test selected, then the others with the most tests first (as
+  pytest-xdist orders them by itself); each file's tests in their order."""
+  del config
+  def path(item):
+    return item.nodeid.split('::')[0]
+  counts = collections.Counter(map(path, items))
+  first = {path(item) for item in items
+           if item.get_closest_marker('long') is not None}
+  rank = {name: i for i, name in enumerate(SCHEDULED_FIRST) if name in first}
+  order = {id(item): i for i, item in enumerate(items)}
+  items.sort(key=lambda item: (rank.get(path(item), len(rank)),
+                               -counts[path(item)], path(item),
+                               order[id(item)]))

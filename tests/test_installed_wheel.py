@@ -5,7 +5,7 @@ package is built with ``python -m build`` (which must print no warning),
 installed into a folder of its own, and its doctests run from a folder where
 no source tree can shadow it. The C++ CPU kernel is then built on first use
 from the sources the wheel ships, into an empty cache, and must give the
-reference's bits.
+reference's bits. This is the one wheel a CI run builds (in its long tier).
 """
 
 import os
@@ -15,6 +15,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import zipfile
 
 import pytest
 
@@ -71,6 +72,13 @@ def wheel(tmp_path_factory):
   (built,) = (tmp / 'dist').glob('taco_optax-*.whl')
   assert list((tmp / 'dist').glob('taco_optax-*.tar.gz'))
   return built
+
+
+def test_wheel_ships_py_typed_and_the_kernel_sources(wheel):
+  with zipfile.ZipFile(wheel) as archive:
+    names = archive.namelist()
+  assert 'taco_optax/py.typed' in names  # PEP 561: annotations for mypy
+  assert 'taco_optax/_src/kernels/csrc/column_step.cc' in names
 
 
 def test_installed_wheel_passes_its_doctests_and_builds_its_kernel(

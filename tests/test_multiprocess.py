@@ -95,9 +95,9 @@ def test_two_processes_equal_one_process_bitwise(runs, case):
                if not np.array_equal(two_arrays[name], one_arrays[name])]
   assert not differing, differing
   summed = [name for name in one_arrays if name not in exact]
-  # 2 runs of each layer layout, each: the unrolled biases, their mu and nu
-  # (2 each) and the loss, the stacked ones (1 each) and the loss.
-  assert len(summed) == (0 if case != 'layerwise' else 2 * (7 + 4))
+  # 1 run of each layer layout: the unrolled biases, their mu and nu (2
+  # each) and the loss, the stacked ones (1 each) and the loss.
+  assert len(summed) == (0 if case != 'layerwise' else 7 + 4)
   for name in summed:
     want = _as_stored(one_arrays[name], one_info[name])
     have = _as_stored(two_arrays[name], two_info[name])

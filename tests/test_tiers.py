@@ -69,3 +69,15 @@ def test_cases_are_marked_long_only_through_first_fast():
                for path in TESTS.rglob('test_*.py')
                if path.name != 'test_tiers.py')
   assert splits > 0
+
+
+def test_files_scheduled_first_exist_and_have_long_tests(pytestconfig):
+  # conftest.py starts these first; a renamed file would silently lose its
+  # place and start last, behind every other file.
+  root_conftest = str(TESTS.parent / 'conftest.py')
+  (conftest,) = [plugin for plugin in pytestconfig.pluginmanager.get_plugins()
+                 if getattr(plugin, '__file__', None) == root_conftest]
+  assert conftest.SCHEDULED_FIRST
+  for name in conftest.SCHEDULED_FIRST:
+    text = (TESTS.parent / name).read_text()
+    assert 'pytest.mark.long' in text or 'needs_devices' in text, name

@@ -7,14 +7,16 @@ import pytest
 from benchmarks import train_step
 
 
+# Unrolled, as the CLI runs the layers. --scan-layers only hands the decoder
+# scan_layers=True: the example's steps on stacked layers are compiled by
+# tests/test_memory_regression.py (all four paths) and trained by
+# tests/examples/test_layerwise.py and tests/test_train_step.py.
 @pytest.mark.long
-@pytest.mark.parametrize('scan_layers', [False, True])
-def test_last_line_has_one_ratio_per_optimizer(capfd, tmp_path, scan_layers):
+def test_last_line_has_one_ratio_per_optimizer(capfd, tmp_path):
   written = tmp_path / 'train_step.md'
-  train_step.main((['--scan-layers'] if scan_layers else []) + [
-                   '--layers', '2', '--dtypes', 'float32', '--batches', '1',
+  train_step.main(['--layers', '2', '--dtypes', 'float32', '--batches', '1',
                    '--seq', '8', '--warmup', '0', '--steps', '1',
-                   '--rounds', '2', '--compiles', '1' if scan_layers else '2',
+                   '--rounds', '2', '--compiles', '2',
                    '--optimizers',
                    'taco_layerwise,taco_plain_loss,taco_optax,adamw',
                    '--write', str(written)])
@@ -29,11 +31,8 @@ def test_last_line_has_one_ratio_per_optimizer(capfd, tmp_path, scan_layers):
   # The written file carries the command, its provenance and the same table.
   text = written.read_text()
   assert text.startswith('# Whole train steps (written by `python -m '
-                         'benchmarks.train_step '
-                         + ('--scan-layers ' if scan_layers else '')
-                         + '--layers 2')
-  layout = 'stacked, one scan' if scan_layers else 'unrolled, as the CLI'
-  assert f'layers=2 ({layout})' in text
+                         'benchmarks.train_step --layers 2')
+  assert 'layers=2 (unrolled, as the CLI)' in text
   assert '\nCommit ' in text and last in text
   assert re.search(r'\ntaco_layerwise +[\d.]+ +[\d.]+ +[\d.]+ +[\d.]+\n',
                    text)
@@ -50,9 +49,6 @@ def test_last_line_has_one_ratio_per_optimizer(capfd, tmp_path, scan_layers):
   # is their median, the mean of two) and each compile is listed.
   compiles = dict(re.findall(r'\n(\w+) +compiles s: ([\d., ]+)(?=\n)',
                              text))
-  if scan_layers:
-    assert not compiles
-    return
   assert set(compiles) == {p[0] for p in programs}
   table = dict(re.findall(
       r'\n(\w+) +[\d.]+ +[\d.]+ +[\d.]+ +([\d.]+)(?=\n)', text))

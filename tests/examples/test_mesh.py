@@ -139,20 +139,22 @@ def opt_model(workspace):
   return directory
 
 
+# One run per path through the CLI on a mesh, each feature in one of them:
+# the default step; the tied table split over the mesh with scanned layers
+# and micro-batches of 4 split over the batch axes (data x fsdp); the optax
+# path; OPT, whose position table is split over both axes and gathered for
+# the lookup (the vocabulary-split lookup refused it). The same steps are
+# compared with one device below the CLI, on fsdp=8 meshes: the layer-wise
+# step, scanned or not (tests/test_sharding.py, tests/test_auto_mesh.py),
+# the example's plain step with AdamW, scan, bfloat16, a tied table and
+# accumulation (tests/examples/test_plain_step_mesh.py), micro-batches kept
+# whole when they do not divide the batch axes
+# (test_micro_batches_keep_rows_over_the_batch_axes, below).
 @needs_mesh
-@pytest.mark.parametrize('extra', [(), ('--scan-layers', 'on'),
-                                   ('--taco-step', 'optax'), ('tied',),
+@pytest.mark.parametrize('extra', [(),
+                                   ('tied', '--scan-layers', 'on',
+                                    '--batch-size', '8', '--grad-accum', '2'),
                                    ('tied', '--taco-step', 'optax'),
-                                   # Micro-batches of 4 split over the
-                                   # batch axes (data x fsdp); of 2, whole.
-                                   ('--batch-size', '8', '--grad-accum', '2'),
-                                   ('tied', '--batch-size', '8',
-                                    '--grad-accum', '2'),
-                                   ('--optimizer', 'adamw', '--batch-size',
-                                    '4', '--grad-accum', '2'),
-                                   # Its position table is split over both
-                                   # axes: gathered for the lookup (the
-                                   # vocabulary-split lookup refused it).
                                    ('opt',)])
 def test_cli_on_a_mesh_matches_one_device(workspace, tied_model, opt_model,
                                           extra):
