@@ -2,12 +2,16 @@
 #
 #   leg NAME      ends the leg before (printing its time) and starts NAME
 #   leg_end       ends the current leg
+#   in_background LOG CMD...  runs CMD in a process group of its own, its
+#                 output to LOG; its pid is then in $ci_last_background
 # On a non-zero exit (set -e) the EXIT trap prints the leg that was running,
-# with its exit code, so a failure is reported by the leg it happened in.
+# with its exit code, so a failure is reported by the leg it happened in, and
+# stops what runs in the background.
 
 ci_start=$(date +%s)
 leg_name=
 leg_start=
+ci_background=()
 
 leg() {
   leg_end
@@ -23,9 +27,20 @@ leg_end() {
   leg_name=
 }
 
+in_background() {
+  local log=$1
+  shift
+  setsid "$@" > "$log" 2>&1 &
+  ci_last_background=$!
+  ci_background+=("$ci_last_background")
+}
+
 leg_failed() {
-  local code=$?
+  local code=$? pid
   if [ "$code" -ne 0 ]; then
+    for pid in "${ci_background[@]}"; do
+      kill -- "-$pid" 2>/dev/null || true
+    done
     echo "!!!!! CI FAILED in leg '${leg_name:-set-up}' with exit code" \
          "$code after $(( $(date +%s) - ci_start )) s !!!!!" >&2
   fi

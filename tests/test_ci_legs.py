@@ -8,6 +8,7 @@ import os
 import pathlib
 import re
 import subprocess
+import time
 
 import pytest
 
@@ -40,6 +41,27 @@ def test_a_passing_run_says_nothing_of_failure():
   assert result.returncode == 0
   assert 'only passed in' in result.stdout
   assert 'FAILED' not in result.stderr
+
+
+def test_background_work_is_waited_for_and_stopped_by_a_failure(tmp_path):
+  log = tmp_path / 'background.log'
+  waited = _bash(f"in_background {log} bash -c 'echo working; exit 5'\n"
+                 'code=0\nwait "$ci_last_background" || code=$?\n'
+                 'echo "code $code"\n')
+  assert waited.stdout.strip() == 'code 5', waited
+  assert log.read_text() == 'working\n'
+  # A leg that fails stops the background's whole process group.
+  failed = _bash(f"in_background {log} bash -c 'sleep 60 & wait'\n"
+                 'echo "$ci_last_background"\nleg lint\n(exit 3)\n')
+  assert failed.returncode == 3
+  group = int(failed.stdout.split()[0])
+  for _ in range(50):
+    alive = subprocess.run(['pgrep', '-g', str(group)], capture_output=True,
+                           check=False).returncode == 0
+    if not alive:
+      break
+    time.sleep(0.1)
+  assert not alive, f'process group {group} outlived the failed run'
 
 
 def _fake_python(folder: pathlib.Path, name: str, is_312_or_newer: bool):
