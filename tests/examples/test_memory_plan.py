@@ -158,8 +158,10 @@ def test_mesh_plain_step_keeps_two_blocks_gathered_at_any_depth():
 
 
 @pytest.mark.long
-@pytest.mark.jax_versions  # jax 0.12's eval_shape (CHANGELOG.md)
-@pytest.mark.parametrize('layers', [2, 4])
+# jax 0.12's eval_shape (CHANGELOG.md) shows at any depth: CI's floor stack
+# checks one.
+@pytest.mark.parametrize('layers', [
+    pytest.param(2, marks=pytest.mark.jax_versions), 4])
 def test_mesh_formula_tracks_the_compiled_steps(layers):
   # Reduced-layer SmolLM2 compiled on 8 CPU devices (fsdp=8, a subprocess):
   # the formula within 10 % of XLA's per-device peak for both steps, at two

@@ -63,9 +63,10 @@ def test_logits_are_float32_with_vocab_width(family):
   assert np.isfinite(np.asarray(logits)).all()
 
 
-@pytest.mark.parametrize('family', tiers.first_fast(FAMILIES))
-def test_causal_future_tokens_do_not_change_past_logits(family):
-  model = _tiny_model(family)
+# Every family's logits equal transformers' causal ones
+# (tests/examples/test_loading.py), and Mistral's window is checked below.
+def test_causal_future_tokens_do_not_change_past_logits():
+  model = _tiny_model('llama')
   tokens = _tokens(model.config, batch=1, length=8)
   changed = tokens.at[0, 5].set((tokens[0, 5] + 1) % model.config.vocab_size)
   before, after = model(tokens), model(changed)
