@@ -29,7 +29,7 @@ if _CACHE not in os.environ:  # the first process of the run (not a worker)
 # it is a warning and a compile, not an error).
 os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS', '0')
 
-import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
+import jax  # noqa: E402  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 # JAX reads the variables when it is first imported; a plugin may have been
 # first.

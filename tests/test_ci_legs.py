@@ -50,18 +50,34 @@ def test_background_work_is_waited_for_and_stopped_by_a_failure(tmp_path):
                  'echo "code $code"\n')
   assert waited.stdout.strip() == 'code 5', waited
   assert log.read_text() == 'working\n'
-  # A leg that fails stops the background's whole process group.
-  failed = _bash(f"in_background {log} bash -c 'sleep 60 & wait'\n"
-                 'echo "$ci_last_background"\nleg lint\n(exit 3)\n')
-  assert failed.returncode == 3
-  group = int(failed.stdout.split()[0])
+  # A leg that fails stops the background's whole process group: the
+  # command and what it started (the sleep, in a group of its own only by
+  # inheritance).
+  sleeper = tmp_path / 'sleeper.pid'
+  failed = _bash(f"in_background {log} bash -c 'sleep 60 & "
+                 f"echo $! > {sleeper}; wait'\n"
+                 'echo "$ci_last_background"\n'
+                 f'until [ -s {sleeper} ]; do sleep 0.05; done\n'
+                 'leg lint\n(exit 3)\n')
+  assert failed.returncode == 3, failed
+  pids = [int(failed.stdout.split()[0]), int(sleeper.read_text())]
   for _ in range(50):
-    alive = subprocess.run(['pgrep', '-g', str(group)], capture_output=True,
-                           check=False).returncode == 0
-    if not alive:
+    running = [pid for pid in pids if _is_running(pid)]
+    if not running:
       break
     time.sleep(0.1)
-  assert not alive, f'process group {group} outlived the failed run'
+  assert not running, f'{running} outlived the failed run'
+
+
+def _is_running(pid: int) -> bool:
+  """Whether ``pid`` runs: a zombie does not (an init that does not reap,
+  as in some CI containers, keeps the killed as zombies)."""
+  try:
+    stat = pathlib.Path(f'/proc/{pid}/stat').read_text()
+  except FileNotFoundError:
+    return False
+  # The state follows the command's name, which is in parentheses.
+  return stat.rsplit(')', 1)[1].split()[0] not in ('Z', 'X')
 
 
 def _fake_python(folder: pathlib.Path, name: str, is_312_or_newer: bool):
