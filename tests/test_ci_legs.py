@@ -80,6 +80,24 @@ def _is_running(pid: int) -> bool:
   return stat.rsplit(')', 1)[1].split()[0] not in ('Z', 'X')
 
 
+def test_a_zombie_is_not_running_and_a_sleeper_is():
+  sleeper = subprocess.Popen(['sleep', '60'])
+  exited = subprocess.Popen(['true'])
+  try:
+    assert _is_running(sleeper.pid)
+    for _ in range(50):  # until it has exited, unreaped: a zombie
+      if 'Z' in pathlib.Path(f'/proc/{exited.pid}/stat').read_text().rsplit(
+          ')', 1)[1].split()[0]:
+        break
+      time.sleep(0.1)
+    assert not _is_running(exited.pid)
+  finally:
+    sleeper.kill()
+    sleeper.wait()
+    exited.wait()
+  assert not _is_running(exited.pid)  # reaped: gone
+
+
 def _fake_python(folder: pathlib.Path, name: str, is_312_or_newer: bool):
   """A ``name`` in ``folder`` answering the version check as told."""
   folder.mkdir(exist_ok=True)
