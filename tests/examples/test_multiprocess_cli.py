@@ -118,6 +118,20 @@ def test_two_processes_match_one_process(runs):
                                          'results.json']
 
 
+def test_the_mesh_run_matches_one_device(workspace, runs):
+  """The default run on the mesh, one process: the same run on one device
+  (in this process) up to the sharded sums' order."""
+  one_device = str(workspace['root'] / 'one-device')
+  assert cli.main(_args(workspace, one_device)) == 0
+  (mesh_dir, _) = runs['one']
+  expected, got = _results(one_device), _results(mesh_dir)
+  assert len(got['losses']) == 4
+  np.testing.assert_allclose(got['losses'], expected['losses'], rtol=1e-5)
+  assert got['optimizer_state_bytes'] == expected['optimizer_state_bytes']
+  tiny_llama.assert_state_equal_up_to_sum_order(_final_state(mesh_dir),
+                                                _final_state(one_device))
+
+
 def _assert_same_state(have, want, summed_exactly=False):
   """Every array byte for byte, but the AdamW moments (of the norm scales,
   whose gradients are float sums over the batch's devices) unless

@@ -11,6 +11,7 @@ gives the workspace to every test as the ``workspace`` fixture.
 import json
 import os
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -134,3 +135,21 @@ def memory_error(workspace, output_dir, **overrides) -> str:
   message = str(error.value)
   assert '\n' not in message
   return message
+
+
+def assert_state_equal_up_to_sum_order(got_state, expected_state):
+  """The trained parameters and the whole optimizer state, leaf by leaf: the
+  same TACO winners and history rows (exact), values and moments equal up
+  to the summation order of the sharded gradients."""
+  assert got_state.keys() == expected_state.keys()
+  for name, want in expected_state.items():
+    have = got_state[name]
+    assert (have.dtype, have.shape) == (want.dtype, want.shape), name
+    if not np.issubdtype(want.dtype, np.floating):  # indices, exponents
+      np.testing.assert_array_equal(have, want, err_msg=name)
+    elif want.dtype == ml_dtypes.float8_e4m3fn:  # history values
+      np.testing.assert_array_equal(have.view(np.uint8), want.view(np.uint8),
+                                    err_msg=name)
+    else:
+      np.testing.assert_allclose(have, want, rtol=1e-4, atol=1e-7,
+                                 err_msg=name)
