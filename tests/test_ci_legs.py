@@ -69,15 +69,20 @@ def test_background_work_is_waited_for_and_stopped_by_a_failure(tmp_path):
   assert not running, f'{running} outlived the failed run'
 
 
-def _is_running(pid: int) -> bool:
-  """Whether ``pid`` runs: a zombie does not (an init that does not reap,
-  as in some CI containers, keeps the killed as zombies)."""
+def _state(pid: int) -> str | None:
+  """``pid``'s state letter from /proc (``Z``: a zombie); None: gone."""
   try:
     stat = pathlib.Path(f'/proc/{pid}/stat').read_text()
   except FileNotFoundError:
-    return False
+    return None
   # The state follows the command's name, which is in parentheses.
-  return stat.rsplit(')', 1)[1].split()[0] not in ('Z', 'X')
+  return stat.rsplit(')', 1)[1].split()[0]
+
+
+def _is_running(pid: int) -> bool:
+  """Whether ``pid`` runs: a zombie does not (an init that does not reap,
+  as in some CI containers, keeps the killed as zombies)."""
+  return _state(pid) not in (None, 'Z', 'X')
 
 
 def test_a_zombie_is_not_running_and_a_sleeper_is():
@@ -86,8 +91,7 @@ def test_a_zombie_is_not_running_and_a_sleeper_is():
   try:
     assert _is_running(sleeper.pid)
     for _ in range(50):  # until it has exited, unreaped: a zombie
-      if 'Z' in pathlib.Path(f'/proc/{exited.pid}/stat').read_text().rsplit(
-          ')', 1)[1].split()[0]:
+      if _state(exited.pid) == 'Z':
         break
       time.sleep(0.1)
     assert not _is_running(exited.pid)
